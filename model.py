@@ -1,0 +1,207 @@
+"""
+A compact LLaMA (pre-norm RMSNorm, rotary embeddings, SwiGLU MLP, causal attention, no biases, untied head)
+in which every attention and MLP projection can be an SLTrain layer: W = s·BA + S (see sllinear.py).
+
+    from model import LLaMA, config_for
+    model = LLaMA(config_for("60m", method="sltrain"))     # the paper's 60M model, 43.53M parameters
+
+Sizes are the paper's (GaLore's LLaMA configs); `tiny` is for tests and quick runs.
+Count a model for free:  LLaMA(config_for("7b", method="sltrain"), device="meta").num_params()
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from sllinear import SLLinear
+
+METHODS = ("full", "lowrank", "sltrain")
+
+
+@dataclass
+class LLaMAConfig:
+    vocab_size: int = 32000
+    dim: int = 512
+    ffn_dim: int = 1376
+    n_heads: int = 8
+    n_layers: int = 8
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    method: str = "full"    # full | lowrank (W = s·BA) | sltrain (W = s·BA + S)
+    rank: int = 128         # r of B (out, r) and A (r, in)
+    alpha: float = 32.0     # low-rank scale s = alpha / r
+    delta: float = 0.03     # sltrain: fraction of each weight's entries on the sparse support
+
+
+# name -> (dim, ffn_dim, n_heads, n_layers, rank, alpha, delta): the paper's Table 1 and §4.1 defaults
+SIZES = {
+    "tiny": (64, 176, 4, 2, 16, 32.0, 0.03),
+    "60m": (512, 1376, 8, 8, 128, 32.0, 0.03),
+    "130m": (768, 2048, 12, 12, 256, 16.0, 0.03),
+    "350m": (1024, 2736, 16, 24, 256, 16.0, 0.03),
+    "1b": (2048, 5461, 32, 24, 512, 8.0, 0.03),
+    "7b": (4096, 11008, 32, 32, 1024, 8.0, 0.05),
+}
+
+
+def config_for(size, **overrides):
+    """The config of a named size; keyword overrides (method, rank, alpha, delta, ...) win. None means default."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    dim, ffn_dim, n_heads, n_layers, rank, alpha, delta = SIZES[size]
+    config = LLaMAConfig(dim=dim, ffn_dim=ffn_dim, n_heads=n_heads, n_layers=n_layers,
+                         rank=rank, alpha=alpha, delta=delta)
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(f"unknown config field {key!r}; fields are {', '.join(vars(config))}")
+        if value is not None:
+            setattr(config, key, value)
+    if config.method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {config.method!r}")
+    return config
+
+
+def make_linear(in_features, out_features, config, device):
+    """A projection of the transformer: dense, or re-parameterized as low-rank (+ sparse)."""
+    if config.method == "full":
+        return nn.Linear(in_features, out_features, bias=False, device=device)
+    delta = config.delta if config.method == "sltrain" else 0.0
+    return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device)  # <-- SLTrain
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x):
+        # normalize in float32 for stability under bf16, as LLaMA does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_cache(T, head_dim, theta, device):
+    """cos and sin of the rotary angles, each (T, head_dim), in the half-split layout of HF LLaMA."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.dim // config.n_heads
+        self.q_proj = make_linear(config.dim, config.dim, config, device)
+        self.k_proj = make_linear(config.dim, config.dim, config, device)
+        self.v_proj = make_linear(config.dim, config.dim, config, device)
+        self.o_proj = make_linear(config.dim, config.dim, config, device)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        self.gate_proj = make_linear(config.dim, config.ffn_dim, config, device)
+        self.up_proj = make_linear(config.dim, config.ffn_dim, config, device)
+        self.down_proj = make_linear(config.ffn_dim, config.dim, config, device)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, device)
+        self.attn = Attention(config, device)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps, device)
+        self.mlp = MLP(config, device)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LLaMA(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        if config.dim % config.n_heads or (config.dim // config.n_heads) % 2:
+            raise ValueError(f"dim {config.dim} must split into {config.n_heads} heads of even size")
+        self.config = config
+        self.activation_checkpointing = False  # recompute each block in backward to save activations
+        self.embed = nn.Embedding(config.vocab_size, config.dim, device=device)
+        self.layers = nn.ModuleList([Block(config, device) for _ in range(config.n_layers)])
+        self.norm = RMSNorm(config.dim, config.norm_eps, device)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, device=device)
+        if not (device is not None and torch.device(device).type == "meta"):
+            self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        # dense weights as HF LLaMA (normal, std 0.02); SLLinear keeps its own §3.3 initialization
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets != -1, or None)."""
+        B, T = idx.shape
+        cos, sin = rope_cache(T, self.config.dim // self.config.n_heads, self.config.rope_theta, idx.device)
+        x = self.embed(idx)  # (B, T, C)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self):
+        """Parameter counts by kind: dense (embeddings, norms, head, full-rank projections), lowrank (B, A),
+        sparse (values), and total. Works on the meta device."""
+        counts = {"dense": 0, "lowrank": 0, "sparse": 0}
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            kind = "lowrank" if leaf in ("A", "B") else "sparse" if leaf == "values" else "dense"
+            counts[kind] += p.numel()
+        counts["total"] = sum(counts.values())
+        return counts
+
+
+def describe(model):
+    """One line of parameter counts in millions, e.g. for the start of a training run."""
+    n = model.num_params()
+    c = model.config
+    return (f"{c.method} LLaMA: {n['total'] / 1e6:.2f}M parameters = {n['dense'] / 1e6:.2f}M dense + "
+            f"{n['lowrank'] / 1e6:.2f}M low-rank + {n['sparse'] / 1e6:.2f}M sparse")
+
+
+if __name__ == "__main__":
+    # the parameter table of the paper (Table 1), counted on the meta device
+    print(f"{'size':>5} " + " ".join(f"{m:>9}" for m in METHODS) + "   (millions)")
+    for size in SIZES:
+        row = [LLaMA(config_for(size, method=m), device="meta").num_params()["total"] / 1e6 for m in METHODS]
+        print(f"{size:>5} " + " ".join(f"{v:9.2f}" for v in row))

@@ -1,0 +1,164 @@
+"""
+The SLTrain linear layer: a weight that is low-rank plus sparse with a fixed random support.
+
+    W = s·B A ⊕_I V          B: (out, r), A: (r, in), s = alpha / r
+                             I: nnz fixed flat positions in the (out, in) matrix, V: their nnz values
+
+"⊕_I V" scatter-adds the values V into the dense matrix at the positions I (Han et al. 2024, §3.2).
+Only B, A and V are learned. Forward and backward (paper eq. (1)), with x: (N, in), z = x Wᵀ: (N, out)
+and g = ∂L/∂z:
+
+    z      = x (s·BA ⊕_I V)ᵀ
+    ∂L/∂x  = g W                 W is formed again in backward, never kept from forward
+    G      = gᵀ x                the dense weight gradient, a temporary of backward
+    ∂L/∂B  = s · G Aᵀ
+    ∂L/∂A  = s · Bᵀ G
+    ∂L/∂V  = G_I                 G gathered at the support
+
+Between forward and backward only x, B, A, V and I are kept: no tensor of the size of W, which
+is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks).
+
+Run the gradient checks:  python -m pytest -q test_sllinear.py
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def merge(B, A, values, indices, scale):
+    """The dense weight s·BA ⊕_I V of shape (out, in). A zero-rank B (out, 0), A (0, in) gives the sparse part
+    alone; empty values/indices give the low-rank part alone."""
+    W = torch.mm(B * scale, A)  # (out, r) @ (r, in) -> (out, in); scaling B is cheaper than scaling W
+    W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place on the fresh temporary
+    return W
+
+
+class SLLinearFunction(torch.autograd.Function):
+    """y = x Wᵀ with W = s·BA ⊕_I V formed on the fly and formed again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, B, A, values, indices, scale):
+        W = merge(B, A, values, indices, scale)
+        y = x @ W.t()  # (..., in) @ (in, out) -> (..., out)
+        # saved: the inputs only; W dies here and is rebuilt in backward for one more (out, r, in) GEMM
+        ctx.save_for_backward(x, B, A, values, indices)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, B, A, values, indices = ctx.saved_tensors
+        s = ctx.scale
+        out_features, in_features = B.shape[0], A.shape[1]
+        need_x, need_B, need_A, need_V = ctx.needs_input_grad[:4]
+        grad_x = grad_B = grad_A = grad_V = None
+        g = grad_y.reshape(-1, out_features)  # (N, out)
+
+        # ∂L/∂x = g W, with W rebuilt from the factors
+        if need_x:
+            W = merge(B, A, values, indices, s)
+            grad_x = (g @ W).view(*grad_y.shape[:-1], in_features)  # (N, out) @ (out, in) -> (N, in)
+            del W
+
+        # G = gᵀ x, the dense weight gradient: a temporary of backward, shared by B, A and V
+        if need_B or need_A or need_V:
+            G = g.t() @ x.reshape(-1, in_features)  # (N, out)ᵀ @ (N, in) -> (out, in)
+
+        # ∂L/∂B = s · G Aᵀ
+        if need_B:
+            grad_B = (G @ A.t()).mul_(s)  # (out, in) @ (in, r) -> (out, r)
+
+        # ∂L/∂A = s · Bᵀ G
+        if need_A:
+            grad_A = (B.t() @ G).mul_(s)  # (r, out) @ (out, in) -> (r, in)
+
+        # ∂L/∂V = G gathered at the support I
+        if need_V:
+            grad_V = G.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
+
+        return grad_x, grad_B, grad_A, grad_V, None, None
+
+
+def sl_linear(x, B, A, values, indices, scale):
+    """Functional form: x (s·BA ⊕_I V)ᵀ. For a sparse-only layer pass B (out, 0) and A (0, in)."""
+    return SLLinearFunction.apply(x, B, A, values, indices, scale)
+
+
+class SLLinear(nn.Module):
+    """A bias-free linear layer with weight s·BA ⊕_I V: rank-r factors plus nnz = int(delta·in·out) learned
+    values on a support drawn once, uniformly at random, and kept fixed (a buffer, saved in checkpoints).
+
+    rank=0 gives a sparse-only layer (no A, B); delta=0 a low-rank-only layer, which never forms W:
+    (x Aᵀ) Bᵀ costs N·r·(in+out) instead of N·in·out. The support is stored as int32 when in·out < 2³¹,
+    4 bytes per entry where the paper counts int64's 8; larger layers fall back to int64.
+    """
+
+    def __init__(self, in_features, out_features, rank, delta, alpha, device=None, dtype=None):
+        super().__init__()
+        if not 0 <= delta < 1:
+            raise ValueError(f"delta must be in [0, 1), got {delta}")
+        if not 0 <= rank < min(in_features, out_features):
+            raise ValueError(f"rank must be in [0, min(in, out)) = [0, {min(in_features, out_features)}), got {rank}")
+        nnz = int(delta * in_features * out_features)  # truncated, as the authors' code
+        if delta > 0 and nnz == 0:
+            raise ValueError(f"delta={delta} gives no sparse entries in a {out_features}x{in_features} layer; "
+                             "raise delta or pass delta=0 for a low-rank-only layer")
+        if rank == 0 and nnz == 0:
+            raise ValueError("rank and delta are both 0: the layer would have no parameters; set rank > 0 or delta > 0")
+        self.in_features, self.out_features, self.rank, self.delta = in_features, out_features, rank, delta
+        self.scale = alpha / rank if rank > 0 else 0.0
+        kw = dict(device=device, dtype=dtype)
+        if rank > 0:
+            self.A = nn.Parameter(torch.empty(rank, in_features, **kw))
+            self.B = nn.Parameter(torch.empty(out_features, rank, **kw))
+        else:
+            self.register_parameter("A", None)
+            self.register_parameter("B", None)
+        if nnz > 0:
+            index_dtype = torch.int32 if in_features * out_features < 2**31 else torch.int64
+            self.values = nn.Parameter(torch.empty(nnz, **kw))
+            self.register_buffer("indices", torch.empty(nnz, device=device, dtype=index_dtype))
+        else:
+            self.register_parameter("values", None)
+            self.register_buffer("indices", None)
+        if not (device is not None and torch.device(device).type == "meta"):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """§3.3: A Kaiming-uniform and B zero (as LoRA), values U[-1/√in, 1/√in], a uniform random support."""
+        if self.rank > 0:
+            nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+            nn.init.zeros_(self.B)
+        if self.values is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.values, -bound, bound)
+            # drawn on the CPU generator so that a seed gives the same support on any device
+            support = torch.randperm(self.in_features * self.out_features)[: self.values.numel()]
+            self.indices.copy_(support.sort().values)
+
+    def _factors(self, like):
+        """B and A, or zero-size stand-ins of the right shape for a sparse-only layer."""
+        if self.rank > 0:
+            return self.B, self.A
+        return like.new_empty(self.out_features, 0), like.new_empty(0, self.in_features)
+
+    def forward(self, x):
+        if self.values is None:  # low-rank only: never form W
+            return ((x @ self.A.t()) * self.scale) @ self.B.t()  # (N, in) -> (N, r) -> (N, out)
+        B, A = self._factors(self.values)
+        return sl_linear(x, B, A, self.values, self.indices, self.scale)  # <-- SLTrain: W = s·BA + S
+
+    @torch.no_grad()
+    def merged_weight(self):
+        """The dense (out, in) weight, for inspection, export and spectrum analysis."""
+        if self.values is None:
+            return (self.B * self.scale) @ self.A
+        B, A = self._factors(self.values)
+        return merge(B, A, self.values, self.indices, self.scale)
+
+    def extra_repr(self):
+        nnz = 0 if self.values is None else self.values.numel()
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, nnz={nnz}, scale={self.scale:g}"
