@@ -1,0 +1,529 @@
+"""
+C4 for LLaMA pretraining: shards on disk, a sentencepiece tokenizer, and a loader that is deterministic,
+resumable mid-stream and split across DDP ranks. train.py uses TrainLoader and validation_batches.
+
+    python data.py download --out data/c4 --tokenizer data/t5_spiece.model --train_shards 1
+    python data.py train-tokenizer --data_dir data/c4 --out data/spm --vocab_size 32000   # offline alternative
+    python data.py stats --data_dir data/c4 --tokenizer data/t5_spiece.model   # checks every line, tokens/doc
+    python data.py bench --data_dir data/c4 --tokenizer data/t5_spiece.model   # last line: tokens/s N
+    python -m pytest -q test_data.py
+
+Shards are C4's own files, one JSON object per line (only "text" is read): c4-train.NNNNN-of-01024.json.gz,
+c4-validation.NNNNN-of-00008.json.gz, or plain .json/.jsonl. A file whose name contains "validation" is
+validation data; every other shard in --data_dir is training data.
+
+Batches follow nanoGPT: x and y are (B, T) torch.long and y is x shifted by one. Two sequence modes:
+  paper (default): one document per row, doc[:max_length-1] + EOS, padded to max_length (as the paper's HF T5
+      tokenizer with truncation); x = seq[:-1], y = seq[1:] with -1 wherever the target is padding, T = max_length-1.
+  packed: documents joined with EOS, cut into non-overlapping windows of max_length+1; T = max_length, no -1.
+"""
+import argparse
+import gzip
+import hashlib
+import http.client
+import itertools
+import json
+import os
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+DEFAULT_DATA_DIR = "data/c4"
+DEFAULT_TOKENIZER = "data/t5_spiece.model"
+HF_ENDPOINT = "https://huggingface.co"  # override with base_url= or the HF_ENDPOINT environment variable
+KNOWN_SHA256 = {  # from ../shared/data/SOURCES.md
+    "c4-validation.00000-of-00008.json.gz": "1f25b6af12da84115301d4ee93ea5246c8fea5bb4a2008472794d95b917cc97f",
+    "c4-train.00000-of-01024.json.gz": "8ef8d75b0e045dec4aa5123a671b4564466b0707086a7ed1ba8721626dfffbc9",
+    "spiece.model": "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86",
+}
+SHARD_GLOBS = ("*.json.gz", "*.jsonl.gz", "*.json", "*.jsonl")
+
+
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------- files and tokenizer
+
+def load_tokenizer(path):
+    """A sentencepiece model with an EOS piece (documents end with EOS); the default is T5's: pad 0, eos 1."""
+    path = Path(path)
+    fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
+           f"(python data.py train-tokenizer --data_dir {DEFAULT_DATA_DIR} --out data/spm), then pass --tokenizer")
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {path} not found; {fix}")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.Load(str(path))
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{path} is not a readable sentencepiece model ({e}); {fix}") from None
+    if sp.eos_id() < 0:
+        raise ValueError(f"{path} has no EOS piece, which separates documents; {fix}")
+    return sp
+
+
+def find_shards(data_dir, split):
+    """The sorted shards of one split: names containing "validation" are validation, all others are train."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data folder {folder} does not exist; pass --data_dir or run with --download")
+    files = sorted({p for g in SHARD_GLOBS for p in folder.glob(g) if p.is_file()}, key=lambda p: p.name)
+    shards = [p for p in files if ("validation" in p.name) == (split == "validation")]
+    if not shards:
+        rule = "contains" if split == "validation" else "does not contain"
+        raise FileNotFoundError(f"no {split} shards in {folder} ({' '.join(SHARD_GLOBS)} whose name {rule} 'validation'"
+                                f"; found {[p.name for p in files]}); pass --data_dir or run with --download")
+    return shards
+
+
+def _lines(path):
+    """(line number, raw bytes) of each non-blank line; a truncated gzip fails here, naming the file and line."""
+    lineno = 0
+    try:
+        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.isspace():  # a blank line is not a document, so dropping it loses nothing
+                    yield lineno, raw
+    except (EOFError, OSError, zlib.error) as e:
+        raise ValueError(f"{path}: cannot read past line {lineno} ({e}); the file is truncated or corrupt: download "
+                         f"it again (python data.py download --shards {path.name} --out {path.parent}) or remove it")
+
+
+def _text(path, lineno, raw):
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}:{lineno}: not a JSON object ({e}); shards hold one JSON object per line: "
+                         f"fix or delete that line (python data.py stats checks a whole folder)") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+        what = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f'{path}:{lineno}: no "text" string (got {what}); every line needs {{"text": "..."}}: '
+                         f"fix or delete that line (python data.py stats checks a whole folder)")
+    return doc["text"]
+
+
+def _texts(shards):
+    """Every document in file order, for validation, stats and tokenizer training."""
+    for path in shards:
+        for lineno, raw in _lines(path):
+            yield _text(path, lineno, raw)
+
+
+# ----------------------------------------------------------------------------- documents -> token arrays
+
+class _Encoder:
+    def __init__(self, tokenizer_path, max_length, threads):
+        self.sp, self.max_length, self.threads = load_tokenizer(tokenizer_path), max_length, threads
+        self.eos = self.sp.eos_id()
+        # Paper mode keeps only max_length-1 tokens, so it may encode a prefix cut at a space instead of the whole
+        # document (C4 docs average ~500 T5 tokens): when no piece holds a word boundary ("▁") past its first
+        # character, words are segmented independently and the prefix's tokens are the document's first tokens.
+        self.prefix_ok = not any("\u2581" in self.sp.id_to_piece(i)[1:] for i in range(self.sp.vocab_size()))
+
+    def paper(self, texts):
+        """(n, max_length) int32 rows: doc[:max_length-1] + EOS, then -1 where the row is padding."""
+        keep, limit = self.max_length - 1, 6 * self.max_length  # T5 averages ~4.5 characters per token
+        cut = [_prefix(t, limit) if self.prefix_ok else t for t in texts]
+        ids = self.sp.encode(cut, num_threads=self.threads)
+        redo = [i for i, (c, t, x) in enumerate(zip(cut, texts, ids)) if len(c) < len(t) and len(x) < keep + 8]
+        for i, x in zip(redo, self.sp.encode([texts[i] for i in redo], num_threads=self.threads)):
+            ids[i] = x  # the prefix came out short (long pieces, few spaces): encode the whole document
+        rows = np.full((len(ids), self.max_length), -1, dtype=np.int32)
+        for row, x in zip(rows, ids):
+            n = min(len(x), keep)
+            row[:n], row[n] = x[:n], self.eos
+        return rows
+
+    def packed(self, texts):
+        """1-D int32 stream: each document's tokens followed by EOS."""
+        ids = self.sp.encode(texts, num_threads=self.threads)
+        out, o = np.empty(sum(map(len, ids)) + len(ids), dtype=np.int32), 0
+        for x in ids:
+            out[o:o + len(x)], out[o + len(x)] = x, self.eos
+            o += len(x) + 1
+        return out
+
+
+def _prefix(text, limit):
+    if len(text) <= limit:
+        return text
+    i = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit))
+    return text[:i] if i > 0 else text
+
+
+def _batch(units, batch_size, pad_id, pack):
+    """Stacked units (rows, or a token run in packed mode) -> (x, y) torch.long, targets shifted by one."""
+    seq = torch.as_tensor(units).long().view(batch_size, -1)
+    x, y = seq[:, :-1].clone(), seq[:, 1:].clone()
+    if not pack:
+        x[x < 0] = pad_id  # padding sits after the document, so causal attention never lets it change the loss
+    return x, y
+
+
+# ----------------------------------------------------------------------------- order: shuffle, ranks, blocks
+
+def _shuffle(items, rng):
+    # Fisher-Yates with rng.random(): Python guarantees random() per seed across versions, randrange not.
+    for i in range(len(items) - 1, 0, -1):
+        j = int(rng.random() * (i + 1))
+        items[i], items[j] = items[j], items[i]
+    return items
+
+
+def _shard_docs(path, seed, epoch, pos, rank, world_size, buffer):
+    """This rank's (line number, raw line) pairs of one shard: shuffled by a sliding buffer seeded by
+    (seed, epoch, shard position), then document j of the shuffled shard goes to rank j % world_size."""
+    rng, buf, j = random.Random(f"{seed}/{epoch}/{pos}"), [], 0
+    for item in _lines(path):
+        if len(buf) < buffer:
+            buf.append(item)
+            continue
+        i = int(rng.random() * buffer)
+        item, buf[i] = buf[i], item
+        if j % world_size == rank:
+            yield item
+        j += 1
+    for item in _shuffle(buf, rng):
+        if j % world_size == rank:
+            yield item
+        j += 1
+
+
+class _Blocks(IterableDataset):
+    """The rank's endless stream of encoded blocks from `start` = (epoch, shard position, block) on. A block is
+    `block_docs` consecutive documents of this rank's share of one shard, so a resume rereads one shard at most.
+    Worker k of K encodes the blocks numbered k, k+K, ... from the start. Every worker reads every line (cheap
+    next to tokenizing) so all agree on the numbering, and the DataLoader's round robin returns blocks in order:
+    the stream is the same for any number of workers."""
+
+    def __init__(self, loader, start):
+        self.ld, self.start = loader, start
+
+    def __iter__(self):
+        ld, info = self.ld, get_worker_info()
+        k, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        enc = _Encoder(ld.tokenizer_path, ld.max_length, max(1, _cpus() // workers))
+        epoch, first_shard, first_block = self.start
+        g = 0  # blocks since the start, dealt out to workers in turn
+        while True:
+            order = _shuffle(list(ld.shards), random.Random(f"{ld.seed}/{epoch}"))
+            blocks = 0
+            for pos in range(first_shard, len(order)):
+                docs = _shard_docs(order[pos], ld.seed, epoch, pos, ld.rank, ld.world_size, ld.shuffle_buffer)
+                for b, chunk in enumerate(_chunks(docs, ld.block_docs)):
+                    blocks += 1
+                    if (pos, b) < (first_shard, first_block):
+                        continue  # before the resume point: read to find the blocks, never tokenized
+                    if g % workers == k:
+                        texts = [_text(order[pos], lineno, raw) for lineno, raw in chunk]
+                        yield epoch, pos, b, torch.from_numpy(enc.packed(texts) if ld.pack else enc.paper(texts))
+                    g += 1
+            if blocks == 0 and first_shard == first_block == 0:
+                raise ValueError(f"rank {ld.rank} of {ld.world_size} got no documents from {len(ld.shards)} shards; "
+                                 f"use fewer ranks or more data (--data_dir)")
+            epoch, first_shard, first_block = epoch + 1, 0, 0
+
+
+def _chunks(items, n):
+    items = iter(items)
+    while chunk := list(itertools.islice(items, n)):
+        yield chunk
+
+
+# ----------------------------------------------------------------------------- training stream
+
+class TrainLoader:
+    """Endless (x, y) batches of the training shards for one DDP rank; each pass (epoch) is reshuffled.
+
+    Each rank owns a disjoint share of every shard; together the ranks see every document once per pass.
+    state_dict() is this rank's position (plain ints/strs): under DDP gather every rank's state
+    (dist.all_gather_object) and save the list; load_state_dict accepts that list and picks its own rank.
+    num_workers > 0 tokenizes in DataLoader worker processes and gives the same batches as num_workers=0."""
+
+    def __init__(self, data_dir, tokenizer_path, batch_size, max_length=256, seed=42, rank=0, world_size=1,
+                 pack=False, num_workers=0, shuffle_buffer=10_000, block_docs=512):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if min(batch_size, max_length - 1, shuffle_buffer, block_docs) < 1:
+            raise ValueError(f"need batch_size, shuffle_buffer, block_docs >= 1 and max_length >= 2, got {batch_size}, "
+                             f"{shuffle_buffer}, {block_docs} and {max_length}")
+        self.shards, self.tokenizer_path = find_shards(data_dir, "train"), str(tokenizer_path)
+        self.pad_id = max(load_tokenizer(tokenizer_path).pad_id(), 0)  # fail now on a bad tokenizer, not in a worker
+        for path in self.shards:  # fail now on a shard that is not JSON lines; truncation shows only when read
+            first = next(_lines(path), None)
+            if first is None:
+                raise ValueError(f"{path} holds no documents; remove it or download it again")
+            _text(path, *first)
+        self.batch_size, self.max_length, self.seed, self.rank, self.world_size = \
+            batch_size, max_length, seed, rank, world_size
+        self.pack, self.num_workers = pack, num_workers
+        self.shuffle_buffer, self.block_docs = shuffle_buffer, block_docs
+        self._pos = (0, 0, 0, 0)  # next unit: (epoch, shard position, block, units of that block already used)
+
+    @property
+    def epoch(self):
+        return self._pos[0]
+
+    def _config(self):
+        return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size, "pack": self.pack,
+                "max_length": self.max_length, "shuffle_buffer": self.shuffle_buffer, "block_docs": self.block_docs,
+                "shards": [p.name for p in self.shards]}
+
+    def state_dict(self):
+        epoch, shard, block, offset = self._pos
+        return {"epoch": epoch, "shard": shard, "block": block, "offset": offset, **self._config()}
+
+    def load_state_dict(self, state):
+        if isinstance(state, (list, tuple)):  # every rank's state, as gathered for the checkpoint
+            if len(state) != self.world_size:
+                raise ValueError(f"checkpoint holds loader states for {len(state)} ranks but world_size is "
+                                 f"{self.world_size}; resume with the same number of processes")
+            state = state[self.rank]
+        for key, mine in self._config().items():
+            if state.get(key) != mine:
+                raise ValueError(f"the checkpoint's loader had {key}={state.get(key)!r} but this one has {mine!r}; "
+                                 f"resume with the same data, seed, sequence settings and number of processes")
+        self._pos = tuple(int(state[k]) for k in ("epoch", "shard", "block", "offset"))
+
+    def __iter__(self):
+        epoch, shard, block, offset = self._pos
+        blocks = _Blocks(self, (epoch, shard, block))
+        if self.num_workers > 0:
+            blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
+        stream = iter(blocks)
+        need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
+        parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
+        while True:
+            while have < need:
+                e, p, b, units = next(stream)
+                skip = offset if (e, p, b) == (epoch, shard, block) else 0  # into the block we resume in
+                parts.append([e, p, b, skip, units[skip:]])
+                have += len(units) - skip
+            got, take = [], need
+            while take:
+                part = parts[0]
+                n = min(take, len(part[4]))
+                got.append(part[4][:n])
+                part[3], part[4], take = part[3] + n, part[4][n:], take - n
+                if len(part[4]) == 0 and len(parts) > 1:
+                    parts.pop(0)  # the last block stays, used up, to mark the position when nothing is left over
+            have -= need
+            self._pos = tuple(parts[0][:4])  # set before yielding, so state_dict() after a batch resumes after it
+            yield _batch(torch.cat(got), self.batch_size, self.pad_id, self.pack)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eval_tokens=10_000_000, pack=False,
+                       rank=0, world_size=1):
+    """The first eval_tokens non-pad tokens of the validation shards (file order, no shuffle; all of them if
+    there are fewer), as (x, y) batches with the training layout; the last batch may be smaller. The set does
+    not depend on batch_size or world_size. Under DDP rank r gets batches r, r+w, ...: sum the loss over
+    targets (y >= 0) and count targets on each rank, all_reduce both, and divide, for a token-weighted mean."""
+    enc = _Encoder(tokenizer_path, max_length, _cpus())
+    texts, chunks, total = _texts(find_shards(data_dir, "validation")), [], 0
+    goal = -(-eval_tokens // (max_length + 1)) * (max_length + 1) if pack else eval_tokens  # whole windows
+    while total < goal and (part := list(itertools.islice(texts, 1024))):
+        units = torch.from_numpy(enc.packed(part) if pack else enc.paper(part))
+        counts = torch.ones(len(units), dtype=torch.long) if pack else (units >= 0).sum(1)
+        n = int(torch.searchsorted(counts.cumsum(0), goal - total)) + 1  # units needed to reach the goal
+        chunks.append(units[:n])
+        total += int(counts[:n].sum())
+    if total == 0:
+        raise ValueError(f"the validation shards in {data_dir} hold no documents; download them again")
+    units = torch.cat(chunks)
+    if pack:
+        units = units[:len(units) // (max_length + 1) * (max_length + 1)].view(-1, max_length + 1)
+    pad_id = max(enc.sp.pad_id(), 0)
+    batches = [_batch(u, len(u), pad_id, pack) for u in units.split(batch_size)]
+    return batches[rank::world_size]
+
+
+# ----------------------------------------------------------------------------- download
+
+def shard_names(train=1, validation=1):
+    """The first `train` and `validation` allenai/c4 en shard names (1024 train shards, 8 validation)."""
+    if not (0 <= train <= 1024 and 0 <= validation <= 8):
+        raise ValueError(f"C4 en has 1024 train and 8 validation shards, asked for {train} and {validation}")
+    return ([f"c4-train.{i:05d}-of-01024.json.gz" for i in range(train)]
+            + [f"c4-validation.{i:05d}-of-00008.json.gz" for i in range(validation)])
+
+
+def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
+    """Download url to dest through dest.part: resumed with an HTTP Range request after a dropped connection
+    (also by a later call), checked (size, sha256 if given, gzip stream, sentencepiece model), then renamed."""
+    dest = Path(dest)
+    part = dest.with_name(dest.name + ".part")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(retries + 1):
+        have = part.stat().st_size if part.exists() else 0
+        try:
+            request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+            with urllib.request.urlopen(request, timeout=60) as r:
+                if have and r.status != 206:
+                    have = 0  # the server ignored the Range header: start over
+                length = r.headers.get("Content-Length")
+                print(f"{url} -> {dest}" + (f" (resuming at {have:,} bytes)" if have else ""), flush=True)
+                with open(part, "ab" if have else "wb") as f:
+                    while chunk := r.read(1 << 20):
+                        f.write(chunk)
+            if length is not None and part.stat().st_size != have + int(length):  # urllib does not raise for this
+                raise ConnectionError(f"connection closed at {part.stat().st_size:,} of {have + int(length):,} bytes")
+            break
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and have:
+                break  # nothing left to fetch: the .part file is complete
+            if e.code not in (408, 429) and e.code < 500:
+                raise ConnectionError(f"{url}: HTTP {e.code} {e.reason}; check the name (and base URL or HF_ENDPOINT)")
+            if attempt == retries:
+                raise ConnectionError(f"{url}: HTTP {e.code} {e.reason}; the server is failing, try again later")
+        except (OSError, http.client.HTTPException) as e:  # includes dropped connections and timeouts
+            if attempt == retries:
+                raise ConnectionError(f"{url}: {e}; run the same command again to resume from {part}") from None
+        time.sleep(backoff * 2 ** attempt)
+    _verify(part, dest.name, sha256)
+    os.replace(part, dest)  # atomic: dest is either absent or complete and checked
+    return dest
+
+
+def _verify(part, name, sha256):
+    def fail(why):
+        part.unlink()  # a finished but wrong file cannot be resumed into a right one
+        raise ValueError(f"download of {name} is bad ({why}) and was deleted; run the command again")
+    if sha256 is not None:
+        h = hashlib.sha256()
+        with open(part, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        if h.hexdigest() != sha256:
+            fail(f"sha256 {h.hexdigest()}, expected {sha256}")
+    if name.endswith(".gz"):
+        try:
+            with gzip.open(part, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+        except (EOFError, OSError, zlib.error) as e:
+            fail(f"truncated or corrupt gzip: {e}")
+    if name.endswith(".model"):
+        try:
+            spm.SentencePieceProcessor(model_file=str(part))
+        except (OSError, RuntimeError) as e:
+            fail(f"not a sentencepiece model: {e}")
+
+
+def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards=None, base_url=None,
+             known_sha256=KNOWN_SHA256, retries=5, backoff=2.0):
+    """Fetch C4 shards (default shard_names(1, 1)) into data_dir and T5's spiece.model to tokenizer_path
+    (None: skip it) from Hugging Face; files already present are kept, since fetch only ever renames checked ones."""
+    base = (base_url or os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
+    for name in shard_names() if shards is None else shards:
+        if not re.fullmatch(r"c4-(train\.\d{5}-of-01024|validation\.\d{5}-of-00008)\.json\.gz", name):
+            raise ValueError(f"{name!r} is not a C4 en shard name; they look like c4-train.00000-of-01024.json.gz "
+                             f"and c4-validation.00000-of-00008.json.gz")
+        if not (Path(data_dir) / name).exists():
+            fetch(f"{base}/datasets/allenai/c4/resolve/main/en/{name}", Path(data_dir) / name,
+                  known_sha256.get(name), retries, backoff)
+    if tokenizer_path is not None and not Path(tokenizer_path).exists():
+        fetch(f"{base}/google-t5/t5-base/resolve/main/spiece.model", tokenizer_path,
+              known_sha256.get("spiece.model"), retries, backoff)
+
+
+# ----------------------------------------------------------------------------- tokenizer training
+
+def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
+    """Train a unigram sentencepiece model on the first max_docs training documents, laid out as T5's
+    (pad 0, eos 1, unk 2, no bos), so the repo runs with no download at all. Returns the .model path."""
+    texts = itertools.islice(_texts(find_shards(data_dir, "train")), max_docs)
+    lines = (line for t in texts for line in t.split("\n") if line.strip())  # paragraphs fit max_sentence_length
+    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=str(out_prefix), vocab_size=vocab_size,
+                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   num_threads=_cpus(), minloglevel=2)
+    return Path(f"{out_prefix}.model")
+
+
+# ----------------------------------------------------------------------------- commands
+
+def stats(data_dir, tokenizer_path, max_length=256):
+    """Read and tokenize every document of every shard (a full check of a folder), one line per shard."""
+    sp = load_tokenizer(tokenizer_path)
+    print(f"{'shard':<48} {'docs':>8} {'tokens':>12} {'tok/doc':>8} {'paper tok/doc':>13} {'truncated':>9}")
+    for split in ("train", "validation"):
+        for path in find_shards(data_dir, split):
+            n = np.array([len(x) for t in _chunks(_texts([path]), 1024) for x in sp.encode(t, num_threads=_cpus())])
+            print(f"{path.name:<48} {len(n):>8,} {n.sum():>12,} {n.mean():>8.1f} "
+                  f"{np.minimum(n + 1, max_length).mean():>13.1f} {(n + 1 > max_length).mean():>9.1%}")
+
+
+def bench(data_dir, tokenizer_path, batch_size=64, max_length=256, pack=False, num_workers=0, seconds=10.0):
+    """Non-pad tokens per second delivered by TrainLoader, counted after the first batch."""
+    loader = TrainLoader(data_dir, tokenizer_path, batch_size, max_length, pack=pack, num_workers=num_workers)
+    print(f"bench: {len(loader.shards)} train shards, batch {batch_size}, max_length {max_length}, "
+          f"{'packed' if pack else 'paper'} mode, {num_workers} workers, {_cpus()} cpus, {seconds:g} s")
+    t0 = time.perf_counter()
+    batches = iter(loader)
+    next(batches)
+    t1 = time.perf_counter()
+    tokens, rows = 0, 0
+    while time.perf_counter() - t1 < seconds:
+        x, y = next(batches)
+        tokens += int((y >= 0).sum()) + len(y)  # targets plus each row's first token = non-pad tokens
+        rows += len(y)
+    dt = time.perf_counter() - t1
+    print(f"first batch after {t1 - t0:.2f} s; then {rows / dt:,.0f} rows/s over {loader.epoch} passes")
+    print(f"tokens/s {tokens / dt:.0f}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="C4 shards and tokenizer for train.py (see the docstring of data.py)")
+    sub = p.add_subparsers(dest="command", metavar="{download,train-tokenizer,stats,bench}")
+    d = sub.add_parser("download", help="fetch C4 shards and T5's spiece.model from Hugging Face (resumable)")
+    d.add_argument("--out", default=DEFAULT_DATA_DIR, help="folder for the shards")
+    d.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="where to put spiece.model ('' to skip it)")
+    d.add_argument("--train_shards", type=int, default=1, help="fetch the first N train shards (of 1024)")
+    d.add_argument("--validation_shards", type=int, default=1, help="fetch the first N validation shards (of 8)")
+    d.add_argument("--shards", nargs="+", help="exact shard names instead, e.g. c4-train.00007-of-01024.json.gz")
+    d.add_argument("--base_url", default=None, help=f"mirror to fetch from (default $HF_ENDPOINT or {HF_ENDPOINT})")
+    t = sub.add_parser("train-tokenizer", help="train a sentencepiece model on the training shards (offline)")
+    t.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder of shards")
+    t.add_argument("--out", default="data/spm", help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    t.add_argument("--vocab_size", type=int, default=32000, help="number of pieces (T5: 32000)")
+    t.add_argument("--max_docs", type=int, default=100_000, help="train on the first N training documents")
+    for name, what in (("stats", "docs and tokens per document of every shard (reads every line)"),
+                       ("bench", "loader throughput; last line 'tokens/s N'")):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder of shards")
+        c.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="sentencepiece model file")
+        c.add_argument("--max_length", type=int, default=256, help="sequence length (paper: 256)")
+    c.add_argument("--batch_size", type=int, default=64, help="rows per batch")
+    c.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
+    c.add_argument("--pack", action="store_true", help="packed mode instead of the paper's padded rows")
+    c.add_argument("--seconds", type=float, default=10.0, help="how long to measure")
+    args = p.parse_args(argv)
+    if args.command == "download":
+        shards = args.shards or shard_names(args.train_shards, args.validation_shards)
+        download(args.out, args.tokenizer or None, shards, args.base_url)
+    elif args.command == "train-tokenizer":
+        print(f"trained {train_tokenizer(args.data_dir, args.out, args.vocab_size, args.max_docs)}")
+    elif args.command == "stats":
+        stats(args.data_dir, args.tokenizer, args.max_length)
+    elif args.command == "bench":
+        bench(args.data_dir, args.tokenizer, args.batch_size, args.max_length, args.pack, args.num_workers,
+              args.seconds)
+    else:
+        p.print_help()  # a bare `python data.py` explains itself rather than doing something surprising
+
+
+if __name__ == "__main__":
+    main()

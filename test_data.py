@@ -1,0 +1,455 @@
+"""
+Tests for data.py: tiny C4-style shards and a sentencepiece model trained here, a local HTTP server for the
+downloads, and the real samples in ../shared/data when they are present.
+
+    python -m pytest -q test_data.py
+"""
+import gzip
+import hashlib
+import http.server
+import io
+import itertools
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+import data
+
+REAL = Path(__file__).resolve().parent.parent / "shared" / "data"
+needs_real = pytest.mark.skipif(not (REAL / "t5_spiece.model").exists(), reason=f"no real data in {REAL}")
+L = 16  # max_length for the tiny corpus: most documents get truncated, some get padded
+TRAIN_SIZES = {"c4-train.00000-of-01024.json.gz": 60, "c4-train.00001-of-01024.json.gz": 36,
+               "olmo-c4-sample.00000-of-00001.jsonl": 24}  # multiples of 6, so 1, 2 or 3 ranks split evenly
+
+
+def make_docs(first, n, rng):
+    syllables = [a + b for a in "bcdfghklmnprstvz" for b in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(1 + i % 3)) for i in range(400)]
+    docs = [f"doc {i} " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 50)))
+            for i in range(first, first + n)]
+    i = n // 2  # a long run without spaces: the paper-mode prefix is too short and the whole text is encoded
+    docs[i] = docs[i][:len(f"doc {first + i}")] + " " + "kalo" * 100 + docs[i][len(f"doc {first + i}"):]
+    return docs
+
+
+def write_shard(path, docs, key="timestamp"):
+    lines = "".join(json.dumps({"text": t, key: "2019-04-25T12:57:54Z", "url": "x"}) + "\n" for t in docs)
+    path.write_bytes(gzip.compress(lines.encode()) if path.name.endswith(".gz") else lines.encode())
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    folder, rng, docs = tmp_path_factory.mktemp("c4"), random.Random(0), {}
+    for name, n in TRAIN_SIZES.items():
+        docs[name] = make_docs(sum(map(len, docs.values())), n, rng)
+        write_shard(folder / name, docs[name], key="date" if "olmo" in name else "timestamp")
+    docs["validation"] = make_docs(1000, 50, rng)
+    write_shard(folder / "c4-validation.00000-of-00008.json.gz", docs["validation"])
+    return folder, docs
+
+
+@pytest.fixture(scope="session")
+def tok(corpus, tmp_path_factory):
+    return data.train_tokenizer(corpus[0], tmp_path_factory.mktemp("tok") / "spm", vocab_size=300)
+
+
+def ref_row(sp, text, max_length):
+    """The paper's sequence, straight from the definition: doc[:max_length-1] + EOS, -1 for padding."""
+    ids = sp.encode(text)[:max_length - 1] + [sp.eos_id()]
+    return tuple(ids + [-1] * (max_length - len(ids)))
+
+
+def rows_of(batches):
+    """Paper-mode sequences back from (x, y): seq = x[:, :1] followed by y."""
+    return [tuple(r) for x, y in batches for r in torch.cat([x[:, :1], y], 1).tolist()]
+
+
+def take(loader, n):
+    return list(itertools.islice(iter(loader), n))
+
+
+def assert_same(got, want):
+    assert len(got) == len(want), f"{len(got)} batches vs {len(want)}"
+    for i, ((x, y), (x2, y2)) in enumerate(zip(got, want)):
+        assert torch.equal(x, x2) and torch.equal(y, y2), f"batch {i} differs: {(x != x2).sum()} inputs differ"
+
+
+def train_loader(corpus, tok, **kw):
+    kw = {"batch_size": 4, "max_length": L, "block_docs": 8, **kw}
+    return data.TrainLoader(corpus[0], tok, **kw)
+
+
+def all_train_docs(corpus):
+    return [t for name in TRAIN_SIZES for t in corpus[1][name]]
+
+
+# ----------------------------------------------------------------------------- files and tokenizer
+
+def test_find_shards_split_rule(corpus, tmp_path):
+    folder = corpus[0]
+    assert [p.name for p in data.find_shards(folder, "train")] == sorted(TRAIN_SIZES)  # the olmo sample is train
+    assert [p.name for p in data.find_shards(folder, "validation")] == ["c4-validation.00000-of-00008.json.gz"]
+    with pytest.raises(FileNotFoundError, match="--data_dir"):
+        data.find_shards(tmp_path / "missing", "train")
+    with pytest.raises(FileNotFoundError, match="--download"):
+        data.find_shards(tmp_path, "train")
+    write_shard(tmp_path / "c4-train.00000-of-01024.json.gz", ["a b"])
+    (tmp_path / "c4-validation.00000-of-00008.json.gz.part").write_bytes(b"unfinished download")
+    with pytest.raises(FileNotFoundError, match="contains 'validation'"):
+        data.find_shards(tmp_path, "validation")
+    with pytest.raises(ValueError, match="split"):
+        data.find_shards(folder, "valid")
+
+
+def test_tokenizer_layout_and_errors(tok, tmp_path):
+    sp = data.load_tokenizer(tok)
+    got = (sp.vocab_size(), sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id())
+    assert got == (300, 0, 1, 2, -1), f"trained tokenizer layout {got}, want T5's (300, 0, 1, 2, -1)"
+    assert data._Encoder(tok, L, 1).prefix_ok
+    with pytest.raises(FileNotFoundError, match="train-tokenizer"):
+        data.load_tokenizer(tmp_path / "none.model")
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="bad.model"):
+        data.load_tokenizer(tmp_path / "bad.model")
+
+
+# ----------------------------------------------------------------------------- sequences
+
+def test_paper_rows_cover_each_document_once_per_pass(corpus, tok):
+    sp, docs = spm.SentencePieceProcessor(model_file=str(tok)), all_train_docs(corpus)
+    batches = take(train_loader(corpus, tok), 2 * len(docs) // 4)  # two passes of 30 batches
+    for x, y in batches:
+        assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (4, L - 1), f"{x.dtype} {x.shape}"
+        pad = y[:, :-1] < 0
+        assert torch.equal(x[:, 1:][~pad], y[:, :-1][~pad]), "y is not x shifted by one"
+        assert (x[:, 1:][pad] == sp.pad_id()).all(), "inputs under ignored targets must be the pad id"
+    want = Counter(ref_row(sp, t, L) for t in docs)
+    first, second = rows_of(batches[:30]), rows_of(batches[30:])
+    assert Counter(first) == want, f"pass 0 differs from the reference in {len(Counter(first) - want)} rows"
+    assert Counter(second) == want, f"pass 1 differs from the reference in {len(Counter(second) - want)} rows"
+    assert first != second, "the second pass must be reshuffled"
+    assert rows_of(take(train_loader(corpus, tok), 30)) == first, "same seed, different batches"
+    assert rows_of(take(train_loader(corpus, tok, seed=7), 30)) != first, "a different seed gave the same order"
+
+
+def test_packed_windows_are_the_document_stream(corpus, tok):
+    sp, docs = spm.SentencePieceProcessor(model_file=str(tok)), all_train_docs(corpus)
+    batches = take(train_loader(corpus, tok, pack=True), 150)
+    for x, y in batches:
+        assert x.shape == y.shape == (4, L) and (y >= 0).all() and torch.equal(x[:, 1:], y[:, :-1])
+    stream = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in batches]).tolist()
+    seqs, cur = [], []
+    for t in stream:
+        cur.append(t)
+        if t == sp.eos_id():
+            seqs.append(tuple(cur))
+            cur = []
+    want = Counter(tuple(sp.encode(t) + [sp.eos_id()]) for t in docs)
+    assert len(seqs) > len(docs), f"test needs more batches: {len(seqs)} documents seen"
+    assert Counter(seqs[:len(docs)]) == want, "the first pass of packed windows is not every document + EOS once"
+
+
+def test_paper_fast_path_matches_full_encoding(corpus, tok):
+    sp, docs = spm.SentencePieceProcessor(model_file=str(tok)), all_train_docs(corpus)
+    for max_length in (4, L, 64):
+        rows = data._Encoder(tok, max_length, 2).paper(docs)
+        want = [ref_row(sp, t, max_length) for t in docs]
+        bad = [i for i, (r, w) in enumerate(zip(map(tuple, rows.tolist()), want)) if r != w]
+        assert not bad, f"max_length {max_length}: documents {bad} differ from encode-then-truncate"
+
+
+# ----------------------------------------------------------------------------- order, ranks, resume
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_partition_the_documents(corpus, tok, world_size):
+    sp, docs = spm.SentencePieceProcessor(model_file=str(tok)), all_train_docs(corpus)
+    doc_of = {ref_row(sp, t, L): i for i, t in enumerate(docs)}
+    assert len(doc_of) == len(docs), "test corpus rows must be unique"
+    share = len(docs) // world_size  # every shard size is a multiple of 6
+    per_rank = [{doc_of[r] for r in rows_of(take(train_loader(corpus, tok, batch_size=1, rank=r,
+                                                              world_size=world_size), share))}
+                for r in range(world_size)]
+    assert set().union(*per_rank) == set(range(len(docs))), "the ranks together miss documents"
+    for a, b in itertools.combinations(range(world_size), 2):
+        assert not per_rank[a] & per_rank[b], f"ranks {a} and {b} share documents {per_rank[a] & per_rank[b]}"
+    # uneven shard sizes: the per-shard split still covers every line exactly once
+    path = corpus[0] / "c4-train.00001-of-01024.json.gz"
+    for n in (35, 36, 37):
+        lines = [[ln for ln, _ in data._shard_docs(path, 42, 1, 0, r, world_size, n)] for r in range(world_size)]
+        got = sorted(itertools.chain(*lines))
+        assert got == list(range(1, 37)), f"buffer {n}: lines {Counter(got) - Counter(range(1, 37))} repeated"
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_same_batches_for_any_number_of_workers(corpus, tok, pack):
+    want = take(train_loader(corpus, tok, pack=pack), 45)  # past the end of the first pass
+    for workers in (1, 2):
+        assert_same(take(train_loader(corpus, tok, pack=pack, num_workers=workers), 45), want)
+
+
+@pytest.mark.parametrize("pack,workers", [(False, 0), (False, 2), (True, 0), (True, 2)])
+def test_resume_gives_the_uninterrupted_batches(corpus, tok, pack, workers):
+    want = take(train_loader(corpus, tok, pack=pack), 40)
+    cuts = [17] if workers else [0, 1, 5, 17, 29, 30, 31, 39]  # mid-block, at and after the end of a pass
+    for cut in cuts:
+        first = train_loader(corpus, tok, pack=pack, num_workers=workers)
+        assert_same(take(first, cut), want[:cut])
+        buf = io.BytesIO()
+        torch.save({"loader": first.state_dict()}, buf)
+        buf.seek(0)
+        state = torch.load(buf, weights_only=True)["loader"]
+        resumed = train_loader(corpus, tok, pack=pack, num_workers=workers)
+        resumed.load_state_dict(state)
+        got = take(resumed, 40 - cut)
+        assert len(got) == 40 - cut
+        for i, ((x, y), (x2, y2)) in enumerate(zip(got, want[cut:])):
+            assert torch.equal(x, x2) and torch.equal(y, y2), f"resumed at {cut}: batch {cut + i} differs"
+
+
+def test_state_dict_checks(corpus, tok):
+    loader = train_loader(corpus, tok)
+    take(loader, 3)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        train_loader(corpus, tok, seed=1).load_state_dict(state)
+    ranks = [train_loader(corpus, tok, rank=r, world_size=2) for r in range(2)]
+    for ld in ranks:
+        take(ld, 2 + ld.rank)
+    states = [ld.state_dict() for ld in ranks]  # what train.py gathers from every rank
+    fresh = train_loader(corpus, tok, rank=1, world_size=2)
+    fresh.load_state_dict(states)
+    assert fresh.state_dict() == states[1]
+    with pytest.raises(ValueError, match="world_size"):
+        fresh.load_state_dict(states[:1])
+
+
+# ----------------------------------------------------------------------------- validation
+
+def test_validation_set_is_fixed(corpus, tok):
+    sp, docs = spm.SentencePieceProcessor(model_file=str(tok)), corpus[1]["validation"]
+    want = [ref_row(sp, t, L) for t in docs]
+    rows = rows_of(data.validation_batches(corpus[0], tok, 3, L, eval_tokens=300))
+    tokens = [sum(t >= 0 for t in r) for r in rows]
+    assert rows == want[:len(rows)], "validation must be the first documents in file order"
+    assert sum(tokens) >= 300 > sum(tokens[:-1]), f"{sum(tokens)} tokens is not the first 300"
+    for batch_size, world_size in ((5, 1), (2, 3)):
+        parts = [data.validation_batches(corpus[0], tok, batch_size, L, 300, rank=r, world_size=world_size)
+                 for r in range(world_size)]
+        merged = [b for group in itertools.zip_longest(*parts) for b in group if b is not None]
+        assert rows_of(merged) == rows, f"batch_size {batch_size}, world_size {world_size} changed the set"
+    assert rows_of(data.validation_batches(corpus[0], tok, 8, L, 10**9)) == want, "short data: use all of it"
+    packed = data.validation_batches(corpus[0], tok, 4, L, eval_tokens=300, pack=True)
+    stream = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in packed]).tolist()
+    ref = [t for d in docs for t in sp.encode(d) + [sp.eos_id()]]
+    assert len(stream) == 18 * (L + 1) and stream == ref[:len(stream)], "packed validation: 18 whole windows"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_input_names_file_line_and_fix(tok, tmp_path):
+    rng = random.Random(1)
+    good = [json.dumps({"text": t}) for t in make_docs(0, 300, rng)]
+    cases = {  # file content -> message expected, raised on construction (first line) or when reading
+        "not_json": ("\n".join(good[:2] + ["{oops"] + good[2:]), r"\.json\.gz:3: not a JSON object.*fix or delete"),
+        "no_text": ("\n".join(good[:1] + ['{"date": "2019"}'] + good[1:]), r'\.json\.gz:2: no "text"'),
+        "first_line": ("\n".join(["[1, 2]"] + good), r'\.json\.gz:1: no "text"'),
+    }
+    for name, (content, message) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(content.encode()))
+        with pytest.raises(ValueError, match=message):
+            take(data.TrainLoader(folder, tok, 4, L), 100)
+        (folder / "c4-train.00000-of-01024.json.gz").rename(folder / "c4-validation.00000-of-00008.json.gz")
+        with pytest.raises(ValueError, match=message):
+            data.validation_batches(folder, tok, 4, L)
+    folder = tmp_path / "truncated"
+    folder.mkdir()
+    whole = gzip.compress("\n".join(good).encode())
+    (folder / "c4-train.00000-of-01024.json.gz").write_bytes(whole[:len(whole) // 2])
+    loader = data.TrainLoader(folder, tok, 4, L)  # the first lines read fine: the damage shows when reached
+    with pytest.raises(ValueError, match=r"c4-train.00000-of-01024.json.gz: cannot read past line \d+.*download"):
+        take(loader, 1000)
+    (folder / "c4-train.00000-of-01024.json.gz").write_bytes(b"plain text, not gzip")
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        data.TrainLoader(folder, tok, 4, L)  # before any work
+    (folder / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(b"\n"))
+    with pytest.raises(ValueError, match="no documents"):
+        data.TrainLoader(folder, tok, 4, L)
+    with pytest.raises(ValueError, match="rank"):
+        data.TrainLoader(folder, tok, 4, L, rank=2, world_size=2)
+
+
+def test_too_many_ranks_is_an_error(tok, tmp_path):
+    write_shard(tmp_path / "c4-train.00000-of-01024.json.gz", ["one document"])
+    with pytest.raises(ValueError, match="rank 1 of 2 got no documents"):
+        take(data.TrainLoader(tmp_path, tok, 1, L, rank=1, world_size=2), 1)
+
+
+# ----------------------------------------------------------------------------- download
+
+class Server:
+    """A local HTTP server, with Range support unless ranges=False; paths in `drop` lose their connection
+    halfway, once."""
+
+    def __init__(self, files, drop=(), ranges=True):
+        self.files, self.drop, self.requests = files, set(drop), []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body, rng = server.files.get(self.path), self.headers.get("Range")
+                server.requests.append((self.path, rng))
+                rng = rng if ranges else None
+                if body is None:
+                    return self.send_error(404)
+                start = int(re.fullmatch(r"bytes=(\d+)-", rng).group(1)) if rng else 0
+                if start >= len(body):
+                    return self.send_error(416)
+                self.send_response(206 if rng else 200)
+                if rng:
+                    self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+                self.send_header("Content-Length", str(len(body) - start))
+                self.end_headers()
+                if self.path in server.drop:
+                    server.drop.discard(self.path)
+                    self.wfile.write(body[start:start + (len(body) - start) // 2])
+                    return  # HTTP/1.0: returning closes the connection short of Content-Length
+                self.wfile.write(body[start:])
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)  # talk to 127.0.0.1 directly, never through a proxy
+    servers = []
+    yield lambda *args, **kw: servers.append(Server(*args, **kw)) or servers[-1]
+    for s in servers:
+        s.httpd.shutdown()
+        s.httpd.server_close()
+
+
+def gz_shard(n, seed=0):
+    return gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in make_docs(0, n, random.Random(seed))).encode())
+
+
+def sha(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+def test_fetch_resumes_after_a_dropped_connection(serve, tmp_path):
+    body = gz_shard(200)
+    server = serve({"/a.json.gz": body}, drop={"/a.json.gz"})
+    dest = data.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", sha256=sha(body), backoff=0)
+    assert dest.read_bytes() == body, "resumed file differs from the served one"
+    assert server.requests == [("/a.json.gz", None), ("/a.json.gz", f"bytes={len(body) // 2}-")], server.requests
+    assert not (tmp_path / "a.json.gz.part").exists()
+    server = serve({"/a.json.gz": body}, drop={"/a.json.gz"}, ranges=False)  # a server that ignores Range
+    dest = data.fetch(server.url + "/a.json.gz", tmp_path / "b.json.gz", sha256=sha(body), backoff=0)
+    assert dest.read_bytes() == body, "a 200 answer to a Range request must restart the file, not append"
+
+
+def test_fetch_resumes_in_a_later_call(serve, tmp_path):
+    body = gz_shard(200)
+    server = serve({"/a.json.gz": body}, drop={"/a.json.gz"})
+    with pytest.raises(ConnectionError, match="again to resume"):
+        data.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", retries=0)
+    assert not (tmp_path / "a.json.gz").exists(), "a partial download must never have the final name"
+    assert (tmp_path / "a.json.gz.part").stat().st_size == len(body) // 2
+    data.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", sha256=sha(body), retries=0)
+    assert (tmp_path / "a.json.gz").read_bytes() == body
+    assert server.requests[-1] == ("/a.json.gz", f"bytes={len(body) // 2}-")
+
+
+def test_fetch_rejects_bad_files(serve, tmp_path):
+    body = gz_shard(200)
+    server = serve({"/a.json.gz": body, "/cut.json.gz": body[:len(body) // 2], "/spiece.model": b"garbage"})
+    cases = [("a.json.gz", "0" * 64, "sha256"), ("cut.json.gz", None, "gzip"), ("spiece.model", None, "sentencepiece")]
+    for name, digest, message in cases:
+        with pytest.raises(ValueError, match=message):
+            data.fetch(f"{server.url}/{name}", tmp_path / name, sha256=digest, backoff=0)
+        assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.part").exists(), f"{name} left behind"
+    with pytest.raises(ConnectionError, match="404"):
+        data.fetch(server.url + "/missing.json.gz", tmp_path / "missing.json.gz", backoff=0)
+
+
+def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch):
+    names = data.shard_names(2, 1)[1:]  # shard 00000 has a known sha256 that the fixtures cannot match
+    files = {f"/datasets/allenai/c4/resolve/main/en/{n}": gz_shard(30, i) for i, n in enumerate(names)}
+    files["/google-t5/t5-base/resolve/main/spiece.model"] = Path(tok).read_bytes()
+    server = serve(files, drop=list(files)[:1])
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    known = {"spiece.model": sha(Path(tok).read_bytes())}
+    data.download(tmp_path / "c4", tmp_path / "t5.model", names, known_sha256=known, backoff=0)
+    for n in names:
+        assert (tmp_path / "c4" / n).read_bytes() == files[f"/datasets/allenai/c4/resolve/main/en/{n}"]
+    assert data.load_tokenizer(tmp_path / "t5.model").vocab_size() == 300
+    assert [p.name for p in data.find_shards(tmp_path / "c4", "train")] == names[:1]
+    count = len(server.requests)
+    data.download(tmp_path / "c4", tmp_path / "t5.model", names, base_url=server.url)
+    assert len(server.requests) == count, "files already downloaded were fetched again"
+    with pytest.raises(ValueError, match="c4-train.00000-of-01024.json.gz"):
+        data.download(tmp_path / "c4", None, ["c4-train.0-of-1024.json"], base_url=server.url)
+
+
+# ----------------------------------------------------------------------------- commands
+
+def test_commands(corpus, tok, capsys):
+    data.main(["stats", "--data_dir", str(corpus[0]), "--tokenizer", str(tok), "--max_length", str(L)])
+    out = capsys.readouterr().out
+    for name, n in {**TRAIN_SIZES, "c4-validation.00000-of-00008.json.gz": 50}.items():
+        assert re.search(rf"{re.escape(name)}\s+{n}\s", out), f"no line '{name} {n}' in\n{out}"
+    data.main(["bench", "--data_dir", str(corpus[0]), "--tokenizer", str(tok), "--seconds", "0.2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"tokens/s \d+", last), last
+    help_text = subprocess.run([sys.executable, "data.py", "--help"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent).stdout
+    for command in ("download", "train-tokenizer", "stats", "bench"):
+        assert command in help_text, f"{command} missing from --help:\n{help_text}"
+
+
+# ----------------------------------------------------------------------------- real data
+
+@needs_real
+def test_real_samples_token_counts_and_fast_path():
+    sp = data.load_tokenizer(REAL / "t5_spiece.model")
+    assert (sp.vocab_size(), sp.pad_id(), sp.eos_id(), sp.encode("Hello world")) == (32000, 0, 1, [8774, 296])
+    enc = data._Encoder(REAL / "t5_spiece.model", 256, 2)
+    assert enc.prefix_ok
+    tokens = {"c4-train.00000-of-01024.head1000.json.gz": 512_612, "olmo-c4-sample.00000-of-00001.json.gz": 506_135,
+              "c4-validation.subset2000.json.gz": 993_287}  # SOURCES.md
+    for name, want in tokens.items():
+        texts = list(data._texts([REAL / "c4" / name]))
+        ids = sp.encode(texts, num_threads=2)
+        assert sum(map(len, ids)) == want, f"{name}: {sum(map(len, ids))} T5 tokens, SOURCES.md says {want}"
+        ref = [tuple(x[:255] + [1] + [-1] * (255 - len(x[:255]))) for x in ids]
+        bad = [i for i, (r, w) in enumerate(zip(map(tuple, enc.paper(texts).tolist()), ref)) if r != w]
+        assert not bad, f"{name}: paper rows of documents {bad[:10]} differ from encode-then-truncate"
+
+
+@needs_real
+def test_real_samples_loader_and_validation():
+    folder, tokenizer = REAL / "c4", REAL / "t5_spiece.model"
+    assert [p.name for p in data.find_shards(folder, "train")] == [
+        "c4-train.00000-of-01024.head1000.json.gz", "olmo-c4-sample.00000-of-00001.json.gz"]
+    for x, y in take(data.TrainLoader(folder, tokenizer, 8, num_workers=1), 3):
+        assert x.shape == y.shape == (8, 255) and 0 <= x.min() and x.max() < 32000
+    batches = data.validation_batches(folder, tokenizer, 16, eval_tokens=20_000)
+    tokens = sum(int((y >= 0).sum()) + len(y) for _, y in batches)
+    assert 20_000 <= tokens < 20_256, f"{tokens} validation tokens for eval_tokens=20,000"
