@@ -1,0 +1,414 @@
+"""
+Tests of optim.py against references: torch.optim.AdamW step for step, a brute-force nearest code for the 8-bit
+quantization, float32 AdamW for Adam8bit's per-step error and training loss, and the ordinary global step for
+per-layer updates (gradient accumulation, schedule, clipping, resume, and DDP under torchrun with 2 processes).
+
+    python -m pytest -q test_optim.py
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from model import LLaMA, config_for
+from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, dynamic_map, quantize_blockwise
+
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # the tensors here are small: one thread is as fast, and immune to stalled OpenMP threads on a busy machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def max_diff(a, b):
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    return LLaMA(config_for("tiny", method="sltrain", vocab_size=VOCAB))
+
+
+def bigram_batches(n, batch=8, T=32, seed=0):
+    """n batches (x, y) of token streams drawn from a fixed random bigram table whose rows favour a few successors:
+    learnable, with an entropy floor well above zero so that loss ratios mean something."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(VOCAB, VOCAB, generator=gen) * 3).softmax(-1)
+    tokens = torch.empty(n * batch, T + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(VOCAB, (n * batch,), generator=gen)
+    for t in range(T):
+        tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=gen).squeeze(1)
+    tokens = tokens.view(n, batch, T + 1)
+    return tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()
+
+
+def warmup(step):
+    return min(1.0, (step + 1) / 4)  # a schedule that changes every step at first, so a miscount shows
+
+
+def assert_same_params(model, ref, what, atol=0.0):
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=atol,
+                                   msg=lambda m: f"{what}: {name} max diff {max_diff(a, b):.3e}\n{m}")
+
+
+# -----------------------------------------------------------------------------
+# AdamW
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("foreach", [True, False])
+def test_adamw_matches_torch(weight_decay, foreach):
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in [(32, 16), (16,), (7, 5, 3)]]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}]  # noqa: E731
+    opt_ref = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=weight_decay)
+    opt = AdamW(groups(ours), lr=1e-2, weight_decay=weight_decay, foreach=foreach)
+    for step in range(100):
+        for i, (a, b) in enumerate(zip(ref, ours)):
+            g = None if (step + i) % 7 == 0 else torch.randn_like(a)  # missing gradients: per-tensor step counts
+            a.grad, b.grad = g, None if g is None else g.clone()
+        opt_ref.step()
+        opt.step()
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, msg=lambda m: f"AdamW vs torch after 100 steps: max diff "
+                                                       f"{max_diff(a, b):.3e}\n{m}")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: Adam8bit(ps, lr=1e-2, weight_decay=0.1),
+], ids=["AdamW", "Adam8bit"])
+def test_state_dict_round_trip_is_bit_exact(make, tmp_path):
+    torch.manual_seed(0)
+    # (100, 129) has a partial last block and 8-bit state; (33,) float32 state
+    params = [torch.nn.Parameter(torch.randn(100, 129)), torch.nn.Parameter(torch.randn(33))]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(10)]
+    opt = make(params)
+    for step in range(10):
+        if step == 5:
+            torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, tmp_path / "ck.pt")
+        for p, g in zip(params, grads[step]):
+            p.grad = g.clone()
+        opt.step()
+    saved = torch.load(tmp_path / "ck.pt", weights_only=True)
+    resumed = [torch.nn.Parameter(p) for p in saved["params"]]
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved["opt"])
+    if isinstance(opt2, Adam8bit):
+        state = opt2.state[resumed[0]]
+        assert state["exp_avg_codes"].dtype == torch.uint8 and state["exp_avg_sq_absmax"].dtype == torch.float32
+    for step in range(5, 10):
+        for p, g in zip(resumed, grads[step]):
+            p.grad = g.clone()
+        opt2.step()
+    for a, b in zip(params, resumed):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"resume: max diff {max_diff(a, b)}\n{m}")
+
+
+# -----------------------------------------------------------------------------
+# 8-bit quantization
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map(signed):
+    code = dynamic_map(signed)
+    assert code.shape == (256,) and code.dtype == torch.float32
+    assert torch.equal(code, code.sort().values) and code.unique().numel() == 256, "codes must be sorted and distinct"
+    assert (code == 0).sum() == 1 and code.max() == 1.0
+    assert (code < 0).sum() == (127 if signed else 0)
+    # the tree: decade 10^-e holds 2^(6-e) positive codes (2^(7-e) unsigned), finest for the largest magnitudes
+    for e in range(7):
+        in_decade = ((code >= 0.1 * 10.0**-e) & (code < 10.0**-e)).sum().item()
+        assert in_decade == 2 ** (6 - e + (not signed)), f"decade 1e-{e}: {in_decade} codes"
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_is_nearest_code(signed):
+    torch.manual_seed(0)
+    code = dynamic_map(signed)
+    mids = ((code[:-1].double() + code[1:].double()) / 2).float()
+    n = 20000
+    # uniform, log-uniform down to 1e-9, every code, every midpoint and its float32 neighbours, zero and denormals
+    around = [torch.nextafter(mids.abs(), torch.tensor(v)) for v in (0.0, 2.0)]
+    magnitudes = torch.cat([torch.rand(n), 10.0 ** (-9 * torch.rand(n)), code.abs(), mids.abs(), *around,
+                            torch.tensor([0.0, 1e-40, 1e-30, 1.0])])
+    x = magnitudes * (torch.randint(0, 2, magnitudes.shape) * 2 - 1 if signed else 1)
+    x = torch.cat([x, torch.zeros(-x.numel() % 255)]).view(-1, 255)
+    x = torch.cat([torch.ones(x.shape[0], 1), x], dim=1).view(-1)  # a 1 in every block: absmax 1, no rescaling
+    codes, absmax = quantize_blockwise(x, signed=signed)
+    assert codes.dtype == torch.uint8 and absmax.dtype == torch.float32 and bool((absmax == 1).all())
+    brute = (x.double()[:, None] - code.double()[None, :]).abs().argmin(dim=1)  # first minimum: ties go down
+    bad = (codes.long() != brute).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} codes differ from the brute-force argmin, e.g. x={x[bad[:3]].tolist()}"
+    search = torch.bucketize(x.double(), (code[:-1].double() + code[1:].double()) / 2)
+    assert torch.equal(codes.long(), search), "codes differ from bucketize on the midpoints"
+    assert torch.equal(dequantize_blockwise(codes, absmax, signed, x.numel()), code[brute])
+
+
+# -----------------------------------------------------------------------------
+# Adam8bit
+
+def test_adam8bit_state_bytes_per_param():
+    big, small = torch.nn.Parameter(torch.randn(1024, 1024)), torch.nn.Parameter(torch.randn(64))
+    opt = Adam8bit([big, small])
+    big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+    opt.step()
+    def state_bytes(p):
+        return sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
+
+    per_param = state_bytes(big) / big.numel()
+    print(f"Adam8bit state on a 1024x1024 tensor: {per_param:.5f} bytes/param")
+    assert per_param <= 2.04, f"{per_param:.4f} bytes/param"
+    assert opt.state[small]["exp_avg"].dtype == torch.float32 and state_bytes(small) == 8 * small.numel()
+
+
+@pytest.mark.parametrize("sync_to", ["8-bit", "float32"])
+def test_adam8bit_per_step_error_vs_adamw(sync_to):
+    """bitsandbytes' protocol: every step both optimizers start from the same parameter and moments and take the same
+    gradient; the mean absolute and relative differences of the updates must stay under 6e-5 and 6e-4.
+    sync_to="8-bit": the float32 AdamW takes the dequantized 8-bit moments, as in bitsandbytes' test; this checks that
+    the parameter moves with the step's float32 moments, at every step. sync_to="float32": the 8-bit optimizer takes
+    the quantized float32 moments, so each step also carries one round of quantization; checked on the 50-step mean."""
+    torch.manual_seed(0)
+    p32 = torch.nn.Parameter(torch.randn(300, 1030) * 0.1)  # 5 chunks, a partial last block
+    p8 = torch.nn.Parameter(p32.detach().clone())
+    ref, opt = AdamW([p32]), Adam8bit([p8])
+    errors, relative = [], []
+    for step in range(50):
+        g = torch.randn_like(p32) * 0.01
+        p32.grad, p8.grad = g, g.clone()
+        ref.step()
+        opt.step()
+        err = (p8 - p32).detach().abs()
+        errors.append(err.mean().item())
+        relative.append((err / (p32.detach().abs() + 1e-9)).mean().item())
+        with torch.no_grad():  # re-sync
+            p8.copy_(p32)
+        s, r = opt.state[p8], ref.state[p32]
+        for name, signed in [("exp_avg", True), ("exp_avg_sq", False)]:
+            if sync_to == "8-bit":
+                r[name].view(-1).copy_(dequantize_blockwise(s[f"{name}_codes"], s[f"{name}_absmax"], signed, g.numel()))
+            else:
+                s[f"{name}_codes"], s[f"{name}_absmax"] = quantize_blockwise(r[name], signed)
+    mean_err, mean_rel = sum(errors) / len(errors), sum(relative) / len(relative)
+    print(f"Adam8bit vs AdamW, synced to the {sync_to} state every step: mean abs error of the update {mean_err:.2e} "
+          f"(worst step {max(errors):.2e}), relative {mean_rel:.2e} (worst step {max(relative):.2e})")
+    if sync_to == "8-bit":  # the same float32 moments in, the same update out: only rounding may differ
+        assert max(errors) < 1e-9, f"the update does not use the step's float32 moments: error {max(errors):.3e}"
+    err, rel = (max(errors), max(relative)) if sync_to == "8-bit" else (mean_err, mean_rel)
+    assert err < 6e-5, f"mean abs error of the update {err:.3e}"
+    assert rel < 6e-4, f"mean relative error of the update {rel:.3e}"
+
+
+def test_adam8bit_non_finite_gradients_count_as_zero():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(10))]  # 8-bit and float32
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, twin_opt = Adam8bit(params), Adam8bit(twins)
+    for step in range(4):
+        for p, t in zip(params, twins):
+            g = torch.randn_like(p)
+            p.grad, t.grad = g.clone(), g.clone()
+            if step == 1:  # an overflowing step
+                p.grad.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+                t.grad.view(-1)[:3] = 0.0
+        opt.step()
+        twin_opt.step()
+        for p, t in zip(params, twins):
+            assert bool(p.isfinite().all()), f"step {step}: non-finite parameter"
+            torch.testing.assert_close(p, t, rtol=0, atol=0, msg=lambda m: f"step {step}: {max_diff(p, t)}\n{m}")
+    s = opt.state[params[0]]
+    assert bool(s["exp_avg_absmax"].isfinite().all() and s["exp_avg_sq_absmax"].isfinite().all())
+
+
+def test_adam8bit_trains_tiny_llama_like_adamw():
+    x, y = bigram_batches(204)
+    losses = {}
+    for name, make in [("AdamW", lambda ps: AdamW(ps, lr=3e-3)),
+                       ("Adam8bit", lambda ps: Adam8bit(ps, lr=3e-3, min_8bit_size=0))]:  # every tensor in 8 bits
+        model = tiny_llama()
+        opt = make(model.parameters())
+        for step in range(200):
+            model(x[step], y[step])[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():  # held-out batches
+            losses[name] = sum(model(x[i], y[i])[1].item() for i in range(200, 204)) / 4
+    ratio = losses["Adam8bit"] / losses["AdamW"]
+    print(f"tiny LLaMA, 200 steps: loss AdamW {losses['AdamW']:.4f}, Adam8bit {losses['Adam8bit']:.4f}, "
+          f"ratio {ratio:.4f}")
+    assert losses["AdamW"] < 4.0, f"the reference did not learn: loss {losses['AdamW']:.3f}"
+    assert abs(ratio - 1) < 0.02, f"loss ratio Adam8bit / AdamW = {ratio:.4f}"
+
+
+# -----------------------------------------------------------------------------
+# Per-layer updates
+
+OPTIMIZERS = {
+    "AdamW": lambda ps: AdamW(ps, lr=3e-3, weight_decay=0.1),
+    "Adam8bit": lambda ps: Adam8bit(ps, lr=3e-3, weight_decay=0.1, min_8bit_size=1024),  # both state kinds
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_per_layer_matches_global_step(name):
+    """10 steps of 2 micro-batches each, with a warm-up schedule: the same parameters as one global step."""
+    make = OPTIMIZERS[name]
+    x, y = bigram_batches(20, batch=4, T=16)
+    ref, model = tiny_llama(), tiny_llama()
+    opt = make(ref.parameters())
+    sched = LambdaLR(opt, warmup)
+    per_layer = attach_per_layer(model, make, lr_lambda=warmup)
+    for step in range(10):
+        for i in (2 * step, 2 * step + 1):
+            (ref(x[i], y[i])[1] / 2).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+        before = [p.detach().clone() for p in model.parameters()]
+        with per_layer.accumulating():
+            (model(x[2 * step], y[2 * step])[1] / 2).backward()
+        assert all(p.grad is not None for p in model.parameters()), "accumulating() must keep the gradients"
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "accumulating() must not step"
+        (model(x[2 * step + 1], y[2 * step + 1])[1] / 2).backward()
+        held = [n for n, p in model.named_parameters() if p.grad is not None]
+        assert not held, f"gradients still held after backward: {held[:3]}"
+        assert per_layer.steps == step + 1 and per_layer.get_last_lr() == sched.get_last_lr()
+    assert_same_params(model, ref, f"per-layer {name} vs global")
+
+
+def test_per_layer_grad_norm_and_clipping():
+    with pytest.raises(ValueError, match="max_grad_norm_per_param"):
+        attach_per_layer(tiny_llama(), OPTIMIZERS["AdamW"], clip_grad_norm=1.0)
+    x, y = bigram_batches(3, batch=4, T=16)
+    ref, model = tiny_llama(), tiny_llama()
+    opt = OPTIMIZERS["AdamW"](ref.parameters())
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"], max_grad_norm_per_param=0.05)
+    for step in range(3):
+        ref(x[step], y[step])[1].backward()
+        norms = [torch.nn.utils.clip_grad_norm_([p], 0.05) for p in ref.parameters()]  # each clipped on its own
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model(x[step], y[step])[1].backward()
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        assert abs(per_layer.grad_norm().item() / total.item() - 1) < 1e-5, \
+            f"grad_norm {per_layer.grad_norm().item():.6f} vs {total.item():.6f}"
+        assert min(norms) < 0.05 < max(norms), "the test should clip some tensors and not others"
+    assert_same_params(model, ref, "per-parameter clipping")
+
+
+def test_per_layer_resume_is_bit_exact(tmp_path):
+    make = OPTIMIZERS["Adam8bit"]
+    x, y = bigram_batches(6, batch=4, T=16)
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, make, lr_lambda=warmup)
+    for step in range(6):
+        if step == 3:
+            torch.save({"model": model.state_dict(), "optim": per_layer.state_dict()}, tmp_path / "ck.pt")
+        model(x[step], y[step])[1].backward()
+    saved = torch.load(tmp_path / "ck.pt", weights_only=True)
+    resumed = tiny_llama(seed=1)
+    resumed.load_state_dict(saved["model"])
+    per_layer2 = attach_per_layer(resumed, make, lr_lambda=warmup)
+    per_layer2.load_state_dict(saved["optim"])
+    assert per_layer2.steps == 3
+    for step in range(3, 6):
+        resumed(x[step], y[step])[1].backward()
+    assert per_layer2.steps == 6 and per_layer2.get_last_lr() == per_layer.get_last_lr()
+    assert_same_params(resumed, model, "resumed vs uninterrupted")
+    with pytest.raises(ValueError, match="does not match"):
+        attach_per_layer(LLaMA(config_for("tiny", method="full", vocab_size=VOCAB)), make).load_state_dict(
+            saved["optim"])
+
+
+def test_per_layer_remove_detaches():
+    x, y = bigram_batches(1, batch=2, T=8)
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    per_layer.remove()
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x[0], y[0])[1].backward()
+    assert all(p.grad is not None for p in model.parameters()) and per_layer.steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_per_layer_ddp_matches_global_ddp():
+    """Two processes on gloo, each with its own data: per-layer DDP ends with the parameters of DDP + one optimizer."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+    result = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True,
+                            text=True, timeout=180)
+    print(result.stdout)
+    assert result.returncode == 0, f"torchrun worker failed:\n{result.stdout}\n{result.stderr[-3000:]}"
+
+
+def _ddp_worker():
+    """The worker of test_per_layer_ddp_matches_global_ddp, started by torchrun."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 4
+    x, y = bigram_batches(2 * steps * world, batch=4, T=16)
+    failures = []
+    # (optimizer, gradient_as_bucket_view, wrap the first micro-batch in no_sync)
+    for name, bucket_view, no_sync in [("AdamW", False, True), ("Adam8bit", True, True), ("AdamW", True, False)]:
+        make = OPTIMIZERS[name]
+        ref = DDP(tiny_llama(), gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.05)  # several buckets
+        per = DDP(tiny_llama(), gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.05)
+        opt = make(ref.parameters())
+        sched = LambdaLR(opt, warmup)
+        per_layer = attach_per_layer(per, make, lr_lambda=warmup)
+        worst_norm = 0.0
+        for step in range(steps):
+            first, last = [(x[i], y[i]) for i in ((2 * step) * world + rank, (2 * step + 1) * world + rank)]
+            with ref.no_sync():
+                (ref(*first)[1] / 2).backward()
+            (ref(*last)[1] / 2).backward()
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            with per.no_sync() if no_sync else contextlib.nullcontext(), per_layer.accumulating():
+                (per(*first)[1] / 2).backward()
+            (per(*last)[1] / 2).backward()
+            if any(p.grad is not None for p in per.parameters()):
+                failures.append(f"{name}: gradients still held after backward")
+            worst_norm = max(worst_norm, abs(per_layer.grad_norm().item() / norm.item() - 1))
+        diff = max(max_diff(a, b) for a, b in zip(ref.parameters(), per.parameters()))
+        # the same on every rank: each used the averaged gradient, not its own
+        flat = torch.cat([p.detach().flatten() for p in per.parameters()])
+        spread = flat.clone()
+        dist.broadcast(spread, src=0)
+        across = torch.tensor(max_diff(flat, spread))
+        dist.all_reduce(across, op=dist.ReduceOp.MAX)
+        across = across.item()
+        line = (f"{name} bucket_view={bucket_view} no_sync={no_sync}: max diff vs global {diff:.3e}, "
+                f"across ranks {across:.3e}, grad_norm rel err {worst_norm:.1e}, steps {per_layer.steps}")
+        if rank == 0:
+            print(line, flush=True)
+        if diff > 1e-6 or across != 0 or worst_norm > 1e-5 or per_layer.steps != steps:
+            failures.append(line)
+    dist.destroy_process_group()
+    if failures:
+        print(f"rank {rank} FAILED:\n" + "\n".join(failures), flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        sys.exit("this is the torchrun worker of test_per_layer_ddp_matches_global_ddp; run: python -m pytest -q "
+                 "test_optim.py")
+    _ddp_worker()
