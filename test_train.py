@@ -1,0 +1,179 @@
+"""
+End-to-end tests of train.py on the tiny size: tiny C4-style shards and a sentencepiece model made here.
+
+    python -m pytest -q test_train.py
+"""
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import train
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Shards of simple, learnable sentences and a 96-piece tokenizer trained on them."""
+    folder, rng = tmp_path_factory.mktemp("c4"), random.Random(0)
+    syllables = [a + b for a in "bdfgklmnprstvz" for b in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(2)) for _ in range(60)]
+    nouns, verbs, adjs = words[:30], words[30:45], words[45:]
+
+    def doc():
+        return " ".join(f"the {rng.choice(adjs)} {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)}."
+                        for _ in range(rng.randint(2, 8)))
+
+    for name, n in [("c4-train.00000-of-00002.json.gz", 150), ("c4-train.00001-of-00002.json.gz", 150),
+                    ("c4-validation.00000-of-00001.json.gz", 40)]:
+        lines = "".join(json.dumps({"text": doc(), "timestamp": "2019-04-25T12:57:54Z"}) + "\n" for _ in range(n))
+        (folder / name).write_bytes(gzip.compress(lines.encode()))
+    tokenizer = data.train_tokenizer(folder, tmp_path_factory.mktemp("tok") / "spm", vocab_size=96)
+    return str(folder), str(tokenizer)
+
+
+def base_args(corpus, out, steps, *extra):
+    folder, tokenizer = corpus
+    return ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(out),
+            "--total_batch_size", "8", "--batch_size", "4", "--max_length", "32", "--num_training_steps", str(steps),
+            "--log_every", "1", "--eval_every", str(steps), "--save_every", "1000", "--eval_tokens", "3000",
+            "--workers", "0", *extra]
+
+
+def metrics(out):
+    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+def final_state(out):
+    return torch.load(Path(out) / "ckpt.pt", weights_only=True)
+
+
+def test_loss_falls_and_metrics_are_recorded(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path, 40, "--eval_every", "10", "--lr", "1e-2"))
+    logs, evals = metrics(tmp_path)
+    assert [r["step"] for r in logs] == list(range(1, 41)), "one log row per update, exactly 40 updates"
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gb"} <= set(logs[0])
+    first, last = sum(r["loss"] for r in logs[:5]) / 5, sum(r["loss"] for r in logs[-5:]) / 5
+    assert last < first - 1.5, f"loss {first:.3f} -> {last:.3f}"
+    assert [r["step"] for r in evals] == [10, 20, 30, 40]
+    assert evals[-1]["val_ppl"] < 0.5 * evals[0]["val_ppl"], f"val ppl {evals[0]['val_ppl']} -> {evals[-1]['val_ppl']}"
+    out = capsys.readouterr().out
+    assert "step 40/40 | loss" in out and "| lr " in out and "tok/s | mem" in out and "| eta " in out
+    assert "sltrain LLaMA:" in out and "low-rank" in out  # the parameter breakdown at start
+    assert final_state(tmp_path)["step"] == 40
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit"], ["--per_layer"],
+                                   ["--optimizer", "adam8bit_per_layer"], ["--pack", "--method", "lowrank"]],
+                         ids=["adamw", "adam8bit", "per-layer", "adam8bit-per-layer", "packed-lowrank"])
+def test_resume_is_bit_exact(corpus, tmp_path, extra):
+    # total 8 = batch 4 x 2 micro-batches, so the per-layer runs accumulate too
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train.main(base_args(corpus, straight, 6, *extra))
+    train.main(base_args(corpus, split, 6, "--stop_after", "3", *extra))
+    assert final_state(split)["step"] == 3
+    train.main(base_args(corpus, split, 6, "--resume", *extra))
+    a, b = metrics(straight)[0], metrics(split)[0]
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b], f"losses differ: {a} vs {b}"
+    sa, sb = final_state(straight), final_state(split)
+    for name, t in sa["model"].items():
+        assert torch.equal(t, sb["model"][name]), f"{name} differs by {(t - sb['model'][name]).abs().max()}"
+    assert metrics(straight)[1] == metrics(split)[1]
+
+
+def run_torchrun(args, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(HERE / "train.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit_per_layer"]], ids=["adamw", "adam8bit-per-layer"])
+def test_torchrun_two_processes_match_one(corpus, tmp_path, extra):
+    one, two = tmp_path / "one", tmp_path / "two"
+    train.main(base_args(corpus, one, 5, "--batch_size", "8", *extra))  # one process, the whole global batch
+    out = run_torchrun(base_args(corpus, two, 5, "--batch_size", "4", *extra))  # two ranks of 4
+    assert "2 x cpu" in out
+    a, b = metrics(one), metrics(two)
+    for ra, rb in zip(a[0], b[0], strict=True):
+        assert abs(ra["loss"] - rb["loss"]) < 1e-5 * ra["loss"], f"step {ra['step']}: {ra['loss']} vs {rb['loss']}"
+    assert abs(a[1][0]["val_loss"] - b[1][0]["val_loss"]) < 1e-5 * a[1][0]["val_loss"]
+    sa, sb = final_state(one)["model"], final_state(two)["model"]
+    diff = max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+    assert diff < 1e-4, f"parameters differ by {diff}"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
+    cmd = [sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path, 100_000)]
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    step = final_state(tmp_path)["step"]
+    assert 3 <= step < 100_000 and metrics(tmp_path)[0][-1]["step"] <= step
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
+    args = base_args(corpus, tmp_path, 6, "--lr", "1e30", "--warmup_steps", "0", "--save_every", "1")
+    with pytest.raises(SystemExit, match=r"non-finite loss at step \d"):
+        train.main(args)
+    state = final_state(tmp_path)
+    assert state["step"] >= 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--per_layer", "--grad_clipping", "1.0"], "drop --grad_clipping or drop --per_layer"),
+    (["--total_batch_size", "10"], "not a multiple of --batch_size"),
+    (["--delta", "1.5"], "delta must be in"),
+    (["--rank", "64"], "rank must be in"),
+    (["--model_config", "configs/llama_99m.json"], "expected configs/llama_<size>.json"),
+])
+def test_bad_flags_fail_before_any_work(corpus, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, 4, *extra))
+    assert message in str(e.value) + capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists(), "no work may start before the flags are checked"
+
+
+def test_resume_from_another_run_is_refused(corpus, tmp_path):
+    train.main(base_args(corpus, tmp_path, 2))
+    with pytest.raises(SystemExit, match="written by another run"):
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--method", "lowrank"))
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        train.main(base_args(corpus, tmp_path / "empty", 4, "--resume"))
+
+
+def test_missing_data_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--data_dir"):
+        train.main(["--size", "tiny", "--data_dir", str(tmp_path / "nowhere"), "--out_dir", str(tmp_path)])
+
+
+def test_authors_flag_names_are_accepted(corpus, tmp_path):
+    args, _ = train.get_args(["--model_config", "configs/llama_60m.json", "--peft_model", "sltrain",
+                              "--sp_ratio", "0.05", "--lora_alpha", "16", "--optimizer", "adam8bit_per_layer",
+                              "--save_dir", "ckpts", "--continue_from", "ckpts/ckpt.pt"])
+    assert (args.size, args.method, args.delta, args.alpha) == ("60m", "sltrain", 0.05, 16.0)
+    assert (args.optimizer, args.per_layer, args.out_dir, args.resume) == ("adam8bit", True, "ckpts", "ckpts/ckpt.pt")
+    assert (args.num_training_steps, args.lr, args.warmup_steps, args.rank) == (11_000, 3e-3, 1100, 128)
