@@ -177,7 +177,7 @@ class LLaMA(nn.Module):
         loss = None
         if targets is not None:
             # a mean over the counted targets; a batch with none counted gives 0, not 0/0
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-1, reduction="sum") / (targets != -1).sum().clamp(min=1)
         return logits, loss
 

@@ -57,14 +57,15 @@ class SLLinearFunction(torch.autograd.Function):
         g = grad_y.reshape(-1, out_features)  # (N, out)
 
         # ∂L/∂x = g W, with W rebuilt from the factors
+        W = None
         if need_x:
             W = merge(B, A, values, indices, s)
             grad_x = (g @ W).view(*grad_y.shape[:-1], in_features)  # (N, out) @ (out, in) -> (N, in)
-            del W
 
-        # G = gᵀ x, the dense weight gradient: a temporary of backward, shared by B, A and V
+        # G = gᵀ x, the dense weight gradient, shared by B, A and V; written over W, which is no longer
+        # needed, so backward holds one weight-sized temporary, not two
         if need_B or need_A or need_V:
-            G = g.t() @ x.reshape(-1, in_features)  # (N, out)ᵀ @ (N, in) -> (out, in)
+            G = torch.mm(g.t(), x.reshape(-1, in_features), out=W)  # (N, out)ᵀ @ (N, in) -> (out, in)
 
         # ∂L/∂B = s · G Aᵀ
         if need_B:
@@ -84,6 +85,19 @@ class SLLinearFunction(torch.autograd.Function):
 def sl_linear(x, B, A, values, indices, scale):
     """Functional form: x (s·BA ⊕_I V)ᵀ. For a sparse-only layer pass B (out, 0) and A (0, in)."""
     return SLLinearFunction.apply(x, B, A, values, indices, scale)
+
+
+def uniform_support(n, nnz):
+    """nnz distinct positions out of n, uniformly at random, sorted. Drawn on the CPU generator, so that a seed gives
+    the same support on any device. For a small fraction, distinct values of random draws are far cheaper than a
+    permutation of all n (a 7B layer has 45M entries); by symmetry they are a uniformly random subset either way."""
+    if nnz > n // 4:
+        return torch.randperm(n)[:nnz].sort().values
+    support = torch.empty(0, dtype=torch.long)
+    while support.numel() < nnz:
+        draws = torch.randint(n, (int(1.1 * (nnz - support.numel())) + 16,))
+        support = torch.cat([support, draws]).unique()
+    return support[torch.randperm(support.numel())[:nnz]].sort().values
 
 
 class SLLinear(nn.Module):
@@ -135,9 +149,7 @@ class SLLinear(nn.Module):
         if self.values is not None:
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.values, -bound, bound)
-            # drawn on the CPU generator so that a seed gives the same support on any device
-            support = torch.randperm(self.in_features * self.out_features)[: self.values.numel()]
-            self.indices.copy_(support.sort().values)
+            self.indices.copy_(uniform_support(self.in_features * self.out_features, self.values.numel()))
 
     def _factors(self, like):
         """B and A, or zero-size stand-ins of the right shape for a sparse-only layer."""
