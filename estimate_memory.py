@@ -1,0 +1,373 @@
+"""
+Memory of pretraining LLaMA with each method: the paper's estimate (Table 1's Mem column, Appendix F), computed
+from the models of model.py on the meta device, and measured on a few real training steps.
+
+    python estimate_memory.py                                              # Table 1 + Appendix F, all sizes
+    python estimate_memory.py --size 60m --method sltrain --rank 128 --delta 0.01   # an ablation (Table 4): 43.02M
+    python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1
+    python estimate_memory.py --json                                       # machine-readable rows
+    python estimate_memory.py --size tiny --measure                        # estimate beside measurement
+
+The paper's convention (Appendix F): parameters and Adam's two moments in bf16 (2 bytes each), sparse indices in
+int64 (8 bytes), 1G = 10⁹ bytes, total = parameters + optimizer state, added as printed (the paper's 130m full-rank
+total .27 + .54 = .81 although 0.8047 rounds to .80). Gradients and activations are not in the paper's total; we
+print them beside it, and `train` adds them. Per method:
+    full      all parameters, and the moments of all of them
+    lowrank   W = s·BA for every projection; embeddings, norms and head stay dense
+    sltrain   W = s·BA + S: as lowrank, plus nnz values (bf16) and nnz indices (int64 by default)
+    relora    the full-rank weights plus the low-rank model (adapters and the other parameters); moments of the latter
+    galore    the full-rank weights; per projection (m, n) the moments of the projected gradient, r·max(m, n)
+              elements each, and the projection, r·min(m, n); moments of all other parameters as usual
+"""
+
+import argparse
+import json
+import math
+import textwrap
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import optim
+from model import LLaMA, METHODS, SIZES, config_for
+from sllinear import SLLinear
+
+ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")
+PAPER_SIZES = ("60m", "130m", "350m", "1b", "7b")
+BF16 = 2  # bytes of a parameter, a gradient and (for AdamW) a moment, as the paper counts
+INDEX_BYTES = {"int64": 8, "int32": 4}
+BLOCK_SIZE, MIN_8BIT_SIZE = 256, 4096  # optim.Adam8bit's defaults: one float32 absmax per block of 256 codes
+GB = 1e9
+
+# Cells where the paper's printed figure disagrees with its own configuration; we print the correct value.
+SLIPS = {
+    ("60m", "lowrank"): "paper prints 0.08 + 0.16 = 0.24, but its own 42.78M parameters take 0.0856G and 0.171G",
+    ("60m", "relora"): "paper's Table prints optim 0.16 (total 0.36), but its Appendix F text gives 85.54M moments "
+                       "= 0.17G; its 102.77M stored parameters are 58.07M + 42.77M = 100.84M (still 0.20G)",
+    ("350m", "galore"): "paper prints optim 0.85 (total 1.59) from a projection of 144.04M; the configuration "
+                        "gives 7·24·256·1024 = 44.04M (its 60m/130m/1b projections are right)",
+    ("130m", "sltrain", 224, 0.03): "paper's Appendix F and Table 4 print total 0.58 for r=224, but its own "
+                                    "cells add to 0.20 + 0.36 = 0.56",
+}
+
+
+def slip(size, method, rank, delta):
+    """The footnote of a cell the paper printed differently, if this is one of them."""
+    default_rank, default_delta = SIZES[size][4], SIZES[size][6]
+    if rank == default_rank and (method != "sltrain" or delta == default_delta):
+        return SLIPS.get((size, method))
+    return SLIPS.get((size, method, rank, delta))
+
+
+def moment_bytes(numel, optimizer):
+    """Bytes of Adam's two moments of one tensor."""
+    if optimizer == "adamw":
+        return 2 * BF16 * numel
+    if numel < MIN_8BIT_SIZE:  # small tensors (norms) keep float32 moments: quantizing them saves nothing
+        return 2 * 4 * numel
+    blocks = math.ceil(numel / BLOCK_SIZE)
+    return 2 * blocks * (BLOCK_SIZE + 4)  # per block: a 1-byte code per element (last block padded) + a float32 absmax
+
+
+class _FlashAttentionOnMeta(TorchFunctionMode):
+    """On the meta device SDPA takes the math path and would save the (T, T) attention matrix; the flash kernels of
+    CPU and CUDA save only q, k, v, the output and a float32 logsumexp. Count what they save."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and len(args) == 3 and kwargs.get("attn_mask") is None:
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # q, k, v -> (out, logsumexp)
+            return flash(*args, is_causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+class SavedTensors:
+    """Counts the bytes autograd saves for backward (the activations), once per storage, parameters excluded."""
+
+    def __init__(self, model):
+        self.skip = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+        self.seen = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage._cdata not in self.skip:
+            self.seen[storage._cdata] = storage.nbytes()
+        return t
+
+    @property
+    def nbytes(self):
+        return sum(self.seen.values())
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def activation_bytes(size, method, rank, delta, batch_size, max_length):
+    """Saved activations of one bf16 forward of the model, counted on the meta device (free at any size)."""
+    model = LLaMA(config_for(size, method=method, rank=rank, delta=delta), device="meta").to(torch.bfloat16)
+    idx, targets = (torch.zeros(batch_size, max_length, dtype=torch.long, device="meta") for _ in range(2))
+    with SavedTensors(model) as saved, _FlashAttentionOnMeta():
+        model(idx, targets)
+    return saved.nbytes
+
+
+def layer_grad_numel(model, trainable):
+    """Gradient elements of the largest layer: with per-layer updates a layer's gradients are freed after its step."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False) if trainable(p)) for m in model.modules())
+
+
+def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
+             batch_size=0, max_length=256):
+    """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
+    gradients and activations of one method at one size."""
+    if method not in ALL_METHODS:
+        raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
+    if index_dtype not in INDEX_BYTES:
+        raise ValueError(f"index_dtype must be one of {', '.join(INDEX_BYTES)}, got {index_dtype!r}")
+    if optimizer not in ("adamw", "adam8bit"):
+        raise ValueError(f"optimizer must be adamw or adam8bit, got {optimizer!r}")
+    config = config_for(size, rank=rank, delta=delta)
+    rank, delta = config.rank, config.delta if method == "sltrain" else 0.0
+    ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain"}[method]
+    model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta), device="meta")
+    n = model.num_params()
+    row = dict(size=size, method=method, rank=rank, delta=delta, optimizer=optimizer, index_dtype=index_dtype,
+               per_layer=per_layer, batch_size=batch_size, max_length=max_length,
+               params_m=n["total"] / 1e6, dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6,
+               sparse_m=n["sparse"] / 1e6)
+    stored = n["total"]
+    param_bytes = BF16 * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
+    optim_bytes = sum(moment_bytes(p.numel(), optimizer) for p in model.parameters())
+    state_numel = 2 * n["total"]
+    grad_numel = layer_grad_numel(model, lambda p: True) if per_layer else n["total"]
+
+    if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
+        full = LLaMA(config_for(size, method="full"), device="meta")
+        stored = full.num_params()["total"] + n["total"]
+        param_bytes = BF16 * stored
+        row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
+
+    if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
+        lowrank = LLaMA(config_for(size, method="lowrank", rank=rank), device="meta")
+        projections = [m for m in lowrank.modules() if isinstance(m, SLLinear)]
+        dense = [p for name, p in lowrank.named_parameters() if name.rsplit(".", 1)[-1] not in ("A", "B")]
+        projected = [m.rank * max(m.in_features, m.out_features) for m in projections]
+        projection_numel = sum(m.rank * min(m.in_features, m.out_features) for m in projections)
+        optim_bytes = (sum(moment_bytes(k, optimizer) for k in projected + [p.numel() for p in dense])
+                       + BF16 * projection_numel)  # the projection stays bf16, it is not an Adam moment
+        state_numel = 2 * (sum(projected) + sum(p.numel() for p in dense)) + projection_numel
+        row["projection_m"] = projection_numel / 1e6
+
+    row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
+               grad_gb=BF16 * grad_numel / GB, act_gb=0.0)
+    if batch_size:
+        row["act_gb"] = activation_bytes(size, ours, rank, delta, batch_size, max_length) / GB
+    row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
+    row["train_gb"] = row["total_gb"] + row["grad_gb"] + row["act_gb"]
+    row["footnote"] = slip(size, method, rank, delta) if (optimizer, index_dtype) == ("adamw", "int64") else None
+    return row
+
+
+def printed(row):
+    """The paper's three cells as it prints them: param and optim rounded to .01 G, total their sum."""
+    param, optim = round(row["param_gb"], 2), round(row["optim_gb"], 2)
+    return f"{param:.2f}", f"{optim:.2f}", f"{param + optim:.2f}"
+
+
+def print_table(rows):
+    r0 = rows[0]
+    acts = bool(r0["batch_size"])
+    print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): bf16 parameters and gradients, {r0['index_dtype']} indices, "
+                        + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else "AdamW (2 bf16 moments)")
+                        + (", gradients of one layer (per-layer updates)" if r0["per_layer"] else "")
+                        + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else ""), 118))
+    print(f"{'size':>5} {'method':<8} {'params':>9}   {'param':>5} + {'optim':>5} = {'total':>5}      "
+          f"{'grads':>6} {'acts':>6} {'train':>6}")
+    notes = []
+    for r in rows:
+        param, optim, total = printed(r)
+        mark = ""
+        if r["footnote"]:
+            notes.append(r["footnote"])
+            mark = f"[{len(notes)}]"
+        grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
+        train = float(total) + grads + act  # added as printed, like the paper's total
+        act_cell = f"{act:6.2f}" if acts else "     -"
+        print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
+              f"  {grads:6.2f} {act_cell} {train:6.2f}")
+    print("total = param + optim, the paper's Mem column; train adds gradients (and activations with --batch_size)")
+    for i, note in enumerate(notes, 1):
+        print(textwrap.fill(note, 118, initial_indent=f"[{i}] ", subsequent_indent="    "))
+
+
+def print_breakdown(r):
+    """Appendix F's paragraph for one row, with the parts the paper leaves out."""
+    m = r["method"]
+    print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m == "sltrain" else "")
+          + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
+          + (", per-layer updates" if r["per_layer"] else "")
+          + (f", batch {r['batch_size']} x {r['max_length']} tokens" if r["batch_size"] else ""))
+
+    def line(name, value, unit, why):
+        print(textwrap.fill(why, 118, initial_indent=f"  {name:<12} {value:8.2f}{unit}  ", subsequent_indent=" " * 26))
+
+    parts = f"= {r['dense_m']:.2f}M dense + {r['lowrank_m']:.2f}M low-rank + {r['sparse_m']:.2f}M sparse"
+    line("parameters", r["params_m"], "M", parts if m in METHODS else "(full-rank)")
+    if m == "relora":
+        line("stored", r["stored_m"], "M", f"= {r['params_m']:.2f}M full-rank + {r['stored_m'] - r['params_m']:.2f}M "
+             "low-rank model")
+    sparse = f" + {r['sparse_m']:.2f}M {r['index_dtype']} indices" if r["sparse_m"] else ""
+    line("param", r["param_gb"], "G", f"{r['stored_m']:.2f}M bf16 values{sparse}")
+    state = "bf16" if r["optimizer"] == "adamw" else "8-bit, + a float32 absmax per 256, float32 under 4096 elements"
+    if m == "galore":
+        line("optim", r["optim_gb"], "G", f"{r['state_m'] - r['projection_m']:.2f}M moments of projected gradients "
+             f"and dense parameters ({state}) + {r['projection_m']:.2f}M projection (bf16)")
+    else:
+        line("optim", r["optim_gb"], "G", f"{r['state_m']:.2f}M moments, {state}")
+    line("grads", r["grad_gb"], "G", "bf16, " + ("the largest layer only (per-layer updates)" if r["per_layer"] else
+                                                 "every parameter's" if m == "galore" else "every trained parameter's"))
+    if r["batch_size"]:
+        line("activations", r["act_gb"], "G", "saved for backward by one bf16 forward, counted on the meta device")
+    total = float(printed(r)[2])  # added as printed, like the paper's total
+    line("total", total, "G", "param + optim, the paper's convention" + (" (see the note)" if r["footnote"] else ""))
+    line("train", total + round(r["grad_gb"], 2) + round(r["act_gb"], 2), "G", "total + grads"
+         + (" + activations" if r["batch_size"] else "") + "; temporaries of backward come on top")
+    if r["footnote"]:
+        print(textwrap.fill(r["footnote"], 118, initial_indent="  note: ", subsequent_indent="        "))
+
+
+# ----------------------------------------------------------------------------- measured
+
+def fmt_bytes(b):
+    return f"{b / GB:.2f}G" if b >= GB else f"{b / 1e6:.1f}M"
+
+
+def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+    """A few real bf16 training steps of our model. Returns the bytes of parameters, gradients (the most alive at
+    once), optimizer state and saved activations (the most of one forward), counted; on CUDA also the allocator's
+    peak; and the index dtype the model stores."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for(size, method=method, rank=rank, delta=delta), device=device).to(torch.bfloat16)
+    params = list(model.parameters())
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    # AdamW one tensor at a time: the multi-tensor path would add a temporary the size of all moments to the peak
+    make = (lambda ps: optim.Adam8bit(ps, **hyper)) if optimizer == "adam8bit" else \
+        (lambda ps: optim.AdamW(ps, **hyper, foreach=False))
+    peak = dict(grads=0, acts=0)
+
+    def track_grads(_):  # registered before the per-layer hooks, so it runs while this gradient is still alive
+        peak["grads"] = max(peak["grads"], sum(p.grad.nbytes for p in params if p.grad is not None))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(track_grads)
+    per = optim.attach_per_layer(model, make) if per_layer else None
+    opt = None if per_layer else make(params)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
+        with SavedTensors(model) as saved:
+            _, loss = model(idx[:, :-1], idx[:, 1:].contiguous())
+        peak["acts"] = max(peak["acts"], saved.nbytes)
+        loss.backward()  # with per-layer updates each parameter steps here and drops its gradient
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    optimizers = [opt] if opt is not None else per.optimizers.values()
+    state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+    counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
+                   grad=peak["grads"], act=peak["acts"])
+    counted["train"] = sum(counted.values())
+    if device.type == "cuda":
+        counted["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+    index_dtype = next((str(m.indices.dtype).removeprefix("torch.") for m in model.modules()
+                        if isinstance(m, SLLinear) and m.indices is not None), "int64")  # int32 below 2³¹ entries
+    return counted, index_dtype
+
+
+def print_measured(results, device, args):
+    print(f"measured on {device}: {args.size}, bf16, batch {args.batch_size} x {args.max_length}, {args.steps} steps, "
+          f"{args.optimizer}{', per-layer' if args.per_layer else ''} -- estimate / counted"
+          + (" / CUDA max_memory_allocated" if device.type == "cuda" else ""))
+    print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train")))
+    for method, (est, counted) in results.items():
+        cells = [f"{fmt_bytes(est[k + '_gb'] * GB):>8}/{fmt_bytes(counted[k]):<8}"
+                 for k in ("param", "optim", "grad", "act", "train")]
+        peak = f" / {fmt_bytes(counted['cuda_peak'])}" if "cuda_peak" in counted else ""
+        print(f"{method:<8} " + " ".join(cells) + peak)
+    print("counted: bytes of parameters and buffers, optimizer state, the most gradient bytes alive at once and the\n"
+          "saved activations of one forward; a real peak (CUDA's allocator) adds the temporaries of backward")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--size", default="all", choices=["all", *SIZES],
+                        help="model size; all = the paper's 60m..7b (--measure defaults to tiny)")
+    parser.add_argument("--method", default="all", choices=["all", *ALL_METHODS], help="training method")
+    parser.add_argument("--rank", type=int, default=None, help="r of the low-rank factors (default: the size's)")
+    parser.add_argument("--delta", type=float, default=None, help="sltrain's sparse fraction (default: the size's)")
+    parser.add_argument("--index_dtype", default="int64", choices=list(INDEX_BYTES),
+                        help="bytes per sparse index: the paper counts int64; sllinear.py stores int32")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
+                        help="adamw: 2 bf16 moments; adam8bit: 8-bit moments, ~2.03 bytes per parameter")
+    parser.add_argument("--per_layer", action="store_true",
+                        help="per-layer updates: only one layer's gradients are alive at a time")
+    parser.add_argument("--batch_size", type=int, default=0,
+                        help="sequences per step for the activation estimate; 0 leaves activations out "
+                             "(--measure: default 2)")
+    parser.add_argument("--max_length", type=int, default=256, help="tokens per sequence (the paper's 256)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--measure", action="store_true",
+                        help="run a few training steps of full/lowrank/sltrain; print measured beside estimated")
+    parser.add_argument("--steps", type=int, default=3, help="--measure: training steps")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--measure: device")
+    args = parser.parse_args()
+    if args.batch_size < 0 or args.max_length < 1 or args.steps < 1:
+        raise ValueError("--batch_size must be >= 0, --max_length and --steps >= 1")
+
+    if args.measure:
+        if args.size == "all":
+            args.size = "tiny"
+        args.batch_size = args.batch_size or 2
+        methods = METHODS if args.method == "all" else (args.method,)
+        if any(m not in METHODS for m in methods):
+            raise ValueError(f"--measure runs this repo's models only; pass --method in {', '.join(METHODS)} or all")
+        device = torch.device(args.device)
+        results = {}
+        for method in methods:
+            counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
+                                           args.batch_size, args.max_length, args.steps, device)
+            est = estimate(args.size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer,
+                           args.batch_size, args.max_length)
+            results[method] = (est, counted)
+        if args.json:
+            print(json.dumps([dict(est, measured=counted, device=str(device)) for est, counted in results.values()],
+                             indent=1))
+        else:
+            print_measured(results, device, args)
+        return
+
+    sizes = PAPER_SIZES if args.size == "all" else (args.size,)
+    methods = ALL_METHODS if args.method == "all" else (args.method,)
+    rows = [estimate(size, method, args.rank, args.delta, args.index_dtype, args.optimizer, args.per_layer,
+                     args.batch_size, args.max_length) for size in sizes for method in methods]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif len(rows) == 1:
+        print_breakdown(rows[0])
+    else:
+        print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
