@@ -166,7 +166,7 @@ def test_resume_from_another_run_is_refused(corpus, tmp_path):
 
 
 def test_missing_data_names_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--data_dir"):
+    with pytest.raises(SystemExit, match="does not exist; pass --data_dir or run with --download"):
         train.main(["--size", "tiny", "--data_dir", str(tmp_path / "nowhere"), "--out_dir", str(tmp_path)])
 
 

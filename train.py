@@ -11,6 +11,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -199,9 +200,12 @@ def main(argv=None):
         download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=1))
     if ddp:
         dist.barrier()
-    find_shards(args.data_dir, "train")
-    find_shards(args.data_dir, "validation")
-    vocab_size = load_tokenizer(args.tokenizer).get_piece_size()  # 32000 for T5's, as in the paper
+    try:
+        find_shards(args.data_dir, "train")
+        find_shards(args.data_dir, "validation")
+        vocab_size = load_tokenizer(args.tokenizer).get_piece_size()  # 32000 for T5's, as in the paper
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py --size {args.size}: {e}") from None
     ckpt = None
     if args.resume:
         path = os.path.join(args.out_dir, "ckpt.pt") if args.resume == "auto" else args.resume
@@ -370,7 +374,9 @@ def main(argv=None):
                 loss_sum.zero_()
                 t_log, step_log = now, done
         if done % args.eval_every == 0 or done == args.num_training_steps:
+            t_eval = time.perf_counter()
             run_eval(done)
+            t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
         if done % args.save_every == 0 or done == args.num_training_steps or stop["signal"]:
             checkpoint(done)
         if stop["signal"]:
@@ -386,7 +392,11 @@ def main(argv=None):
         signal.signal(sig, handler)
     if metrics:
         metrics.close()
-    if ddp:
+    if ddp:  # DDP's reducer (and the per-layer hooks on it) must go before the process group does
+        if per_layer:
+            per_layer.remove()
+        model = per_layer = None
+        gc.collect()
         dist.destroy_process_group()
 
 
