@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import LLaMA, SIZES, config_for
-from sllinear import SLLinear, SLLinearFunction, merge, sl_linear
+from sllinear import SLLinear, SLLinearFunction, sl_linear, uniform_support
 
 
 def random_factors(out_f, in_f, rank, nnz, dtype=torch.float64, index_dtype=torch.int64, seed=0):
@@ -166,6 +166,22 @@ def test_init_statistics():
     chi2 = ((per_row - expected) ** 2 / expected).sum().item()
     assert chi2 < out_f + 5 * math.sqrt(2 * out_f), f"row counts are not uniform: chi2 {chi2:.0f} for {out_f} rows"
     assert layer.scale == 32 / 64
+
+
+@pytest.mark.parametrize("nnz", [30, 600], ids=["distinct-draws", "permutation"])
+def test_uniform_support_picks_every_position_equally(nnz):
+    # both ways of drawing (distinct random draws for small fractions, a permutation for large ones) must give
+    # each position probability nnz/n: the standardized counts over many draws have a chi-square sum near n
+    torch.manual_seed(0)
+    n, trials = 1000, 400
+    counts = torch.zeros(n)
+    for _ in range(trials):
+        support = uniform_support(n, nnz)
+        assert support.numel() == nnz and torch.all(support[1:] > support[:-1]) and 0 <= support[0] < support[-1] < n
+        counts[support] += 1
+    p = nnz / n
+    chi2 = (((counts - trials * p) ** 2) / (trials * p * (1 - p))).sum().item()
+    assert abs(chi2 - n) < 5 * math.sqrt(2 * n), f"chi-square {chi2:.0f} for {n} positions"
 
 
 def test_init_is_reproducible_under_manual_seed():

@@ -161,6 +161,10 @@ def test_resume_from_another_run_is_refused(corpus, tmp_path):
     train.main(base_args(corpus, tmp_path, 2))
     with pytest.raises(SystemExit, match="written by another run"):
         train.main(base_args(corpus, tmp_path, 4, "--resume", "--method", "lowrank"))
+    with pytest.raises(SystemExit, match=r"total_batch_size 8 \(now 16\)"):
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--total_batch_size", "16"))
+    with pytest.raises(SystemExit, match="already has 2 updates; raise --num_training_steps"):
+        train.main(base_args(corpus, tmp_path, 2, "--resume"))
     with pytest.raises(SystemExit, match="no checkpoint at"):
         train.main(base_args(corpus, tmp_path / "empty", 4, "--resume"))
 

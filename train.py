@@ -214,12 +214,17 @@ def main(argv=None):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         old = ckpt["args"]
         keys = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total_batch_size", "max_length", "pack")
-        diff = {k: (old[k], getattr(args, k)) for k in keys if old[k] != getattr(args, k)}
+        diff = [f"{k} {old[k]} (now {getattr(args, k)})" for k in keys if old[k] != getattr(args, k)]
         if ckpt["model_config"]["vocab_size"] != vocab_size:
-            diff["vocab_size"] = (ckpt["model_config"]["vocab_size"], vocab_size)
-        if diff or ckpt["world"] != world:
-            raise SystemExit(f"--resume: {path} was written by another run ({diff or ''} world {ckpt['world']} vs "
-                             f"{world}); pass the same flags and device count, or a new --out_dir")
+            diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
+        if ckpt["world"] != world:
+            diff.append(f"{ckpt['world']} processes (now {world})")
+        if diff:
+            raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
+                             "pass the same flags and device count, or a new --out_dir")
+        if ckpt["step"] >= args.num_training_steps:
+            raise SystemExit(f"--resume: {path} already has {ckpt['step']} updates; raise --num_training_steps "
+                             "to train on")
 
     # ---- model
     torch.manual_seed(args.seed)
@@ -299,12 +304,14 @@ def main(argv=None):
         if master:
             save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), state)
 
+    last_eval = {}
+
     def run_eval(step):
         val_loss, val_ppl = evaluate(raw_model, val, device, rank, world)
         if master:
             print(f"step {step}/{args.num_training_steps} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
-        record({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
-        return val_loss
+        last_eval.update(step=step, val_loss=val_loss, val_ppl=val_ppl)
+        record(dict(last_eval))
 
     # ---- the loop: exactly num_training_steps updates
     start = ckpt["step"] if ckpt else 0
@@ -386,8 +393,10 @@ def main(argv=None):
 
     if master and not stop["signal"]:
         total = time.perf_counter() - t_start
-        print(f"done: {args.num_training_steps} updates in {fmt_time(total)} | "
-              f"{args.num_training_steps - start} this run | checkpoint {args.out_dir}/ckpt.pt")
+        print(f"done: {args.num_training_steps - start} updates in {fmt_time(total)} "
+              f"({tokens_per_update * (args.num_training_steps - start) / total / 1e3:.0f}k tok/s with evals) | "
+              f"val loss {last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | "
+              f"checkpoint {args.out_dir}/ckpt.pt")
     for sig, handler in old_handlers.items():
         signal.signal(sig, handler)
     if metrics:
