@@ -181,3 +181,12 @@ def test_authors_flag_names_are_accepted(corpus, tmp_path):
     assert (args.size, args.method, args.delta, args.alpha) == ("60m", "sltrain", 0.05, 16.0)
     assert (args.optimizer, args.per_layer, args.out_dir, args.resume) == ("adam8bit", True, "ckpts", "ckpts/ckpt.pt")
     assert (args.num_training_steps, args.lr, args.warmup_steps, args.rank) == (11_000, 3e-3, 1100, 128)
+
+
+def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="python data.py download --out .* --train_shards 17"):
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path)])
+    assert not (tmp_path / "c4").exists()

@@ -166,16 +166,6 @@ def main(argv=None):
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
                                int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
-    if args.device == "auto":
-        args.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if ddp:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    master = rank == 0
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    args.dtype = str(dtype).removeprefix("torch.")
 
     # ---- batch arithmetic: total = batch_size x accumulation x world, exactly
     if args.batch_size is None:
@@ -192,14 +182,27 @@ def main(argv=None):
                          f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
     args.gradient_accumulation = accum
 
-    # ---- data (cheap checks first) and the resume checkpoint
-    if args.download and master:
+    # ---- data download (one process), then the device and the process group
+    if args.download:
         # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents)
         n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
+        if ddp:  # the other ranks would wait on a barrier for the whole download, past the process group's timeout
+            raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
+                             f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {n_train}")
         print(f"--download: {n_train} C4 train shard(s), 1 validation shard and the T5 tokenizer into {args.data_dir}")
         download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=1))
+    if args.device == "auto":
+        args.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if ddp:
-        dist.barrier()
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    master = rank == 0
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    args.dtype = str(dtype).removeprefix("torch.")
+
+    # ---- cheap checks of the data, and the resume checkpoint
     try:
         find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
