@@ -154,6 +154,10 @@ def evaluate(model, batches, device, rank, world):
     return val_loss, math.exp(min(val_loss, 50.0))
 
 
+def fmt_rate(tokens_per_s):
+    return f"{tokens_per_s / 1e3:.0f}k" if tokens_per_s >= 1e4 else f"{tokens_per_s / 1e3:.1f}k"
+
+
 def fmt_time(seconds):
     h, m = divmod(int(seconds) // 60, 60)
     return f"{h}h{m:02d}m"
@@ -377,7 +381,7 @@ def main(argv=None):
                    "ms_per_step": ms, "tokens_per_s": tok_s, "peak_mem_gb": mem}
             if master and is_log:
                 print(f"step {done}/{args.num_training_steps} | loss {row['loss']:.4f} | lr {lr:.1e} | "
-                      f"norm {row['grad_norm']:.2f} | {ms:.0f} ms | {tok_s / 1e3:.0f}k tok/s | mem {mem:.1f} GB | "
+                      f"norm {row['grad_norm']:.2f} | {ms:.0f} ms | {fmt_rate(tok_s)} tok/s | mem {mem:.1f} GB | "
                       f"eta {fmt_time(eta)}", flush=True)
             if is_log:
                 record(row)
@@ -397,7 +401,7 @@ def main(argv=None):
     if master and not stop["signal"]:
         total = time.perf_counter() - t_start
         print(f"done: {args.num_training_steps - start} updates in {fmt_time(total)} "
-              f"({tokens_per_update * (args.num_training_steps - start) / total / 1e3:.0f}k tok/s with evals) | "
+              f"({fmt_rate(tokens_per_update * (args.num_training_steps - start) / total)} tok/s with evals) | "
               f"val loss {last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | "
               f"checkpoint {args.out_dir}/ckpt.pt")
     for sig, handler in old_handlers.items():
