@@ -84,6 +84,14 @@ class SLLinearFunction(torch.autograd.Function):
 
 def sl_linear(x, B, A, values, indices, scale):
     """Functional form: x (s·BA ⊕_I V)ᵀ. For a sparse-only layer pass B (out, 0) and A (0, in)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # mixed precision: autocast does not reach inside an autograd.Function, so do what it does for nn.Linear:
+        # cast the (float32) weights to the autocast dtype on the way in. The casts are recorded by autograd, so
+        # the gradients of B, A and V come back in float32, and W is formed and multiplied in bf16 alone.
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return SLLinearFunction.apply(x.to(dtype), B.to(dtype), A.to(dtype), values.to(dtype), indices, scale)
     return SLLinearFunction.apply(x, B, A, values, indices, scale)
 
 
@@ -165,11 +173,14 @@ class SLLinear(nn.Module):
 
     @torch.no_grad()
     def merged_weight(self):
-        """The dense (out, in) weight, for inspection, export and spectrum analysis."""
-        if self.values is None:
-            return (self.B * self.scale) @ self.A
-        B, A = self._factors(self.values)
-        return merge(B, A, self.values, self.indices, self.scale)
+        """The dense (out, in) weight in the parameters' dtype (also under autocast), for inspection, export and
+        spectrum analysis."""
+        with torch.autocast(self.values.device.type if self.values is not None else self.A.device.type,
+                            enabled=False):
+            if self.values is None:
+                return (self.B * self.scale) @ self.A
+            B, A = self._factors(self.values)
+            return merge(B, A, self.values, self.indices, self.scale)
 
     def extra_repr(self):
         nnz = 0 if self.values is None else self.values.numel()
