@@ -4,6 +4,9 @@ Speed (and, on a GPU, memory) of SLTrain against dense training, always as ratio
     python bench.py --quick                  # a couple of minutes on a 2-core CPU
     python bench.py                          # CPU: layer at 4096 tokens, 60m train steps, optimizer steps on 60m
     python bench.py --size 350m 1b --batch_size 16 --json --out bench.json   # choose the models; write the figures
+    python bench.py --suite gpu --data_dir data/c4 --out out/gpu.json        # every GPU figure, one H100, ~8 min
+    python bench.py --suite gpu --only layer optimizer                       # some of its sections
+    python bench.py --suite tiny                                             # the same code at toy sizes, on CPU
 
 Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
@@ -12,8 +15,14 @@ Sections (--only picks some):
     model      train-step tokens/s of full, lowrank and sltrain (CUDA default: 350m and 1b; paper: sltrain/full =
                0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
-    memory     CUDA only: peak memory of full-rank AdamW vs 8-bit SLTrain with per-layer updates at 350m, 1b and 7b
-               (batch 1 x 256, bf16; paper: -51%, -58%, -73%)
+    memory     CUDA only: peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and
+               low-rank 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
+               (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
+
+--suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the three
+methods with AdamW and 8-bit per-layer, eager and compiled; the memory section; the 8-bit step against fused AdamW on
+the 7b shapes; and, with --data_dir, train.py itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile,
+torchrun). --suite tiny runs the same code at toy sizes on CPU (test_bench.py).
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
@@ -147,28 +156,6 @@ def bench_optimizer(size, device, dtype, rounds):
     times = interleave(variants, rounds, device)
     return dict(size=size, params_m=sum(p.numel() for p in base) / 1e6, dtype=str(dtype).removeprefix("torch."),
                 variants=summary(times, "torch.optim.AdamW"))
-
-
-def bench_memory(sizes, device, steps=3):
-    """Peak CUDA memory (max_memory_allocated) of full-rank AdamW vs 8-bit SLTrain with per-layer updates."""
-    result = {}
-    for size in sizes:
-        peaks = {}
-        for name, method, optimizer, per_layer in (("full_adamw", "full", "adamw", False),
-                                                   ("sltrain_8bit_per_layer", "sltrain", "adam8bit", True)):
-            est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, 256)
-            peaks[name + "_estimate"] = est["train_gb"]  # params + optimizer + gradients + activations
-            try:
-                counted, _ = measure(size, method, None, None, optimizer, per_layer, 1, 256, steps, device)
-                peaks[name] = counted["cuda_peak"] / 1e9
-            except torch.cuda.OutOfMemoryError:
-                peaks[name] = None  # reported as OOM: 7b full-rank may not fit
-            gc.collect()
-            torch.cuda.empty_cache()
-        full, ours = peaks["full_adamw"], peaks["sltrain_8bit_per_layer"]
-        peaks["reduction"] = 1 - ours / full if full and ours else None
-        result[size] = peaks
-    return result
 
 
 # ----------------------------------------------------------------------------- the GPU suite
@@ -363,42 +350,50 @@ def suite_program(s, data_dir, tokenizer, out_dir):
     return result
 
 
-def run_suite(name, device, data_dir=None, tokenizer=None, out_dir="out/suite"):
-    """Every section of a suite; the program section needs C4 shards and a tokenizer (data_dir, tokenizer)."""
+def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_dir="out/suite"):
+    """The suite's sections (default: all; program only with C4 shards and a tokenizer: data_dir, tokenizer)."""
     s = SUITES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    r = dict(suite=name, layer=suite_layer(s, device, dtype), model=suite_model(s, device, dtype),
-             memory=suite_memory(s, device), optimizer=suite_optimizer(s, device, dtype))
-    if data_dir:
-        r["program"] = suite_program(s, data_dir, tokenizer, out_dir)
-    return r
+    run = dict(layer=lambda: suite_layer(s, device, dtype), model=lambda: suite_model(s, device, dtype),
+               memory=lambda: suite_memory(s, device), optimizer=lambda: suite_optimizer(s, device, dtype),
+               program=lambda: suite_program(s, data_dir, tokenizer, out_dir))
+    sections = sections or [k for k in run if k != "program" or data_dir]
+    if "program" in sections and not data_dir:
+        raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
+    return dict(suite=name, **{k: run[k]() for k in sections})
 
 
-def report_suite(r):
-    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
-    print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd")
-    for L in r["layer"]:
-        v = L["variants"]
-        print(f"  {L['size']:>4} {L['shape']:>11} r={L['rank']:<4} floor x{L['floor']:.4f} | dense "
-              f"{v['dense']['ms']:.2f} ms | sltrain {x(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%}"
-              f" of floor) | merge {x(v['merge'])}")
-    M = r["model"]
-    for group, v in M["groups"].items():
-        print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
-        for name, row in v.items():
-            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {x(row)}")
-    for size, P in r["memory"].items():
+def report_memory(r):
+    for size, P in r.get("memory", {}).items():
         paper = "" if P["paper_reduction"] is None else f", paper -{100 * P['paper_reduction']:.0f}%"
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
         print(f"memory {size}, batch 1: sltrain 8-bit per-layer vs full AdamW {red}{paper}")
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else f"{row['gb']:.3f} GB ({row['vs_estimate']:+.1%} vs estimate)"
             print(f"  {name:<28} {gb} | estimate {row['estimate_gb']:.3f} GB")
+
+
+def report_suite(r):
+    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
+    if "layer" in r:
+        print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd")
+    for L in r.get("layer", []):
+        v = L["variants"]
+        print(f"  {L['size']:>4} {L['shape']:>11} r={L['rank']:<4} floor x{L['floor']:.4f} | dense "
+              f"{v['dense']['ms']:.2f} ms | sltrain {x(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%}"
+              f" of floor) | merge {x(v['merge'])}")
+    M = r.get("model", {})
+    for group, v in M.get("groups", {}).items():
+        print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
+        for name, row in v.items():
+            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {x(row)}")
+    report_memory(r)
     for name, row in r.get("program", {}).items():
         print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    O = r["optimizer"]
-    print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
-          + " | ".join(f"{k} {v['ms']:.2f} ms {x(v)}" for k, v in O["variants"].items()))
+    if "optimizer" in r:
+        O = r["optimizer"]
+        print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
+              + " | ".join(f"{k} {v['ms']:.2f} ms {x(v)}" for k, v in O["variants"].items()))
 
 
 # ----------------------------------------------------------------------------- report
@@ -428,12 +423,7 @@ def report(r):
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
               "(for-loop on CPU, foreach on CUDA)")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
-    for size, P in r.get("memory", {}).items():
-        cell = lambda gb: "OOM" if gb is None else f"{gb:.2f} GB"
-        reduction = "" if P["reduction"] is None else f" ({-100 * P['reduction']:+.0f}%)"
-        print(f"peak memory {size}, batch 1 x 256, bf16: full-rank AdamW {cell(P['full_adamw'])} (estimate "
-              f"{P['full_adamw_estimate']:.2f}) | 8-bit SLTrain per-layer {cell(P['sltrain_8bit_per_layer'])} "
-              f"(estimate {P['sltrain_8bit_per_layer_estimate']:.2f}){reduction}")
+    report_memory(r)
     print("x: median over rounds of the per-round ratio [lowest-highest round]")
 
 
@@ -446,8 +436,8 @@ def main():
     parser.add_argument("--data_dir", help="--suite: C4 shards for the train.py section (skipped without them)")
     parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
-    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory"],
-                        help="run only these sections (default: all that apply to the device)")
+    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory", "program"],
+                        help="run only these sections (default: all that apply to the device; program: --suite only)")
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
     parser.add_argument("--batch_size", type=int, default=None, help="sequences per train step (default: 4, CUDA 16)")
@@ -482,7 +472,7 @@ def main():
     print(f"{result['command']} | {result['date']} | {device} | {torch.get_num_threads()} threads | "
           f"torch {torch.__version__}")
     if args.suite:
-        result.update(run_suite(args.suite, device, args.data_dir, args.tokenizer))
+        result.update(run_suite(args.suite, device, args.only, args.data_dir, args.tokenizer))
         report_suite(result)
         sections = []
     if "layer" in sections:
@@ -492,7 +482,7 @@ def main():
     if "optimizer" in sections:
         result["optimizer"] = bench_optimizer("tiny" if args.quick else sizes[0], device, dtype, args.rounds)
     if "memory" in sections:
-        result["memory"] = bench_memory(["350m", "1b", "7b"], device)
+        result["memory"] = suite_memory(SUITES["gpu"], device)
     if not args.suite:
         report(result)
     if args.json:
