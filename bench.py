@@ -4,6 +4,9 @@ Speed (and, on a GPU, memory) of SLTrain against dense training, always as ratio
     python bench.py --quick                  # a couple of minutes on a 2-core CPU
     python bench.py                          # CPU: layer at 4096 tokens, 60m train steps, optimizer steps on 60m
     python bench.py --size 350m 1b --batch_size 16 --json --out bench.json   # choose the models; write the figures
+    python bench.py --suite gpu --data_dir data/c4 --out out/gpu.json        # every GPU figure, one H100, ~8 min
+    python bench.py --suite gpu --only layer optimizer                       # some of its sections
+    python bench.py --suite tiny                                             # the same code at toy sizes, on CPU
 
 Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
@@ -12,8 +15,14 @@ Sections (--only picks some):
     model      train-step tokens/s of full, lowrank and sltrain (CUDA default: 350m and 1b; paper: sltrain/full =
                0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
-    memory     CUDA only: peak memory of full-rank AdamW vs 8-bit SLTrain with per-layer updates at 350m, 1b and 7b
-               (batch 1 x 256, bf16; paper: -51%, -58%, -73%)
+    memory     CUDA only: peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and
+               low-rank 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
+               (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
+
+--suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the three
+methods with AdamW and 8-bit per-layer, eager and compiled; the memory section; the 8-bit step against fused AdamW on
+the 7b shapes; and, with --data_dir, train.py itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile,
+torchrun). --suite tiny runs the same code at toy sizes on CPU (test_bench.py).
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
@@ -26,6 +35,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -148,26 +158,242 @@ def bench_optimizer(size, device, dtype, rounds):
                 variants=summary(times, "torch.optim.AdamW"))
 
 
-def bench_memory(sizes, device, steps=3):
-    """Peak CUDA memory (max_memory_allocated) of full-rank AdamW vs 8-bit SLTrain with per-layer updates."""
-    result = {}
-    for size in sizes:
-        peaks = {}
-        for name, method, optimizer, per_layer in (("full_adamw", "full", "adamw", False),
-                                                   ("sltrain_8bit_per_layer", "sltrain", "adam8bit", True)):
-            est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, 256)
-            peaks[name + "_estimate"] = est["train_gb"]  # params + optimizer + gradients + activations
-            try:
-                counted, _ = measure(size, method, None, None, optimizer, per_layer, 1, 256, steps, device)
-                peaks[name] = counted["cuda_peak"] / 1e9
-            except torch.cuda.OutOfMemoryError:
-                peaks[name] = None  # reported as OOM: 7b full-rank may not fit
-            gc.collect()
+# ----------------------------------------------------------------------------- the GPU suite
+
+# `--suite gpu` runs every figure of the paper's GPU claims in one command (about 8 minutes on one H100);
+# `--suite tiny` is the same code at toy sizes, which the CPU tests run end to end.
+SUITES = {
+    "gpu": dict(layer_sizes=("60m", "350m", "1b", "7b"), tokens=32768, model_size="350m", model_batch=64,
+                max_length=256, memory_sizes=("350m", "1b", "7b"), memory_steps=3, backend="inductor", rounds=5,
+                optimizer_shapes=((4096, 4096), (11008, 4096), (int(0.05 * 4096 * 11008),)),
+                program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20)),
+    "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
+                 memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
+                 optimizer_shapes=((64, 32), (32, 64), (500,)),
+                 program=dict(size="tiny", steps=6, batch=2, eval_every=3, eval_tokens=2000, short=2)),
+}
+# (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
+MEMORY_SETTINGS = (("full", "adamw", False), ("full", "adam8bit", True), ("lowrank", "adam8bit", True),
+                   ("sltrain", "adam8bit", True))
+PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
+
+
+def projection_shapes(size):
+    """(out, in) of the distinct projections of a size: attention d×d, MLP up/gate ffn×d and down d×ffn."""
+    c = config_for(size)
+    return c, ((c.dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim))
+
+
+def suite_layer(s, device, dtype):
+    """SLTrain forward+backward ÷ nn.Linear at every projection shape, and the share of forming W (merge) in it."""
+    rows = []
+    for size in s["layer_sizes"]:
+        c, shapes = projection_shapes(size)
+        for out_f, in_f in shapes:
+            torch.manual_seed(0)
+            kw = dict(device=device, dtype=dtype)
+            dense = nn.Linear(in_f, out_f, bias=False, **kw)
+            sl = SLLinear(in_f, out_f, c.rank, c.delta, c.alpha, **kw)
+            x = torch.randn(s["tokens"], in_f, **kw, requires_grad=True)  # (N, in)
+            g = torch.randn(s["tokens"], out_f, **kw)  # (N, out)
+            fwd_bwd = lambda layer: lambda: torch.autograd.grad(layer(x), [x, *layer.parameters()], g)
+            times = interleave({"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl),
+                                "merge": lambda: sl.merged_weight()}, s["rounds"], device)
+            floor = 1 + 4 * c.rank / (3 * s["tokens"])
+            rows.append(dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
+                             floor=floor, variants=summary(times, "dense")))
+            del dense, sl, x, g
+    return rows
+
+
+def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None):
+    """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters, AdamW or
+    8-bit Adam, per-layer updates inside backward or one step after it, optionally torch.compile'd."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(dtype)
+    make = optim.Adam8bit if optimizer == "adam8bit" else optim.AdamW
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = None
+    if per_layer:
+        optim.attach_per_layer(model, lambda ps: make(ps, **hyper))
+    else:
+        opt = make(model.parameters(), **hyper)
+    forward = torch.compile(model, backend=backend) if backend else model
+    idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
+
+    def step():
+        _, loss = forward(idx[:, :-1], idx[:, 1:].contiguous())
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return step
+
+
+def suite_model(s, device, dtype):
+    """Train-step tokens/s of full, lowrank and sltrain with AdamW and with 8-bit Adam per-layer, ÷ full AdamW;
+    eager and compiled variants are measured in two groups (all six models of a group are alive at once)."""
+    groups = {}
+    for compiled in (False, True):
+        backend = s["backend"] if compiled else None
+        variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
+                    train_step(s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype, backend,
+                               s.get("vocab"))
+                    for o, pl in (("adamw", False), ("adam8bit", True)) for m in METHODS}
+        times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1)  # compiling is warm-up
+        v = summary(times, "full/adamw", invert=True)
+        for row in v.values():
+            row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
+        groups["compiled" if compiled else "eager"] = v
+        del variants
+        gc.collect()
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-        full, ours = peaks["full_adamw"], peaks["sltrain_8bit_per_layer"]
-        peaks["reduction"] = 1 - ours / full if full and ours else None
-        result[size] = peaks
+    return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], groups=groups)
+
+
+def suite_memory(s, device):
+    """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the counted bytes) of each
+    setting, beside estimate_memory's estimate of the same setting."""
+    result = {}
+    for size in s["memory_sizes"]:
+        rows = {}
+        for method, optimizer, per_layer in MEMORY_SETTINGS:
+            name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}"
+            est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, s["max_length"])
+            try:
+                counted, _ = measure(size, method, None, None, optimizer, per_layer, 1, s["max_length"],
+                                     s["memory_steps"], device)
+                gb = counted.get("cuda_peak", counted["train"]) / 1e9
+            except torch.cuda.OutOfMemoryError:
+                gb = None
+            rows[name] = dict(gb=gb, estimate_gb=est["train_gb"],
+                              vs_estimate=None if gb is None else gb / est["train_gb"] - 1)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        full, ours = rows["full/adamw"]["gb"], rows["sltrain/adam8bit/per_layer"]["gb"]
+        result[size] = dict(settings=rows, reduction=1 - ours / full if full and ours else None,
+                            paper_reduction=PAPER_REDUCTION.get(size))
     return result
+
+
+def suite_optimizer(s, device, dtype):
+    """optim.Adam8bit step ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16 parameters."""
+    torch.manual_seed(0)
+    base = [torch.randn(shape, device=device, dtype=dtype) * 0.02 for shape in s["optimizer_shapes"]]
+    grads = [torch.randn_like(p) * 1e-3 for p in base]
+
+    def stepper(make):
+        params = [nn.Parameter(p.clone()) for p in base]
+        for p, g in zip(params, grads):
+            p.grad = g
+        return make(params).step
+
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    reference = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
+    times = interleave({"torch.optim.AdamW": stepper(lambda ps: torch.optim.AdamW(ps, **hyper, **reference)),
+                        "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper))}, s["rounds"], device)
+    return dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
+                variants=summary(times, "torch.optim.AdamW"))
+
+
+def suite_program(s, data_dir, tokenizer, out_dir):
+    """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
+    and resumed (how close its end is to the straight run), --compile, and torchrun's NCCL (or gloo) path."""
+    import shutil, subprocess  # only this section starts processes and writes files
+    p = s["program"]
+    for run in ("straight", "signalled", "compiled", "torchrun"):  # the suite's own scratch folders, made anew
+        shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
+    base = [sys.executable, "train.py", "--size", p["size"], "--optimizer", "adam8bit", "--per_layer",
+            "--data_dir", data_dir, "--tokenizer", tokenizer, "--total_batch_size", str(p["batch"]),
+            "--batch_size", str(p["batch"]), "--eval_every", str(p["eval_every"]), "--eval_tokens",
+            str(p["eval_tokens"]), "--log_every", "1", "--workers", "1"]
+    rows = lambda run: [json.loads(line) for line in open(os.path.join(out_dir, run, "metrics.jsonl"))]
+
+    def train(run, *extra, launcher=()):
+        cmd = [*launcher, *base[1 if launcher else 0:], "--out_dir", os.path.join(out_dir, run), *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        return done.stdout
+
+    result = {}
+    train("straight", "--num_training_steps", str(p["steps"]))
+    straight = rows("straight")
+    losses = [r["loss"] for r in straight if "loss" in r]
+    evals = [r["val_loss"] for r in straight if "val_loss" in r]
+    result["straight"] = dict(first_loss=losses[0], last_loss=losses[-1], val_loss=evals, loss_falls=losses[-1] <
+                              losses[0] and evals[-1] < evals[0])
+
+    # SIGTERM as a scheduler sends it: to the whole process group, once the run is half way
+    cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = os.path.join(out_dir, "signalled", "metrics.jsonl")
+    while proc.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= p["steps"] // 2:
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    proc.communicate()
+    stopped_at = max(r["step"] for r in rows("signalled"))
+    train("signalled", "--num_training_steps", str(p["steps"]), "--resume")
+    resumed = rows("signalled")
+    result["sigterm_resume"] = dict(stopped_at=stopped_at, exit_code=proc.returncode,
+                                    last_loss=resumed[-1].get("val_loss"), straight_last_loss=evals[-1],
+                                    val_loss_diff=abs(resumed[-1].get("val_loss", float("nan")) - evals[-1]))
+    out = train("compiled", "--num_training_steps", str(p["short"]), "--compile")
+    result["compile"] = dict(ok=True, last_loss=rows("compiled")[-1].get("val_loss"), tail=out.splitlines()[-1])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    out = train("torchrun", "--num_training_steps", str(p["short"]), launcher=torchrun)
+    result["torchrun"] = dict(ok=True, tail=out.splitlines()[-1])
+    return result
+
+
+def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_dir="out/suite"):
+    """The suite's sections (default: all; program only with C4 shards and a tokenizer: data_dir, tokenizer)."""
+    s = SUITES[name]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    run = dict(layer=lambda: suite_layer(s, device, dtype), model=lambda: suite_model(s, device, dtype),
+               memory=lambda: suite_memory(s, device), optimizer=lambda: suite_optimizer(s, device, dtype),
+               program=lambda: suite_program(s, data_dir, tokenizer, out_dir))
+    sections = sections or [k for k in run if k != "program" or data_dir]
+    if "program" in sections and not data_dir:
+        raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
+    return dict(suite=name, **{k: run[k]() for k in sections})
+
+
+def report_memory(r):
+    for size, P in r.get("memory", {}).items():
+        paper = "" if P["paper_reduction"] is None else f", paper -{100 * P['paper_reduction']:.0f}%"
+        red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
+        print(f"memory {size}, batch 1: sltrain 8-bit per-layer vs full AdamW {red}{paper}")
+        for name, row in P["settings"].items():
+            gb = "OOM" if row["gb"] is None else f"{row['gb']:.3f} GB ({row['vs_estimate']:+.1%} vs estimate)"
+            print(f"  {name:<28} {gb} | estimate {row['estimate_gb']:.3f} GB")
+
+
+def report_suite(r):
+    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
+    if "layer" in r:
+        print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd")
+    for L in r.get("layer", []):
+        v = L["variants"]
+        print(f"  {L['size']:>4} {L['shape']:>11} r={L['rank']:<4} floor x{L['floor']:.4f} | dense "
+              f"{v['dense']['ms']:.2f} ms | sltrain {x(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%}"
+              f" of floor) | merge {x(v['merge'])}")
+    M = r.get("model", {})
+    for group, v in M.get("groups", {}).items():
+        print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
+        for name, row in v.items():
+            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {x(row)}")
+    report_memory(r)
+    for name, row in r.get("program", {}).items():
+        print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    if "optimizer" in r:
+        O = r["optimizer"]
+        print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
+              + " | ".join(f"{k} {v['ms']:.2f} ms {x(v)}" for k, v in O["variants"].items()))
 
 
 # ----------------------------------------------------------------------------- report
@@ -197,21 +423,21 @@ def report(r):
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
               "(for-loop on CPU, foreach on CUDA)")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
-    for size, P in r.get("memory", {}).items():
-        cell = lambda gb: "OOM" if gb is None else f"{gb:.2f} GB"
-        reduction = "" if P["reduction"] is None else f" ({-100 * P['reduction']:+.0f}%)"
-        print(f"peak memory {size}, batch 1 x 256, bf16: full-rank AdamW {cell(P['full_adamw'])} (estimate "
-              f"{P['full_adamw_estimate']:.2f}) | 8-bit SLTrain per-layer {cell(P['sltrain_8bit_per_layer'])} "
-              f"(estimate {P['sltrain_8bit_per_layer_estimate']:.2f}){reduction}")
+    report_memory(r)
     print("x: median over rounds of the per-round ratio [lowest-highest round]")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--suite", choices=list(SUITES),
+                        help="gpu: every GPU figure of the paper in one run (one H100, ~8 min); tiny: the same at toy "
+                             "sizes (a CPU check of the suite's code)")
+    parser.add_argument("--data_dir", help="--suite: C4 shards for the train.py section (skipped without them)")
+    parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
-    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory"],
-                        help="run only these sections (default: all that apply to the device)")
+    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory", "program"],
+                        help="run only these sections (default: all that apply to the device; program: --suite only)")
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
     parser.add_argument("--batch_size", type=int, default=None, help="sequences per train step (default: 4, CUDA 16)")
@@ -239,10 +465,16 @@ def main():
         raise ValueError("--batch_size, --max_length and --rounds must be >= 1")
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
 
+    if args.suite == "gpu" and not cuda:
+        raise ValueError("--suite gpu measures bf16 on a GPU; run it on a CUDA machine, or use --suite tiny on CPU")
     result = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=str(device), machine=machine(device))
     print(f"{result['command']} | {result['date']} | {device} | {torch.get_num_threads()} threads | "
           f"torch {torch.__version__}")
+    if args.suite:
+        result.update(run_suite(args.suite, device, args.only, args.data_dir, args.tokenizer))
+        report_suite(result)
+        sections = []
     if "layer" in sections:
         result["layer"] = bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds)
     if "model" in sections:
@@ -250,8 +482,9 @@ def main():
     if "optimizer" in sections:
         result["optimizer"] = bench_optimizer("tiny" if args.quick else sizes[0], device, dtype, args.rounds)
     if "memory" in sections:
-        result["memory"] = bench_memory(["350m", "1b", "7b"], device)
-    report(result)
+        result["memory"] = suite_memory(SUITES["gpu"], device)
+    if not args.suite:
+        report(result)
     if args.json:
         print(json.dumps(result, indent=1))
     if args.out:

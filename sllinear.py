@@ -22,6 +22,7 @@ Run the gradient checks:  python -m pytest -q test_sllinear.py
 """
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -84,6 +85,14 @@ class SLLinearFunction(torch.autograd.Function):
 
 def sl_linear(x, B, A, values, indices, scale):
     """Functional form: x (s·BA ⊕_I V)ᵀ. For a sparse-only layer pass B (out, 0) and A (0, in)."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        # mixed precision: autocast does not reach inside an autograd.Function, so do what it does for nn.Linear:
+        # cast the (float32) weights to the autocast dtype on the way in. The casts are recorded by autograd, so
+        # the gradients of B, A and V come back in float32, and W is formed and multiplied in bf16 alone.
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return SLLinearFunction.apply(x.to(dtype), B.to(dtype), A.to(dtype), values.to(dtype), indices, scale)
     return SLLinearFunction.apply(x, B, A, values, indices, scale)
 
 
@@ -165,11 +174,14 @@ class SLLinear(nn.Module):
 
     @torch.no_grad()
     def merged_weight(self):
-        """The dense (out, in) weight, for inspection, export and spectrum analysis."""
-        if self.values is None:
-            return (self.B * self.scale) @ self.A
-        B, A = self._factors(self.values)
-        return merge(B, A, self.values, self.indices, self.scale)
+        """The dense (out, in) weight in the parameters' dtype (also under autocast), for inspection, export and
+        spectrum analysis."""
+        device = (self.values if self.values is not None else self.A).device.type
+        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
+            if self.values is None:
+                return (self.B * self.scale) @ self.A
+            B, A = self._factors(self.values)
+            return merge(B, A, self.values, self.indices, self.scale)
 
     def extra_repr(self):
         nnz = 0 if self.values is None else self.values.numel()

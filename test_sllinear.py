@@ -246,6 +246,36 @@ def test_bf16_forward_close_to_float32():
     assert abs(loss16.item() - loss32.item()) < 2e-2 * loss32.item(), f"{loss16.item()} vs {loss32.item()}"
 
 
+
+@pytest.mark.parametrize("rank,delta", [(8, 0.05), (0, 0.05), (8, 0.0)], ids=["sl", "sparse-only", "lowrank-only"])
+def test_autocast_bf16_matches_dense_layer_under_autocast(rank, delta):
+    """float32 parameters under bf16 autocast (--amp): bf16 output as nn.Linear with the merged weight under
+    autocast gives, float32 gradients close to float32 training, and still no weight-sized tensor saved for backward."""
+    torch.manual_seed(0)
+    layer = SLLinear(80, 96, rank=rank, delta=delta, alpha=16)
+    if rank:
+        with torch.no_grad():
+            layer.B.normal_(std=0.05)
+    x = torch.randn(3, 7, 80)
+    ref = SLLinear(80, 96, rank=rank, delta=delta, alpha=16)
+    ref.load_state_dict(layer.state_dict())
+    y32 = ref(x)
+    y32.square().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedSizes() as saved:
+        y = layer(x)
+        dense = torch.nn.functional.linear(x, layer.merged_weight())  # autocast casts both to bf16
+    assert y.dtype == torch.bfloat16
+    # W formed from bf16 factors rounds differently from the float32 W cast to bf16: a bf16 ulp or so apart
+    rel = ((y.float() - dense.float()).norm() / dense.float().norm()).item()
+    assert rel < 1e-2, f"autocast output off the dense layer's by {rel:.2e}"
+    assert max(saved.numels) < 96 * 80, f"a tensor of {max(saved.numels)} elements is saved"
+    y.float().square().sum().backward()
+    for name, p in layer.named_parameters():
+        p32 = dict(ref.named_parameters())[name]
+        assert p.grad.dtype == torch.float32, name
+        rel = ((p.grad - p32.grad).norm() / p32.grad.norm()).item()
+        assert rel < 3e-2, f"{name}: bf16-autocast gradient off float32's by {rel:.2e}"
+
 # ----------------------------------------------------------------------------- the model
 
 PAPER_PARAMS_M = {  # Table 1 / Appendix F, millions

@@ -1,0 +1,41 @@
+"""
+The benchmark suite's code at toy sizes on CPU, so that a GPU session spends its minutes measuring, not debugging.
+
+    python -m pytest -q test_bench.py
+"""
+
+import pytest
+import torch
+
+import bench
+
+
+def test_tiny_suite_runs_every_section_and_reports():
+    r = bench.run_suite("tiny", torch.device("cpu"))
+    s = bench.SUITES["tiny"]
+    assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
+    for L in r["layer"]:
+        assert L["floor"] == 1 + 4 * L["rank"] / (3 * s["tokens"])
+        assert set(L["variants"]) == {"dense", "sltrain", "merge"} and L["variants"]["sltrain"]["ratio"] > 0
+    for group in ("eager", "compiled"):
+        v = r["model"]["groups"][group]
+        assert len(v) == 6 and v["full/adamw"]["ratio"] == 1.0 and all(x["tok_s"] > 0 for x in v.values())
+    mem = r["memory"]["tiny"]
+    assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
+                                    "sltrain/adam8bit/per_layer"}
+    for name, row in mem["settings"].items():  # on CPU the counted bytes: they must agree with the estimate
+        assert abs(row["vs_estimate"]) < 0.05, (name, row)
+    assert 0 < mem["reduction"] < 1
+    assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit"}
+    bench.report_suite(r)  # the table prints from the JSON alone
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_suite_refused_without_cuda(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench.py", "--suite", "gpu"])
+    try:
+        bench.main()
+    except ValueError as e:
+        assert "--suite tiny" in str(e)
+    else:
+        raise AssertionError("--suite gpu ran on a machine without CUDA")
