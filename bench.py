@@ -4,6 +4,7 @@ Speed (and, on a GPU, memory) of SLTrain against dense training, always as ratio
     python bench.py --quick                  # a couple of minutes on a 2-core CPU
     python bench.py                          # CPU: layer at 4096 tokens, 60m train steps, optimizer steps on 60m
     python bench.py --size 350m 1b --batch_size 16 --json --out bench.json   # choose the models; write the figures
+    python bench.py --only inference --size 130m 350m 1b                      # Table 5 on a GPU: forward only
 
 Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
@@ -12,6 +13,8 @@ Sections (--only picks some):
     model      train-step tokens/s of full, lowrank and sltrain (CUDA default: 350m and 1b; paper: sltrain/full =
                0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
+    inference  forward-only tokens/s and memory of full, sltrain (factors as trained) and sltrain merged once into
+               dense weights (the paper's Table 5); CUDA batch 128 at 130m/350m, 32 at 1b/7b
     memory     CUDA only: peak memory of full-rank AdamW vs 8-bit SLTrain with per-layer updates at 350m, 1b and 7b
                (batch 1 x 256, bf16; paper: -51%, -58%, -73%)
 
@@ -35,6 +38,7 @@ import torch.nn as nn
 
 import optim
 from estimate_memory import estimate, measure
+from export import dense_state
 from model import LLaMA, METHODS, config_for
 from sllinear import SLLinear
 
@@ -170,6 +174,57 @@ def bench_memory(sizes, device, steps=3):
     return result
 
 
+# the paper's inference batch sizes (Table 5): 128 sequences at 130m and 350m, 32 at 1b and 7b
+INFERENCE_BATCH = {"130m": 128, "350m": 128, "1b": 32, "7b": 32}
+
+
+def inference_models(size, device, dtype):
+    """{variant: model} for forward-only use: full-rank, sltrain with its factors as trained, and the same sltrain
+    weights merged once into dense matrices (what export.py writes), which runs at full-rank cost."""
+    torch.manual_seed(0)
+    full = LLaMA(config_for(size, method="full"), device=device).to(dtype)
+    sl = LLaMA(config_for(size, method="sltrain"), device=device).to(dtype)
+    merged = LLaMA(config_for(size, method="full"), device="meta")
+    merged.load_state_dict(dense_state(sl), assign=True)
+    return {"full": full.eval(), "sltrain": sl.eval(), "sltrain_merged": merged.eval()}
+
+
+def bench_inference(size, batch_size, max_length, device, dtype, rounds):
+    """Forward-only tokens/s (÷ full) and memory of full, sltrain (factors) and sltrain merged once. Memory: the
+    bytes of the weights (buffers included), and on CUDA the peak allocation of one forward with only that model
+    resident."""
+    idx = torch.randint(32000, (batch_size, max_length), device=device)  # (B, T)
+    weights_gb, peak_gb = {}, {}
+    if device.type == "cuda":
+        for name in ("full", "sltrain", "sltrain_merged"):  # one model at a time, so each peak is its own
+            model = inference_models(size, device, dtype)[name]
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            with torch.inference_mode():
+                model(idx)
+            peak_gb[name] = torch.cuda.max_memory_allocated(device) / 1e9
+            del model
+    models = inference_models(size, device, dtype)
+    for name, model in models.items():
+        tensors = list(model.parameters()) + list(model.buffers())
+        weights_gb[name] = sum(t.numel() * t.element_size() for t in tensors) / 1e9
+
+    def forward(model):
+        def run():
+            with torch.inference_mode():
+                model(idx)
+        return run
+
+    times = interleave({name: forward(m) for name, m in models.items()}, rounds, device, warmup=1)
+    variants = summary(times, "full", invert=True)  # ratio of throughputs: >1 is faster than full
+    for name, v in variants.items():
+        v.update(tok_s=batch_size * max_length / (v["ms"] / 1e3), weights_gb=weights_gb[name],
+                 peak_gb=peak_gb.get(name))
+    return dict(size=size, batch_size=batch_size, max_length=max_length, dtype=str(dtype).removeprefix("torch."),
+                variants=variants)
+
+
 # ----------------------------------------------------------------------------- report
 
 def machine(device):
@@ -197,6 +252,13 @@ def report(r):
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
               "(for-loop on CPU, foreach on CUDA)")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
+    for I in r.get("inference", []):
+        v = I["variants"]
+        peak = lambda m: "" if v[m]["peak_gb"] is None else f", peak {v[m]['peak_gb']:.2f} GB"  # noqa: E731
+        print(f"inference {I['size']}, batch {I['batch_size']} x {I['max_length']}, {I['dtype']}, forward only, "
+              "throughput vs full")
+        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {x(v[m])}, weights {v[m]['weights_gb']:.3f} GB"
+                                f"{peak(m)}" for m in v))
     for size, P in r.get("memory", {}).items():
         cell = lambda gb: "OOM" if gb is None else f"{gb:.2f} GB"
         reduction = "" if P["reduction"] is None else f" ({-100 * P['reduction']:+.0f}%)"
@@ -210,7 +272,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
-    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory"],
+    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory", "inference"],
                         help="run only these sections (default: all that apply to the device)")
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
@@ -227,7 +289,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
-    sections = args.only or ["layer", "model", "optimizer"] + (["memory"] if cuda else [])
+    sections = args.only or ["layer", "model", "optimizer", "inference"] + (["memory"] if cuda else [])
     if "memory" in sections and not cuda:
         raise ValueError("the memory section measures CUDA's peak allocation; run on a GPU or drop it from --only "
                          "(on CPU, python estimate_memory.py --measure counts memory instead)")
@@ -251,6 +313,10 @@ def main():
         result["optimizer"] = bench_optimizer("tiny" if args.quick else sizes[0], device, dtype, args.rounds)
     if "memory" in sections:
         result["memory"] = bench_memory(["350m", "1b", "7b"], device)
+    if "inference" in sections:
+        result["inference"] = [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
+                                                                      batch_size), args.max_length, device, dtype,
+                                               args.rounds) for s in sizes]
     report(result)
     if args.json:
         print(json.dumps(result, indent=1))
