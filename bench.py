@@ -7,6 +7,7 @@ Speed (and, on a GPU, memory) of SLTrain against dense training, always as ratio
     python bench.py --suite gpu --data_dir data/c4 --out out/gpu.json        # every GPU figure, one H100, ~8 min
     python bench.py --suite gpu --only layer optimizer                       # some of its sections
     python bench.py --suite tiny                                             # the same code at toy sizes, on CPU
+    python bench.py --only inference --size 130m 350m 1b                      # Table 5 on a GPU: forward only
 
 Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
@@ -15,6 +16,8 @@ Sections (--only picks some):
     model      train-step tokens/s of full, lowrank and sltrain (CUDA default: 350m and 1b; paper: sltrain/full =
                0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
+    inference  forward-only tokens/s and memory of full, sltrain (factors as trained) and sltrain merged once into
+               dense weights (the paper's Table 5); CUDA batch 128 at 130m/350m, 32 at 1b/7b
     memory     CUDA only: peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and
                low-rank 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
@@ -45,6 +48,7 @@ import torch.nn as nn
 
 import optim
 from estimate_memory import estimate, measure
+from export import dense_state
 from model import LLaMA, METHODS, config_for
 from sllinear import SLLinear
 
@@ -166,11 +170,13 @@ SUITES = {
     "gpu": dict(layer_sizes=("60m", "350m", "1b", "7b"), tokens=32768, model_size="350m", model_batch=64,
                 max_length=256, memory_sizes=("350m", "1b", "7b"), memory_steps=3, backend="inductor", rounds=5,
                 optimizer_shapes=((4096, 4096), (11008, 4096), (int(0.05 * 4096 * 11008),)),
-                program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20)),
+                program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20),
+                inference_sizes=("130m", "350m", "1b", "7b")),
     "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
                  optimizer_shapes=((64, 32), (32, 64), (500,)),
-                 program=dict(size="tiny", steps=6, batch=2, eval_every=3, eval_tokens=2000, short=2)),
+                 program=dict(size="tiny", steps=6, batch=2, eval_every=3, eval_tokens=2000, short=2),
+                 inference_sizes=("tiny",)),
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
 MEMORY_SETTINGS = (("full", "adamw", False), ("full", "adam8bit", True), ("lowrank", "adam8bit", True),
@@ -356,7 +362,9 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     run = dict(layer=lambda: suite_layer(s, device, dtype), model=lambda: suite_model(s, device, dtype),
                memory=lambda: suite_memory(s, device), optimizer=lambda: suite_optimizer(s, device, dtype),
-               program=lambda: suite_program(s, data_dir, tokenizer, out_dir))
+               program=lambda: suite_program(s, data_dir, tokenizer, out_dir),
+               inference=lambda: [bench_inference(size, INFERENCE_BATCH.get(size, 2), s["max_length"], device, dtype,
+                                                  s["rounds"]) for size in s["inference_sizes"]])
     sections = sections or [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
@@ -371,6 +379,17 @@ def report_memory(r):
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else f"{row['gb']:.3f} GB ({row['vs_estimate']:+.1%} vs estimate)"
             print(f"  {name:<28} {gb} | estimate {row['estimate_gb']:.3f} GB")
+
+
+def report_inference(r):
+    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"  # noqa: E731
+    for I in r.get("inference", []):
+        v = I["variants"]
+        peak = lambda m: "" if v[m]["peak_gb"] is None else f", peak {v[m]['peak_gb']:.2f} GB"  # noqa: E731
+        print(f"inference {I['size']}, batch {I['batch_size']} x {I['max_length']}, {I['dtype']}, forward only, "
+              "throughput vs full")
+        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {x(v[m])}, weights {v[m]['weights_gb']:.3f} GB"
+                                f"{peak(m)}" for m in v))
 
 
 def report_suite(r):
@@ -388,12 +407,64 @@ def report_suite(r):
         for name, row in v.items():
             print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {x(row)}")
     report_memory(r)
+    report_inference(r)
     for name, row in r.get("program", {}).items():
         print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     if "optimizer" in r:
         O = r["optimizer"]
         print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
               + " | ".join(f"{k} {v['ms']:.2f} ms {x(v)}" for k, v in O["variants"].items()))
+
+
+# the paper's inference batch sizes (Table 5): 128 sequences at 130m and 350m, 32 at 1b and 7b
+INFERENCE_BATCH = {"130m": 128, "350m": 128, "1b": 32, "7b": 32}
+
+
+def inference_models(size, device, dtype):
+    """{variant: model} for forward-only use: full-rank, sltrain with its factors as trained, and the same sltrain
+    weights merged once into dense matrices (what export.py writes), which runs at full-rank cost."""
+    torch.manual_seed(0)
+    full = LLaMA(config_for(size, method="full"), device=device).to(dtype)
+    sl = LLaMA(config_for(size, method="sltrain"), device=device).to(dtype)
+    merged = LLaMA(config_for(size, method="full"), device="meta")
+    merged.load_state_dict(dense_state(sl), assign=True)
+    return {"full": full.eval(), "sltrain": sl.eval(), "sltrain_merged": merged.eval()}
+
+
+def bench_inference(size, batch_size, max_length, device, dtype, rounds):
+    """Forward-only tokens/s (÷ full) and memory of full, sltrain (factors) and sltrain merged once. Memory: the
+    bytes of the weights (buffers included), and on CUDA the peak allocation of one forward with only that model
+    resident."""
+    idx = torch.randint(32000, (batch_size, max_length), device=device)  # (B, T)
+    weights_gb, peak_gb = {}, {}
+    if device.type == "cuda":
+        for name in ("full", "sltrain", "sltrain_merged"):  # one model at a time, so each peak is its own
+            model = inference_models(size, device, dtype)[name]
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            with torch.inference_mode():
+                model(idx)
+            peak_gb[name] = torch.cuda.max_memory_allocated(device) / 1e9
+            del model
+    models = inference_models(size, device, dtype)
+    for name, model in models.items():
+        tensors = list(model.parameters()) + list(model.buffers())
+        weights_gb[name] = sum(t.numel() * t.element_size() for t in tensors) / 1e9
+
+    def forward(model):
+        def run():
+            with torch.inference_mode():
+                model(idx)
+        return run
+
+    times = interleave({name: forward(m) for name, m in models.items()}, rounds, device, warmup=1)
+    variants = summary(times, "full", invert=True)  # ratio of throughputs: >1 is faster than full
+    for name, v in variants.items():
+        v.update(tok_s=batch_size * max_length / (v["ms"] / 1e3), weights_gb=weights_gb[name],
+                 peak_gb=peak_gb.get(name))
+    return dict(size=size, batch_size=batch_size, max_length=max_length, dtype=str(dtype).removeprefix("torch."),
+                variants=variants)
 
 
 # ----------------------------------------------------------------------------- report
@@ -423,6 +494,7 @@ def report(r):
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
               "(for-loop on CPU, foreach on CUDA)")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
+    report_inference(r)
     report_memory(r)
     print("x: median over rounds of the per-round ratio [lowest-highest round]")
 
@@ -436,7 +508,8 @@ def main():
     parser.add_argument("--data_dir", help="--suite: C4 shards for the train.py section (skipped without them)")
     parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
-    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "memory", "program"],
+    parser.add_argument("--only", nargs="+",
+                        choices=["layer", "model", "optimizer", "memory", "inference", "program"],
                         help="run only these sections (default: all that apply to the device; program: --suite only)")
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
@@ -453,7 +526,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
-    sections = args.only or ["layer", "model", "optimizer"] + (["memory"] if cuda else [])
+    sections = args.only or ["layer", "model", "optimizer", "inference"] + (["memory"] if cuda else [])
     if "memory" in sections and not cuda:
         raise ValueError("the memory section measures CUDA's peak allocation; run on a GPU or drop it from --only "
                          "(on CPU, python estimate_memory.py --measure counts memory instead)")
@@ -483,6 +556,10 @@ def main():
         result["optimizer"] = bench_optimizer("tiny" if args.quick else sizes[0], device, dtype, args.rounds)
     if "memory" in sections:
         result["memory"] = suite_memory(SUITES["gpu"], device)
+    if "inference" in sections:
+        result["inference"] = [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
+                                                                      batch_size), args.max_length, device, dtype,
+                                               args.rounds) for s in sizes]
     if not args.suite:
         report(result)
     if args.json:

@@ -96,17 +96,18 @@ def sl_linear(x, B, A, values, indices, scale):
     return SLLinearFunction.apply(x, B, A, values, indices, scale)
 
 
-def uniform_support(n, nnz):
-    """nnz distinct positions out of n, uniformly at random, sorted. Drawn on the CPU generator, so that a seed gives
-    the same support on any device. For a small fraction, distinct values of random draws are far cheaper than a
+def uniform_support(n, nnz, generator=None):
+    """nnz distinct positions out of n, uniformly at random, sorted. Drawn on a CPU generator (the global one unless
+    one is passed, e.g. to draw supports apart from the seed of everything else), so that a seed gives the same
+    support on any device. For a small fraction, distinct values of random draws are far cheaper than a
     permutation of all n (a 7B layer has 45M entries); by symmetry they are a uniformly random subset either way."""
     if nnz > n // 4:
-        return torch.randperm(n)[:nnz].sort().values
+        return torch.randperm(n, generator=generator)[:nnz].sort().values
     support = torch.empty(0, dtype=torch.long)
     while support.numel() < nnz:
-        draws = torch.randint(n, (int(1.1 * (nnz - support.numel())) + 16,))
+        draws = torch.randint(n, (int(1.1 * (nnz - support.numel())) + 16,), generator=generator)
         support = torch.cat([support, draws]).unique()
-    return support[torch.randperm(support.numel())[:nnz]].sort().values
+    return support[torch.randperm(support.numel(), generator=generator)[:nnz]].sort().values
 
 
 class SLLinear(nn.Module):

@@ -27,6 +27,7 @@ def test_tiny_suite_runs_every_section_and_reports():
         assert abs(row["vs_estimate"]) < 0.05, (name, row)
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit"}
+    assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
     bench.report_suite(r)  # the table prints from the JSON alone
 
 

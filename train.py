@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from analyze import prepare_for_training
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
 from model import LLaMA, SIZES, config_for, describe
 from optim import AdamW, Adam8bit, attach_per_layer
@@ -79,6 +80,12 @@ def get_args(argv=None):
     a("--log_every", type=int, default=10, help="print and record a log line every this many updates")
     a("--seed", type=int, default=42, help="seed for initialization, support and data order")
     a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
+    a("--init_from", help="start a lowrank/sltrain model at a full-rank checkpoint: s·BA = its best rank-r "
+      "approximation, S = the residual on the support (analyze.py)")
+    a("--support", default="random", choices=["random", "top"],
+      help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
+    a("--freeze", choices=["lowrank"], help="keep B and A at their start (with --init_from: L0) and train the rest")
+    a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
     args = p.parse_args(argv)
 
     # ---- resolve defaults and refuse what cannot work, before any expensive step
@@ -101,6 +108,14 @@ def get_args(argv=None):
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
     if not 0 <= args.warmup_steps <= args.num_training_steps:
         p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
+    if args.init_from and (args.method == "full" or not os.path.isfile(args.init_from)):
+        p.error(f"--init_from {args.init_from}: needs --method lowrank or sltrain and an existing full-rank ckpt.pt")
+    if args.support == "top" and not (args.init_from and args.method == "sltrain"):
+        p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
+    if args.freeze and args.method == "full":
+        p.error("--freeze lowrank needs --method lowrank or sltrain: a full-rank model has no B and A")
+    if args.support_seed is not None and args.method != "sltrain":
+        p.error(f"--support_seed draws the sparse supports: it needs --method sltrain, not {args.method}")
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
         LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
@@ -239,6 +254,7 @@ def main(argv=None):
                         vocab_size=vocab_size)
     model = LLaMA(config, device=device).to(dtype)
     model.activation_checkpointing = args.activation_checkpointing
+    prepare_for_training(model, args, resuming=bool(ckpt))  # --support_seed, --init_from, --freeze (analyze.py)
     if ckpt:
         model.load_state_dict(ckpt["model"])
     raw_model = model  # checkpoints come from the unwrapped, uncompiled model

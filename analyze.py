@@ -1,0 +1,388 @@
+"""
+The paper's analyses of trained weights (§3.1, Table 2, Figures 2, 4 and 9), on a checkpoint that train.py wrote.
+
+    python analyze.py spectrum out/ckpt.pt --figures figs/          # singular values per projection, SVG per kind
+    python analyze.py spectrum out/ckpt.pt --json                    # the same numbers as JSON
+    python analyze.py prune out/ckpt.pt --rank 128 --delta 0.03      # Table 2: full, L0, L0 + top / random δ
+    python analyze.py curves run_a/metrics.jsonl run_b/metrics.jsonl --out figs/curves.svg   # Figure 4
+
+spectrum: σ of each projection's (merged) weight W. For an SLTrain weight W = s·BA + S with SVD W = UΣVᵀ, Σ splits
+into the parts the low-rank and the sparse factor carry (Appendix E): Σ = diag(Uᵀ(s·BA)V) + diag(UᵀSV), exactly.
+For a full-rank weight: the residual W - L0 after the best rank-r approximation L0 and the share of its entries
+below a threshold (§3.1: 97% below 0.04 at 60m), the paper's argument that the residual is small and spread out.
+
+Training from a dense checkpoint (Table 2's last rows) lives here too, called by train.py:
+    python train.py --method sltrain --init_from full/ckpt.pt --freeze lowrank --support top
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+from model import RMSNorm, load_checkpoint
+from sllinear import SLLinear, merge, uniform_support
+
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def projections(model):
+    """(name, kind, layer index, module) of every attention and MLP projection, in model order."""
+    out = []
+    for name, module in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in KINDS:
+            out.append((name, kind, int(name.split(".")[1]), module))
+    return out
+
+
+def dense_weight(module):
+    """The (out, in) weight of a projection, merged for SLTrain and low-rank layers."""
+    return module.merged_weight() if isinstance(module, SLLinear) else module.weight.detach()
+
+
+def best_rank(W, r):
+    """L0, the best rank-r approximation of W (Eckart-Young), and the factors U_r (out, r), σ_r (r,), Vh_r (r, in)."""
+    U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+    U, S, Vh = U[:, :r], S[:r], Vh[:r]
+    return (U * S) @ Vh, U, S, Vh  # (out, r) @ (r, in) -> (out, in)
+
+
+# ----------------------------------------------------------------------------- spectrum
+
+@torch.no_grad()
+def spectrum(model, rank=None, threshold=0.04):
+    """One row per projection: its σ (float64), and the low-rank/sparse split (sltrain) or the rank-r residual
+    (full)."""
+    rows = []
+    rank = rank or model.config.rank
+    for name, kind, layer, module in projections(model):
+        W = dense_weight(module).double()
+        split = isinstance(module, SLLinear) and module.values is not None and module.rank > 0
+        if split:  # the two parts and W in float64, so that they add up to the rounding of the SVD alone
+            low = (module.B.double() * module.scale) @ module.A.double()  # s·BA
+            empty = torch.empty(0, dtype=torch.float64)
+            sparse = merge(empty.view(W.shape[0], 0), empty.view(0, W.shape[1]), module.values.double(),
+                           module.indices.long(), 0.0)  # S alone
+            W = low + sparse
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)  # (out, k), (k,), (k, in)
+        row = dict(name=name, kind=kind, layer=layer, sigma=S.tolist())
+        if split:
+            # diag(Uᵀ M V) without forming the k x k product: row i of UᵀM times row i of Vᵀ
+            row["sigma_lowrank"] = ((U.t() @ low) * Vh).sum(1).tolist()
+            row["sigma_sparse"] = ((U.t() @ sparse) * Vh).sum(1).tolist()
+        elif isinstance(module, nn.Linear):
+            r = min(rank, min(W.shape) - 1)
+            residual = W - (U[:, :r] * S[:r]) @ Vh[:r]
+            row.update(rank=r, residual_max=residual.abs().max().item(), threshold=threshold,
+                       residual_below=(residual.abs() < threshold).double().mean().item(),
+                       energy_top_r=(S[:r].square().sum() / S.square().sum()).item())
+        rows.append(row)
+    return rows
+
+
+def spectrum_table(rows):
+    """A table per layer kind, one line per layer."""
+    lines = []
+    for kind in KINDS:
+        group = [r for r in rows if r["kind"] == kind]
+        if not group:
+            continue
+        full = "residual_below" in group[0]
+        split = "sigma_lowrank" in group[0]
+        head = f"{kind:>9} | layer |  σ_max  | σ_min   "
+        if full:
+            head += f"| energy top-{group[0]['rank']} | residual max | residual < {group[0]['threshold']:g}"
+        if split:
+            head += "| σ_max low-rank part | σ_max sparse part | sparse share of Σσ"
+        lines += [head, "-" * len(head)]
+        for r in group:
+            line = f"{'':>9} | {r['layer']:>5} | {r['sigma'][0]:7.3f} | {r['sigma'][-1]:7.4f} "
+            if full:
+                line += f"| {100 * r['energy_top_r']:13.1f}% | {r['residual_max']:12.4f} | " \
+                        f"{100 * r['residual_below']:14.1f}%"
+            if split:
+                share = sum(r["sigma_sparse"]) / sum(r["sigma"])
+                line += f"| {r['sigma_lowrank'][0]:19.3f} | {r['sigma_sparse'][0]:17.3f} | {100 * share:17.1f}%"
+            lines.append(line)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def spectrum_figures(rows, folder, title):
+    """One SVG per layer kind: σ against its index, one line per layer; for SLTrain the mean over layers of Σ and
+    of its low-rank and sparse parts (Figure 9)."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for kind in KINDS:
+        group = [r for r in rows if r["kind"] == kind]
+        if not group:
+            continue
+        if "sigma_lowrank" in group[0]:
+            mean = lambda key: [sum(v) / len(group) for v in zip(*(r[key] for r in group))]  # noqa: E731
+            series = [("Σ (merged W)", mean("sigma")), ("diag(Uᵀ s·BA V): low-rank part", mean("sigma_lowrank")),
+                      ("diag(Uᵀ S V): sparse part", mean("sigma_sparse"))]
+            sub = f"mean over {len(group)} layers"
+        else:
+            series = [(f"layer {r['layer']}", r["sigma"]) for r in group]
+            sub = "one line per layer"
+        path = os.path.join(folder, f"spectrum_{kind}.svg")
+        svg_lines(path, [(label, list(range(1, len(ys) + 1)), ys) for label, ys in series],
+                  title=f"{title}: singular values of {kind} ({sub})", xlabel="index i", ylabel="σ_i")
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------- SVG, written directly
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
+           "#bcbd22")
+
+
+def nice_ticks(lo, hi, n=5):
+    """Round tick values covering [lo, hi]."""
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / n
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 2.5, 5, 10) if step * m >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
+    """A line chart of series [(label, xs, ys)] with axes, ticks, grid and a legend, as one SVG file."""
+    esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
+    left, right, top, bottom = 70, 20, 40, 50
+    legend_w = 10 + 7 * max(len(label) for label, _, _ in series) + 30
+    plot_w, plot_h = width - left - right - legend_w, height - top - bottom
+    xs_all = [x for _, xs, _ in series for x in xs]
+    ys_all = [y for _, _, ys in series for y in ys]
+    x_ticks, y_ticks = nice_ticks(min(xs_all), max(xs_all)), nice_ticks(min(ys_all), max(ys_all))
+    x0, x1 = min(x_ticks[0], min(xs_all)), max(x_ticks[-1], max(xs_all))
+    y0, y1 = min(y_ticks[0], min(ys_all)), max(y_ticks[-1], max(ys_all))
+    sx = lambda x: left + (x - x0) / ((x1 - x0) or 1) * plot_w  # noqa: E731
+    sy = lambda y: top + plot_h - (y - y0) / ((y1 - y0) or 1) * plot_h  # noqa: E731
+    fmt = lambda v: f"{v:g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="22" font-size="14">{esc(title)}</text>']
+    for t in x_ticks:
+        out.append(f'<line x1="{sx(t):.1f}" y1="{top}" x2="{sx(t):.1f}" y2="{top + plot_h}" stroke="#eee"/>')
+        out.append(f'<text x="{sx(t):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{fmt(t)}</text>')
+    for t in y_ticks:
+        out.append(f'<line x1="{left}" y1="{sy(t):.1f}" x2="{left + plot_w}" y2="{sy(t):.1f}" stroke="#eee"/>')
+        out.append(f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{fmt(t)}</text>')
+    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="black"/>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 12}" text-anchor="middle">{esc(xlabel)}</text>')
+    out.append(f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 16 {top + plot_h / 2})">{esc(ylabel)}</text>')
+    for i, (label, xs, ys) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        points = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
+        out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+        ly = top + 10 + 18 * i
+        lx = left + plot_w + 12
+        out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 20}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{lx + 26}" y="{ly + 4}">{esc(label)}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+# ----------------------------------------------------------------------------- Table 2: pruning a dense model
+
+@torch.no_grad()
+def prune_weights(model, rank, delta, seed=0):
+    """{variant: {projection name: weight}} for L0 (best rank-r), L0 + top-δ and L0 + random-δ of the residual."""
+    g = torch.Generator().manual_seed(seed)
+    variants = {"L0": {}, "L0 + top": {}, "L0 + random": {}}
+    for name, kind, layer, module in projections(model):
+        assert isinstance(module, nn.Linear), f"{name} is not dense"
+        W = module.weight.detach().double()
+        L0 = best_rank(W, rank)[0]
+        R = (W - L0).view(-1)
+        nnz = int(delta * R.numel())
+        top = R.abs().topk(nnz).indices
+        rand = uniform_support(R.numel(), nnz, generator=g)
+        for key, support in (("L0", top[:0]), ("L0 + top", top), ("L0 + random", rand)):
+            w = L0.clone()
+            w.view(-1)[support] += R[support]
+            variants[key][name] = w.to(module.weight.dtype)
+    return variants
+
+
+def prune(model, batches, rank, delta, seed=0):
+    """Table 2: validation (loss, perplexity) of the full model and of its three pruned variants."""
+    from train import evaluate  # the evaluation of training itself
+    if model.config.method != "full":
+        raise ValueError(f"prune needs a full-rank checkpoint, not {model.config.method}: train with --method full, "
+                         "or merge one with export.py --merged")
+    device = next(model.parameters()).device
+    modules = {name: module for name, _, _, module in projections(model)}
+    original = {name: m.weight.detach().clone() for name, m in modules.items()}
+    results = {"full": evaluate(model, batches, device, 0, 1)}
+    for key, weights in prune_weights(model, rank, delta, seed).items():
+        with torch.no_grad():
+            for name, w in weights.items():
+                modules[name].weight.copy_(w)
+        results[key] = evaluate(model, batches, device, 0, 1)
+    with torch.no_grad():
+        for name, w in original.items():
+            modules[name].weight.copy_(w)
+    return results
+
+
+# ----------------------------------------------------------------------------- training from a dense checkpoint
+
+@torch.no_grad()
+def init_from_dense(model, path, support="random"):
+    """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
+    (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or with
+    support="top" the δ·in·out largest entries of the residual. Everything else (embeddings, norms, head) is copied."""
+    dense, ckpt = load_checkpoint(path)
+    if dense.config.method != "full":
+        raise ValueError(f"--init_from {path}: a {dense.config.method} checkpoint; pass a full-rank one "
+                         "(train.py --method full, or export.py --merged)")
+    for field in ("vocab_size", "dim", "ffn_dim", "n_heads", "n_layers"):
+        if getattr(dense.config, field) != getattr(model.config, field):
+            raise ValueError(f"--init_from {path}: {field} {getattr(dense.config, field)} differs from this model's "
+                             f"{getattr(model.config, field)}; pass the --size the checkpoint was trained at")
+    source = dict(dense.named_modules())
+    for name, module in model.named_modules():
+        if isinstance(module, SLLinear):
+            W0 = source[name].weight.double()
+            L0 = torch.zeros_like(W0)
+            if module.rank > 0:
+                L0, U, S, Vh = best_rank(W0, module.rank)
+                root = S.sqrt() / math.sqrt(module.scale)  # the layer multiplies B A by s: split 1/s evenly
+                module.B.copy_(U * root)  # (out, r)
+                module.A.copy_(root[:, None] * Vh)  # (r, in)
+            if module.values is not None:
+                R = (W0 - L0).view(-1)
+                if support == "top":
+                    module.indices.copy_(R.abs().topk(module.values.numel()).indices.sort().values)
+                module.values.copy_(R[module.indices.long()])
+        elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
+            module.weight.copy_(source[name].weight)
+    return ckpt
+
+
+def prepare_for_training(model, args, resuming):
+    """train.py's --support_seed, --init_from, --support and --freeze, applied to a fresh model (a resumed one has
+    its support and weights in its checkpoint, but is frozen again: requires_grad is not saved)."""
+    if not resuming and args.support_seed is not None:
+        g = torch.Generator().manual_seed(args.support_seed)
+        for module in model.modules():  # model order, so a seed gives the same supports on every run
+            if isinstance(module, SLLinear) and module.values is not None:
+                n = module.in_features * module.out_features
+                module.indices.copy_(uniform_support(n, module.values.numel(), generator=g))
+    if not resuming and args.init_from:
+        init_from_dense(model, args.init_from, support=args.support)
+    if args.freeze == "lowrank":
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("A", "B"):
+                p.requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- Figure 4: eval curves
+
+def read_curve(path, key):
+    """(steps, values) of the eval rows of a metrics.jsonl; a resumed run's repeated steps keep the last row."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics file at {path}; pass the metrics.jsonl in a train.py --out_dir")
+    points = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if key in row:
+                points[row["step"]] = row[key]
+    if not points:
+        raise ValueError(f"{path} has no {key!r} rows; the run never evaluated (lower --eval_every)")
+    steps = sorted(points)
+    return steps, [points[s] for s in steps]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("spectrum", help="singular values of every projection")
+    s.add_argument("ckpt", help="a checkpoint written by train.py")
+    s.add_argument("--rank", type=int, help="r of the residual analysis of full-rank weights (default: the size's)")
+    s.add_argument("--threshold", type=float, default=0.04, help="count residual entries below this (§3.1)")
+    s.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the tables")
+    s.add_argument("--figures", help="write one SVG per layer kind into this folder")
+    q = sub.add_parser("prune", help="Table 2: perplexity of a full-rank model pruned to L0 (+ δ of the residual)")
+    q.add_argument("ckpt", help="a full-rank checkpoint written by train.py")
+    q.add_argument("--rank", type=int, help="r of L0 (default: the paper's for the size)")
+    q.add_argument("--delta", type=float, default=0.03, help="fraction of residual entries kept")
+    q.add_argument("--seed", type=int, default=0, help="seed of the random support")
+    q.add_argument("--data_dir", help="validation shards (default: the checkpoint's --data_dir)")
+    q.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's)")
+    q.add_argument("--eval_tokens", type=int, help="validation tokens (default: the checkpoint's)")
+    q.add_argument("--batch_size", type=int, default=8, help="sequences per evaluation batch")
+    q.add_argument("--json", action="store_true", help="print the results as JSON")
+    c = sub.add_parser("curves", help="Figure 4: eval curves of several runs in one SVG")
+    c.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train.py")
+    c.add_argument("--labels", nargs="+", help="one legend label per file (default: the folder names)")
+    c.add_argument("--key", default="val_ppl", choices=["val_ppl", "val_loss"], help="what to plot")
+    c.add_argument("--out", default="curves.svg", help="the SVG file to write")
+    args = p.parse_args(argv)
+
+    if args.command == "curves":
+        labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
+        if len(labels) != len(args.metrics):
+            p.error(f"{len(labels)} --labels for {len(args.metrics)} files; give one per file")
+        series = [(label, *read_curve(m, args.key)) for label, m in zip(labels, args.metrics)]
+        svg_lines(args.out, series, title=f"validation {args.key.split('_')[1]} during training",
+                  xlabel="update", ylabel=args.key)
+        print(f"wrote {args.out}")
+        return
+    if args.command == "prune" and not 0 <= args.delta < 1:
+        p.error(f"--delta must be in [0, 1), got {args.delta}")
+    try:
+        model, ckpt = load_checkpoint(args.ckpt)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"analyze.py {args.command}: {e}") from None
+    model.float()
+    if args.command == "spectrum":
+        rows = spectrum(model, args.rank, args.threshold)
+        print(json.dumps(rows) if args.json else spectrum_table(rows))
+        if args.figures:
+            title = f"{ckpt.get('args', {}).get('size', '')} {model.config.method}".strip()
+            for path in spectrum_figures(rows, args.figures, title):
+                print(f"wrote {path}", file=sys.stderr)
+        return
+
+    from data import validation_batches
+    if model.config.method != "full":
+        raise SystemExit(f"analyze.py prune: {args.ckpt} is {model.config.method}; prune needs a full-rank "
+                         "checkpoint: train with --method full")
+    run = ckpt.get("args", {})
+    rank = args.rank or model.config.rank
+    if not 0 < rank < min(model.config.dim, model.config.ffn_dim):
+        p.error(f"--rank must be in (0, {min(model.config.dim, model.config.ffn_dim)}), got {rank}")
+    try:
+        batches = validation_batches(args.data_dir or run["data_dir"], args.tokenizer or run["tokenizer"],
+                                     args.batch_size, max_length=run.get("max_length", 256),
+                                     eval_tokens=args.eval_tokens or run.get("eval_tokens", 10_000_000),
+                                     pack=run.get("pack", False))
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"analyze.py prune: validation data: {e}; pass --data_dir and --tokenizer") from None
+    results = prune(model, batches, rank, args.delta, args.seed)
+    if args.json:
+        print(json.dumps({k: {"val_loss": v[0], "val_ppl": v[1]} for k, v in results.items()}))
+        return
+    print(f"{'model':<24} | val loss | val ppl   (rank {rank}, delta {args.delta})")
+    for key, (loss, ppl) in results.items():
+        label = {"L0 + top": f"L0 + top {args.delta:g}", "L0 + random": f"L0 + random {args.delta:g}"}.get(key, key)
+        print(f"{label:<24} | {loss:8.4f} | {ppl:.2f}")
+
+
+if __name__ == "__main__":
+    main()

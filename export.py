@@ -1,0 +1,166 @@
+"""
+Export a trained model (full, lowrank or sltrain) as dense weights: a Hugging Face LLaMA folder, or our own format.
+
+    python export.py out/ckpt.pt --out hf_model          # config.json, model.safetensors, tokenizer files
+    python export.py out/ckpt.pt --merged out/dense.pt   # a full-rank checkpoint that analyze.py and sample.py read
+
+Every SLTrain and low-rank weight is merged into its dense (out, in) matrix W = s·BA + S. The folder loads with
+transformers.LlamaForCausalLM.from_pretrained(folder) and gives our logits: model.py already follows HF's LLaMA
+(rotary embeddings in the half-split layout with rotate_half, RMSNorm in float32 with eps inside the root, SwiGLU
+MLP, no biases, untied head), so only the names change, and no weight is permuted. test_export.py checks the logits.
+
+safetensors is written here, without the package: an 8-byte little-endian header length, a JSON header giving each
+tensor's dtype, shape and byte range [begin, end) in the data that follows, then the raw tensors back to back.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import struct
+from dataclasses import asdict
+
+import torch
+
+from model import LLaMA, load_checkpoint
+from sllinear import SLLinear
+
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+def save_safetensors(tensors, path):
+    """{name: tensor} -> one .safetensors file."""
+    header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} cannot be exported; cast to float32 or bfloat16 first")
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # little-endian host
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for data in blobs:
+            f.write(data)
+
+
+def load_safetensors(path):
+    """One .safetensors file -> {name: tensor}, read back the same way (for checks)."""
+    names = {v: k for k, v in DTYPES.items()}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = torch.frombuffer(bytearray(data[begin:end]), dtype=torch.uint8)
+        out[name] = raw.view(names[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+# ----------------------------------------------------------------------------- dense weights
+
+@torch.no_grad()
+def dense_state(model):
+    """Our parameter names -> dense tensors, every SLLinear merged (its B, A, values and indices become one weight)."""
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SLLinear):
+            state[f"{name}.weight"] = module.merged_weight()  # <-- SLTrain: W = s·BA + S, merged once
+    for name, t in model.state_dict().items():
+        owner = name.rsplit(".", 1)[0]
+        if not isinstance(model.get_submodule(owner), SLLinear):
+            state[name] = t
+    return state
+
+
+def hf_name(name):
+    """Our parameter name -> Hugging Face LLaMA's."""
+    name = name.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")
+    name = name.replace(".attn.", ".self_attn.")
+    if name.startswith("embed."):
+        return "model.embed_tokens." + name[len("embed."):]
+    if name.startswith(("layers.", "norm.")):
+        return "model." + name
+    return name  # lm_head.weight
+
+
+def hf_config(config, max_length, dtype, eos_id):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+            "hidden_size": config.dim, "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_heads, "hidden_act": "silu",
+            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "max_position_embeddings": max_length,
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+            "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": 0, "initializer_range": 0.02}
+
+
+def export_hf(model, ckpt, out_dir, tokenizer=None):
+    """Write config.json, model.safetensors and the tokenizer (sentencepiece model + tokenizer_config.json)."""
+    from data import load_tokenizer
+    run = ckpt.get("args", {})
+    tokenizer = tokenizer or run.get("tokenizer")
+    if not tokenizer:
+        raise ValueError("the checkpoint names no tokenizer; pass --tokenizer")
+    sp = load_tokenizer(tokenizer)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {hf_name(k): v for k, v in dense_state(model).items()}
+    save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
+    dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
+    config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id())
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.model"))
+    # the sentencepiece model as it is: no BOS (training documents have none), EOS ends a document, pad id 0
+    eos, unk = sp.id_to_piece(sp.eos_id()), sp.id_to_piece(max(sp.unk_id(), 0))
+    tok = {"tokenizer_class": "LlamaTokenizer", "model_max_length": run.get("max_length", 256),
+           "add_bos_token": False, "add_eos_token": False, "bos_token": None, "eos_token": eos, "unk_token": unk,
+           "pad_token": sp.id_to_piece(0), "legacy": True, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tok, f, indent=2)
+    return sorted(os.listdir(out_dir))
+
+
+def export_merged(model, ckpt, path):
+    """A full-rank checkpoint of the same model, in train.py's format (weights, config and the run's args)."""
+    dense = LLaMA(type(model.config)(**{**asdict(model.config), "method": "full"}), device="meta")
+    dense.load_state_dict(dense_state(model), strict=True, assign=True)
+    run = dict(ckpt.get("args", {}), method="full", merged_from=model.config.method)
+    torch.save({"model": dense.state_dict(), "model_config": asdict(dense.config), "args": run,
+                "step": ckpt.get("step")}, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt", help="a checkpoint written by train.py")
+    p.add_argument("--out", help="write a Hugging Face LLaMA folder here")
+    p.add_argument("--merged", help="write a full-rank checkpoint in our format to this file")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the one the checkpoint was trained with)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: as trained)")
+    args = p.parse_args(argv)
+    if not (args.out or args.merged):
+        p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
+    try:
+        model, ckpt = load_checkpoint(args.ckpt)
+        if args.dtype:
+            model.to(getattr(torch, args.dtype))
+        if args.out:
+            files = export_hf(model, ckpt, args.out, args.tokenizer)
+            print(f"wrote {args.out}: {', '.join(files)}")
+        if args.merged:
+            export_merged(model, ckpt, args.merged)
+            print(f"wrote {args.merged}: full-rank, merged from {model.config.method}")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"export.py: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""
+Generate text from a checkpoint that train.py (or export.py --merged) wrote, with the checkpoint's tokenizer.
+
+    python sample.py out/ckpt.pt --prompt "The best way to" --num_samples 3 --max_new_tokens 100
+    python sample.py out/ckpt.pt --temperature 0.8 --top_k 200 --seed 1337 --device cuda
+
+Sampling as nanoGPT's: the logits of the last position divided by the temperature, cut to the top k, softmax, one
+draw; the context is cropped to the training sequence length, past which rotary positions were never seen.
+--temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device.
+"""
+
+import argparse
+
+import torch
+
+from data import load_tokenizer
+from model import load_checkpoint
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=256, generator=None):
+    """idx (B, T) -> (B, T + max_new_tokens): each new token drawn from the model's next-token distribution."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -context:])  # (B, T', vocab)
+        logits = logits[:, -1, :].float()  # (B, vocab)
+        if temperature == 0:
+            next_id = logits.argmax(-1, keepdim=True)  # (B, 1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)  # (B, 1)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
+           device="cpu", tokenizer=None):
+    """The generated texts (prompt included). The draws come from a CPU generator, so a seed repeats on any device."""
+    model, ckpt = load_checkpoint(ckpt_path, device=device)
+    run = ckpt.get("args", {})
+    tokenizer = tokenizer or run.get("tokenizer")
+    if not tokenizer:
+        raise ValueError(f"{ckpt_path} names no tokenizer; pass --tokenizer")
+    sp = load_tokenizer(tokenizer)
+    if sp.get_piece_size() != model.config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer} has {sp.get_piece_size()} pieces but the model "
+                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
+    # an empty prompt starts after an end of document, as every training document does
+    ids = sp.encode(prompt) if prompt else [sp.eos_id()]
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
+    g = torch.Generator().manual_seed(seed)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, context=run.get("max_length", 256), generator=g)
+    start = 0 if prompt else 1
+    return [sp.decode(row[start:].tolist()) for row in out]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt", help="a checkpoint written by train.py or export.py --merged")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    p.add_argument("--num_samples", type=int, default=3, help="how many continuations")
+    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens generated per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="below 1 sharpens, above 1 flattens; 0 is greedy")
+    p.add_argument("--top_k", type=int, default=200, help="draw only from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=1337, help="seed of the draws")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the one the checkpoint was trained with)")
+    args = p.parse_args(argv)
+    for name in ("num_samples", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.temperature < 0 or args.top_k < 0:
+        p.error(f"--temperature and --top_k must be >= 0, got {args.temperature} and {args.top_k}")
+    try:
+        texts = sample(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
+                       args.top_k or None, args.seed, args.device, args.tokenizer)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"sample.py: {e}") from None
+    for text in texts:
+        print(text)
+        print("-" * 40)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""
+Tests of analyze.py and of train.py's --init_from, --freeze and --support_seed, on tiny models trained here.
+
+    python -m pytest -q test_analyze.py
+"""
+
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+import analyze
+import train
+from model import load_checkpoint
+from sllinear import SLLinear
+from test_train import base_args, corpus  # noqa: F401  (corpus is a fixture)
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(corpus, tmp_path_factory):  # noqa: F811
+    """A tiny full-rank model trained for a few updates on the tiny corpus."""
+    out = tmp_path_factory.mktemp("full")
+    train.main(base_args(corpus, out, 6, "--method", "full", "--lr", "1e-2"))
+    return str(out / "ckpt.pt")
+
+
+@pytest.fixture(scope="module")
+def sltrain_ckpt(corpus, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("sl")
+    train.main(base_args(corpus, out, 6, "--method", "sltrain", "--lr", "1e-2"))
+    return str(out / "ckpt.pt")
+
+
+def test_spectrum_split_adds_up_to_sigma(sltrain_ckpt, tmp_path, capsys):
+    model, _ = load_checkpoint(sltrain_ckpt)
+    rows = analyze.spectrum(model)
+    assert len(rows) == 7 * model.config.n_layers
+    for r in rows:
+        f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+        err = (f64(r["sigma_lowrank"]) + f64(r["sigma_sparse"]) - f64(r["sigma"])).abs().max().item()
+        assert err < 1e-9, f"{r['name']}: low-rank + sparse parts differ from Σ by {err:.2e}"
+        assert min(r["sigma_sparse"]) != max(r["sigma_sparse"]), "the sparse part must carry a spectrum of its own"
+    analyze.main(["spectrum", sltrain_ckpt, "--figures", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "q_proj" in out and "sparse share" in out
+    figures = sorted(p.name for p in tmp_path.glob("*.svg"))
+    assert figures == sorted(f"spectrum_{k}.svg" for k in analyze.KINDS)
+    root = ET.parse(tmp_path / "spectrum_q_proj.svg").getroot()  # well-formed XML, three lines in the plot
+    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 3
+
+
+def test_spectrum_of_full_rank_residual(dense_ckpt, capsys):
+    model, _ = load_checkpoint(dense_ckpt)
+    rows = analyze.spectrum(model, rank=8, threshold=0.04)
+    W = model.layers[0].attn.q_proj.weight.double()
+    U, S, Vh = torch.linalg.svd(W)
+    residual = W - (U[:, :8] * S[:8]) @ Vh[:8]
+    row = rows[0]
+    assert row["name"] == "layers.0.attn.q_proj" and row["rank"] == 8
+    assert math.isclose(row["residual_below"], (residual.abs() < 0.04).double().mean().item())
+    assert math.isclose(row["residual_max"], residual.abs().max().item(), rel_tol=1e-9)
+    analyze.main(["spectrum", dense_ckpt, "--json", "--rank", "8"])
+    assert json.loads(capsys.readouterr().out)[0]["residual_below"] == row["residual_below"]
+
+
+def test_prune_variants_and_evaluation(dense_ckpt, capsys):
+    model, _ = load_checkpoint(dense_ckpt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    variants = analyze.prune_weights(model, rank=4, delta=0.05, seed=0)
+    W = model.layers[1].mlp.down_proj.weight.double()
+    L0 = analyze.best_rank(W, 4)[0]
+    R = W - L0
+    nnz = int(0.05 * W.numel())
+    top = variants["L0 + top"]["layers.1.mlp.down_proj"].double()
+    rand = variants["L0 + random"]["layers.1.mlp.down_proj"].double()
+    assert torch.allclose(variants["L0"]["layers.1.mlp.down_proj"].double(), L0, atol=1e-6)
+    kept = (top - L0).abs() > 1e-7
+    assert kept.sum() <= nnz and (top - L0)[kept].abs().min() >= R.abs().flatten().topk(nnz).values[-1] - 1e-6
+    assert torch.linalg.matrix_norm(W - top) <= torch.linalg.matrix_norm(W - rand), "top-δ is the best δ to keep"
+    analyze.main(["prune", dense_ckpt, "--rank", "4", "--delta", "0.05", "--eval_tokens", "600", "--json"])
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"full", "L0", "L0 + top", "L0 + random"}
+    assert all(math.isfinite(v["val_ppl"]) for v in results.values())
+    full, _ = load_checkpoint(dense_ckpt)
+    after = full.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "pruning must restore the weights it evaluated"
+
+
+def test_prune_refuses_a_factored_checkpoint(sltrain_ckpt):
+    with pytest.raises(SystemExit, match="full-rank checkpoint"):
+        analyze.main(["prune", sltrain_ckpt, "--rank", "4", "--eval_tokens", "1000"])
+
+
+@pytest.mark.parametrize("support", ["random", "top"])
+def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support):
+    from model import LLaMA, config_for
+    dense, _ = load_checkpoint(dense_ckpt)
+    model = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=dense.config.vocab_size))
+    analyze.init_from_dense(model, dense_ckpt, support=support)
+    for name, module in model.named_modules():
+        if not isinstance(module, SLLinear):
+            continue
+        W0 = dense.get_submodule(name).weight.double()
+        L0 = analyze.best_rank(W0, 8)[0]
+        residual = (W0 - L0).view(-1)
+        off = torch.ones_like(residual, dtype=torch.bool)
+        off[module.indices.long()] = False
+        expected = torch.where(off, residual, torch.zeros_like(residual)).view_as(W0)
+        err = (W0 - module.merged_weight().double() - expected).abs().max().item()
+        assert err < 1e-5, f"{name}: W0 - merged W differs from the residual off the support by {err:.2e}"
+        if support == "top":
+            kept = residual.abs()[module.indices.long()].min()
+            assert kept >= residual.abs()[off].max(), f"{name}: the top support misses a larger entry"
+    for name in ("embed.weight", "lm_head.weight", "norm.weight", "layers.1.mlp_norm.weight"):
+        assert torch.equal(model.state_dict()[name], dense.state_dict()[name]), f"{name} not copied"
+
+
+def test_freeze_lowrank_trains_only_the_rest(corpus, dense_ckpt, tmp_path):  # noqa: F811
+    train.main(base_args(corpus, tmp_path, 2, "--method", "sltrain", "--rank", "8", "--init_from", dense_ckpt,
+                         "--support", "top", "--freeze", "lowrank", "--lr", "1e-2", "--eval_tokens", "300"))
+    from model import LLaMA, config_for
+    start = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=96))
+    analyze.init_from_dense(start, dense_ckpt, support="top")
+    end = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    for name, t in start.state_dict().items():
+        if name.endswith((".A", ".B", ".indices")):
+            assert torch.equal(end[name], t), f"{name} changed under --freeze lowrank"
+        elif name.endswith(".values"):
+            assert not torch.equal(end[name], t), f"{name} did not train"
+
+
+def test_support_seed_draws_supports_apart_from_seed():
+    from argparse import Namespace
+    from model import LLaMA, config_for
+
+    def model_for(seed, support_seed):
+        torch.manual_seed(seed)
+        model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96))
+        args = Namespace(support_seed=support_seed, init_from=None, support="random", freeze=None)
+        analyze.prepare_for_training(model, args, resuming=False)
+        state = model.state_dict()
+        return {k: v for k, v in state.items() if k.endswith(".indices")}, state["embed.weight"]
+
+    a, emb_a = model_for(1, 7)
+    b, emb_b = model_for(2, 7)
+    c, emb_c = model_for(1, 8)
+    assert all(torch.equal(a[k], b[k]) for k in a), "same --support_seed, same supports whatever --seed"
+    assert not torch.equal(emb_a, emb_b), "--seed still sets the initialization"
+    assert torch.equal(emb_a, emb_c) and not any(torch.equal(a[k], c[k]) for k in a), "only the supports differ"
+
+
+def test_bad_flags_are_refused_before_work(corpus, dense_ckpt, tmp_path):  # noqa: F811
+    for extra, message in [(["--method", "full", "--init_from", dense_ckpt], "--init_from"),
+                           (["--support", "top"], "--support top"),
+                           (["--method", "full", "--freeze", "lowrank"], "--freeze lowrank"),
+                           (["--method", "lowrank", "--support_seed", "3"], "--support_seed")]:
+        with pytest.raises(SystemExit):
+            train.get_args(base_args(corpus, tmp_path, 1, *extra))
+
+
+def test_curves_overlay(corpus, tmp_path):  # noqa: F811
+    paths = []
+    for i, lines in enumerate([[(10, 5.0), (20, 4.0)], [(10, 5.5), (20, 4.2), (20, 4.1)]]):
+        (tmp_path / f"run{i}").mkdir()
+        path = tmp_path / f"run{i}" / "metrics.jsonl"
+        path.write_text("".join(json.dumps({"step": s, "val_loss": v, "val_ppl": math.exp(v)}) + "\n"
+                                for s, v in lines) + json.dumps({"step": 20, "loss": 3.0}) + "\n")
+        paths.append(str(path))
+    assert analyze.read_curve(paths[1], "val_loss") == ([10, 20], [5.5, 4.1]), "a repeated step keeps the last row"
+    analyze.main(["curves", *paths, "--key", "val_loss", "--out", str(tmp_path / "c.svg")])
+    root = ET.parse(tmp_path / "c.svg").getroot()
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert "run0" in texts and "run1" in texts

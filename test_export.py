@@ -1,0 +1,95 @@
+"""
+Tests of sample.py and export.py on a tiny SLTrain model trained here; the Hugging Face check runs when transformers
+is installed (it is not a dependency of the repo).
+
+    python -m pytest -q test_export.py
+"""
+
+import json
+
+import pytest
+import torch
+
+import export
+import sample
+import train
+from model import load_checkpoint
+from test_train import base_args, corpus  # noqa: F401  (corpus is a fixture)
+
+
+@pytest.fixture(scope="module")
+def sl_ckpt(corpus, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("sl")
+    train.main(base_args(corpus, out, 6, "--method", "sltrain", "--lr", "1e-2", "--eval_tokens", "300"))
+    return str(out / "ckpt.pt")
+
+
+def test_sample_is_deterministic_under_a_seed(sl_ckpt):
+    a = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, seed=3)
+    b = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, seed=3)
+    c = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, seed=4)
+    assert a == b and a != c
+    assert all(t.startswith("the") and len(t) > len("the") for t in a)
+    greedy = sample.sample(sl_ckpt, "", num_samples=2, max_new_tokens=8, temperature=0)
+    assert greedy[0] == greedy[1], "greedy decoding draws nothing"
+
+
+def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        sample.main([str(tmp_path / "missing.pt")])
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="no 'model' and 'model_config'"):
+        sample.main([str(tmp_path / "other.pt")])
+    (tmp_path / "cut.pt").write_bytes(open(sl_ckpt, "rb").read()[:1000])  # a copy cut short, as by a full disk
+    with pytest.raises(SystemExit, match="weights_only=True"):
+        sample.main([str(tmp_path / "cut.pt")])
+
+
+def test_safetensors_round_trip(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2, 2, 2).half()}
+    export.save_safetensors(tensors, tmp_path / "t.safetensors")
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    assert (8 + n) % 8 == 0 and header["b"]["dtype"] == "BF16" and header["a"]["shape"] == [3, 5]
+    back = export.load_safetensors(tmp_path / "t.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_export_merges_and_merged_checkpoint_matches(sl_ckpt, tmp_path):
+    model, _ = load_checkpoint(sl_ckpt)
+    export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "dense.pt")])
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    weights = export.load_safetensors(tmp_path / "hf" / "model.safetensors")
+    q = model.layers[0].attn.q_proj
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], q.merged_weight())
+    assert len(weights) == 2 + 9 * model.config.n_layers + 1  # embed, norm, head; 7 projections + 2 norms per layer
+    dense, _ = load_checkpoint(str(tmp_path / "dense.pt"))
+    assert dense.config.method == "full"
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    err = (dense(idx)[0] - model(idx)[0]).abs().max().item()
+    assert err < 1e-5, f"merged model's logits differ by {err:.2e}"
+    assert sample.sample(str(tmp_path / "dense.pt"), "the", max_new_tokens=4)  # sample.py reads it
+
+
+def test_transformers_loads_the_export_with_our_logits(sl_ckpt, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model, _ = load_checkpoint(sl_ckpt)
+    export.main([sl_ckpt, "--out", str(tmp_path / "hf")])
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(idx)[0], hf(idx).logits
+    err = (ours - theirs).abs().max().item()
+    assert err < 1e-5, f"Hugging Face logits differ from ours by {err:.2e}"
+
+
+def test_transformers_tokenizer_gives_our_ids(sl_ckpt, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")  # transformers reads a sentencepiece model through protobuf
+    export.main([sl_ckpt, "--out", str(tmp_path / "hf")])
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    sp = sample.load_tokenizer(str(tmp_path / "hf" / "tokenizer.model"))
+    text = "the kaba dufo"
+    assert tok(text)["input_ids"] == sp.encode(text), "the exported tokenizer must give our ids"
