@@ -150,8 +150,8 @@ def nice_ticks(lo, hi, n=5):
     raw = (hi - lo) / n
     step = 10 ** math.floor(math.log10(raw))
     step *= next(m for m in (1, 2, 2.5, 5, 10) if step * m >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    first = math.floor(lo / step) * step  # the axes start and end on round values
+    return [first + i * step for i in range(math.ceil((hi - first) / step - 1e-9) + 1)]
 
 
 def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):

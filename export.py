@@ -119,11 +119,12 @@ def export_hf(model, ckpt, out_dir, tokenizer=None):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.model"))
-    # the sentencepiece model as it is: no BOS (training documents have none), EOS ends a document, pad id 0
+    # T5's tokenizer class reads a sentencepiece unigram model with its own normalizer, so its ids are ours (the
+    # LLaMA class re-reads the model as BPE and is not). No extra ids: the vocabulary stays the model's. It appends
+    # EOS, which ends every training document: right for scoring documents; pass add_special_tokens=False for prompts
     eos, unk = sp.id_to_piece(sp.eos_id()), sp.id_to_piece(max(sp.unk_id(), 0))
-    tok = {"tokenizer_class": "LlamaTokenizer", "model_max_length": run.get("max_length", 256),
-           "add_bos_token": False, "add_eos_token": False, "bos_token": None, "eos_token": eos, "unk_token": unk,
-           "pad_token": sp.id_to_piece(0), "legacy": True, "clean_up_tokenization_spaces": False}
+    tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
+           "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(0), "clean_up_tokenization_spaces": False}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tok, f, indent=2)
     return sorted(os.listdir(out_dir))

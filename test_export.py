@@ -91,5 +91,7 @@ def test_transformers_tokenizer_gives_our_ids(sl_ckpt, tmp_path):
     export.main([sl_ckpt, "--out", str(tmp_path / "hf")])
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     sp = sample.load_tokenizer(str(tmp_path / "hf" / "tokenizer.model"))
-    text = "the kaba dufo"
-    assert tok(text)["input_ids"] == sp.encode(text), "the exported tokenizer must give our ids"
+    for text in ("the kaba dufo.", "Hello world, it's a test.\nTwo  spaces"):
+        ids = sp.encode(text)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids, "the exported tokenizer must give our ids"
+        assert tok(text)["input_ids"] == ids + [sp.eos_id()], "a document ends with EOS, as in training"
