@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -235,6 +236,13 @@ class _Blocks(IterableDataset):
             epoch, first_shard, first_block = epoch + 1, 0, 0
 
 
+def _leave_signals_to_main(_):
+    """Schedulers (timeout, SLURM, torchrun) signal the whole process group: a worker killed by SIGTERM or SIGINT
+    would take the main process down before it saves. Workers ignore both; the main process stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _chunks(items, n):
     items = iter(items)
     while chunk := list(itertools.islice(items, n)):
@@ -300,7 +308,8 @@ class TrainLoader:
         epoch, shard, block, offset = self._pos
         blocks = _Blocks(self, (epoch, shard, block))
         if self.num_workers > 0:
-            blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
+            blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
+                                worker_init_fn=_leave_signals_to_main)
         stream = iter(blocks)
         need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
         parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
