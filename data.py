@@ -311,25 +311,28 @@ class TrainLoader:
             blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
                                 worker_init_fn=_leave_signals_to_main)
         stream = iter(blocks)
-        need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
-        parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
-        while True:
-            while have < need:
-                e, p, b, units = next(stream)
-                skip = offset if (e, p, b) == (epoch, shard, block) else 0  # into the block we resume in
-                parts.append([e, p, b, skip, units[skip:]])
-                have += len(units) - skip
-            got, take = [], need
-            while take:
-                part = parts[0]
-                n = min(take, len(part[4]))
-                got.append(part[4][:n])
-                part[3], part[4], take = part[3] + n, part[4][n:], take - n
-                if len(part[4]) == 0 and len(parts) > 1:
-                    parts.pop(0)  # the last block stays, used up, to mark the position when nothing is left over
-            have -= need
-            self._pos = tuple(parts[0][:4])  # set before yielding, so state_dict() after a batch resumes after it
-            yield _batch(torch.cat(got), self.batch_size, self.pad_id, self.pack)
+        try:
+            need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
+            parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
+            while True:
+                while have < need:
+                    e, p, b, units = next(stream)
+                    skip = offset if (e, p, b) == (epoch, shard, block) else 0  # into the block we resume in
+                    parts.append([e, p, b, skip, units[skip:]])
+                    have += len(units) - skip
+                got, take = [], need
+                while take:
+                    part = parts[0]
+                    n = min(take, len(part[4]))
+                    got.append(part[4][:n])
+                    part[3], part[4], take = part[3] + n, part[4][n:], take - n
+                    if len(part[4]) == 0 and len(parts) > 1:
+                        parts.pop(0)  # the last block stays, used up, to mark the position when nothing is left over
+                have -= need
+                self._pos = tuple(parts[0][:4])  # set before yielding, so state_dict() after a batch resumes after it
+                yield _batch(torch.cat(got), self.batch_size, self.pad_id, self.pack)
+        finally:  # stop the workers now, by their queue: they ignore SIGTERM, so a later terminate() would not
+            getattr(stream, "_shutdown_workers", lambda: None)()
 
 
 # ----------------------------------------------------------------------------- validation

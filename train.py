@@ -578,6 +578,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                   f"with evals) | val loss {last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | "
                   f"checkpoint {args.out_dir}/ckpt.pt")
     finally:
+        batches.close()  # stops the loader's workers now, whatever ended the run
         if metrics:
             metrics.close()
 
