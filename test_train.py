@@ -181,7 +181,8 @@ def test_authors_flag_names_are_accepted(corpus, tmp_path):
                               "--save_dir", "ckpts", "--continue_from", "ckpts/ckpt.pt"])
     assert (args.size, args.method, args.delta, args.alpha) == ("60m", "sltrain", 0.05, 16.0)
     assert (args.optimizer, args.per_layer, args.out_dir, args.resume) == ("adam8bit", True, "ckpts", "ckpts/ckpt.pt")
-    assert (args.num_training_steps, args.lr, args.warmup_steps, args.rank) == (11_000, 3e-3, 1100, 128)
+    assert (args.num_training_steps, args.lr, args.rank) == (11_000, 3e-3, 128)
+    assert args.warmup_steps is None, "a resumed run keeps the warmup in its checkpoint"
 
 
 def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_path):
@@ -226,6 +227,7 @@ def test_sigterm_to_torchrun_group_saves_on_both_ranks(corpus, tmp_path):
            *base_args(corpus, tmp_path, 100_000, "--workers", "1")]
     output = signal_group_at(start(cmd), "step 2/", signal.SIGTERM)
     assert "stopped by SIGTERM" in output and "killed by signal" not in output, output[-3000:]
+    assert "broadcast_buffers" not in output  # DDP's FutureWarning, once per rank, says nothing about this run
     state = final_state(tmp_path)
     assert state["step"] >= 2 and state["world"] == 2 and all(state["data"])
 

@@ -105,7 +105,7 @@ def get_args(argv=None):
         args.size = m.group(1)
     if args.optimizer.endswith("_per_layer"):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
-    steps, lr, micro = RECIPES[args.size]
+    steps, lr, _ = RECIPES[args.size]
     args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
     args.lr = lr if args.lr is None else args.lr
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
@@ -135,8 +135,15 @@ def get_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
+    resolve_device_and_batch(p, args)
+    if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
+        args.warmup_steps = int(0.1 * args.num_training_steps)
+    args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
+    return args
 
-    # ---- the device, then the batch arithmetic: total = batch_size x accumulation x world, exactly
+
+def resolve_device_and_batch(p, args):
+    """The device, then the batch arithmetic (total = batch_size x accumulation x world, exactly), then memory."""
     local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "auto":
         args.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
@@ -151,7 +158,8 @@ def get_args(argv=None):
     if args.batch_size is None:
         args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
         if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
-            args.batch_size = max(1, min(args.batch_size, micro if device.type == "cuda" else CPU_MICRO))
+            micro = RECIPES[args.size][2] if device.type == "cuda" else CPU_MICRO
+            args.batch_size = max(1, min(args.batch_size, micro))
     per_micro = args.batch_size * world
     if args.batch_size <= 0 or args.total_batch_size % per_micro:
         p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size "
@@ -162,10 +170,6 @@ def get_args(argv=None):
                 f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
     args.gradient_accumulation = accum
     check_memory(p, args, device, world)
-    if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
-        args.warmup_steps = int(0.1 * args.num_training_steps)
-    args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
-    return args
 
 
 def check_memory(p, args, device, world):
