@@ -387,3 +387,20 @@ def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 2, "--eval_only"))
     out = capsys.readouterr().out
     assert f"{tmp_path}/ckpt.pt at step 2 | val loss {val:.4f}" in out and "validation tokens" in out
+
+
+def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path):
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    for f in Path(corpus[0]).glob("c4-train.*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    docs = gzip.decompress((Path(corpus[0]) / "c4-validation.00000-of-00001.json.gz").read_bytes())
+    (folder / "c4-validation.00000-of-00001.json.gz").write_bytes(gzip.compress(docs * 100))  # an eval of seconds
+    args = base_args((str(folder), corpus[1]), tmp_path / "out", 100_000, "--eval_every", "1",
+                     "--eval_tokens", "1000000")
+    proc = start([sys.executable, str(HERE / "train.py"), *args])
+    output = signal_group_at(proc, "step 1/", signal.SIGINT)  # the log line comes just before the evaluation
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGINT: stopping at the end of this update (or evaluation)" in output
+    assert "val loss" not in output, "the evaluation ran to its end after Ctrl-C"
+    assert final_state(tmp_path / "out")["step"] == 1
