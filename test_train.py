@@ -404,3 +404,11 @@ def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path)
     assert "SIGINT: stopping at the end of this update (or evaluation)" in output
     assert "val loss" not in output, "the evaluation ran to its end after Ctrl-C"
     assert final_state(tmp_path / "out")["step"] == 1
+
+
+def test_tok_s_counts_trained_tokens_not_padding(corpus, tmp_path):
+    # 256-token rows of documents much shorter than that: most positions are padding, which trains nothing
+    train.main(base_args(corpus, tmp_path, 1, "--max_length", "256"))
+    row = metrics(tmp_path)[0][0]
+    counted = row["tokens_per_s"] * row["ms_per_step"] / 1000
+    assert counted < 0.9 * 8 * 255, f"tok/s counts {counted:.0f} tokens per update: padding is counted"
