@@ -306,11 +306,13 @@ def evaluate(model, batches, device, rank, world, stop):
     number of tokens it covered; None when a signal arrived meanwhile (the caller stops, without waiting)."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of losses, targets)
-    for x, y in batches[rank::world]:
+    for i in range(0, len(batches), world):  # the same number of rounds on every rank, for the stop flag's all-reduce
         if stopping(stop, device, world):
             model.train()
             return None
-        x, y = x.to(device), y.to(device)
+        if i + rank >= len(batches):
+            continue
+        x, y = (t.to(device) for t in batches[i + rank])
         _, loss = model(x, y)
         n = (y != -1).sum()
         total += torch.stack([loss.double() * n, n.double()])
