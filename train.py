@@ -395,8 +395,9 @@ def build(args, config, device, dtype, ddp, ckpt):
         raw_model.load_state_dict(ckpt["model"])
     model = torch.compile(raw_model) if args.compile else raw_model
     if ddp:
-        with warnings.catch_warnings():  # torch warns on every rank that broadcast_buffers' meaning will change
-            warnings.simplefilter("ignore", FutureWarning)
+        with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers, on every rank; its replacement
+            # (forward_sync_buffers) is missing from older torch and would sync at init, which we do not need
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                         gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets, not twice
     Opt = {"adamw": AdamW, "adam8bit": Adam8bit}[args.optimizer]
