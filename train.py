@@ -5,6 +5,7 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     torchrun --standalone --nproc_per_node=8 train.py --size 1b     # DDP (NCCL on GPUs, gloo on CPU)
     python train.py --size 60m --optimizer adam8bit --per_layer     # the paper's memory-frugal setting
     python train.py --size 60m --resume                             # continue exactly from out/ckpt.pt
+    python train.py --size 60m --eval_only                          # validation loss of out/ckpt.pt alone
 
 Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line.
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
