@@ -18,6 +18,7 @@ Batches follow nanoGPT: x and y are (B, T) torch.long and y is x shifted by one.
   packed: documents joined with EOS, cut into non-overlapping windows of max_length+1; T = max_length, no -1.
 """
 import argparse
+import errno
 import gzip
 import hashlib
 import http.client
@@ -26,6 +27,8 @@ import json
 import os
 import random
 import re
+import socket
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -235,6 +238,13 @@ class _Blocks(IterableDataset):
             epoch, first_shard, first_block = epoch + 1, 0, 0
 
 
+def _leave_signals_to_main(_):
+    """Schedulers (timeout, SLURM, torchrun) signal the whole process group: a worker killed by SIGTERM or SIGINT
+    would take the main process down before it saves. Workers ignore both; the main process stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _chunks(items, n):
     items = iter(items)
     while chunk := list(itertools.islice(items, n)):
@@ -300,27 +310,31 @@ class TrainLoader:
         epoch, shard, block, offset = self._pos
         blocks = _Blocks(self, (epoch, shard, block))
         if self.num_workers > 0:
-            blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
+            blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
+                                worker_init_fn=_leave_signals_to_main)
         stream = iter(blocks)
-        need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
-        parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
-        while True:
-            while have < need:
-                e, p, b, units = next(stream)
-                skip = offset if (e, p, b) == (epoch, shard, block) else 0  # into the block we resume in
-                parts.append([e, p, b, skip, units[skip:]])
-                have += len(units) - skip
-            got, take = [], need
-            while take:
-                part = parts[0]
-                n = min(take, len(part[4]))
-                got.append(part[4][:n])
-                part[3], part[4], take = part[3] + n, part[4][n:], take - n
-                if len(part[4]) == 0 and len(parts) > 1:
-                    parts.pop(0)  # the last block stays, used up, to mark the position when nothing is left over
-            have -= need
-            self._pos = tuple(parts[0][:4])  # set before yielding, so state_dict() after a batch resumes after it
-            yield _batch(torch.cat(got), self.batch_size, self.pad_id, self.pack)
+        try:
+            need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
+            parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
+            while True:
+                while have < need:
+                    e, p, b, units = next(stream)
+                    skip = offset if (e, p, b) == (epoch, shard, block) else 0  # into the block we resume in
+                    parts.append([e, p, b, skip, units[skip:]])
+                    have += len(units) - skip
+                got, take = [], need
+                while take:
+                    part = parts[0]
+                    n = min(take, len(part[4]))
+                    got.append(part[4][:n])
+                    part[3], part[4], take = part[3] + n, part[4][n:], take - n
+                    if len(part[4]) == 0 and len(parts) > 1:
+                        parts.pop(0)  # the last block stays, used up, to mark the position when nothing is left over
+                have -= need
+                self._pos = tuple(parts[0][:4])  # set before yielding, so state_dict() after a batch resumes after it
+                yield _batch(torch.cat(got), self.batch_size, self.pad_id, self.pack)
+        finally:  # stop the workers now, by their queue: they ignore SIGTERM, so a later terminate() would not
+            getattr(stream, "_shutdown_workers", lambda: None)()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -389,12 +403,39 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
             if attempt == retries:
                 raise ConnectionError(f"{url}: HTTP {e.code} {e.reason}; the server is failing, try again later")
         except (OSError, http.client.HTTPException) as e:  # includes dropped connections and timeouts
+            reason = getattr(e, "reason", e)
+            if not part.exists() and getattr(reason, "errno", None) in _UNREACHABLE:  # offline: retries only wait
+                raise ConnectionError(_offline(url, dest, reason)) from None
             if attempt == retries:
-                raise ConnectionError(f"{url}: {e}; run the same command again to resume from {part}") from None
+                resume = f"run the same command again to resume from {part}" if part.exists() else "try again later"
+                raise ConnectionError(f"{url}: {e}; {resume}") from None
         time.sleep(backoff * 2 ** attempt)
     _verify(part, dest.name, sha256)
     os.replace(part, dest)  # atomic: dest is either absent or complete and checked
     return dest
+
+
+# name or address lookup failed, network unreachable, connection refused: no retry will help soon
+_UNREACHABLE = {socket.EAI_NONAME, socket.EAI_AGAIN, getattr(socket, "EAI_NODATA", -5), errno.ENETUNREACH,
+                errno.EHOSTUNREACH, errno.ECONNREFUSED}
+
+
+def _offline(url, dest, reason):
+    return (f"the network is unreachable ({reason}). The files come from Hugging Face: C4 en shards from "
+            f"{HF_ENDPOINT}/datasets/allenai/c4/tree/main/en (each train shard ~320 MB, 1024 of them; a validation "
+            f"shard ~40 MB; a 60m run needs 17 train shards) and T5's tokenizer from {HF_ENDPOINT}/google-t5/t5-base "
+            f"(spiece.model, 0.8 MB). Fetch them on a machine with a network and place them by hand: this one was "
+            f"{url} -> {dest}")
+
+
+def _gzip_ok(path):
+    try:
+        with gzip.open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
+        return True
+    except (EOFError, OSError, zlib.error):
+        return False
 
 
 def _verify(part, name, sha256):
@@ -423,15 +464,20 @@ def _verify(part, name, sha256):
 
 
 def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards=None, base_url=None,
-             known_sha256=KNOWN_SHA256, retries=5, backoff=2.0):
+             known_sha256=KNOWN_SHA256, retries=5, backoff=2.0, recheck=False):
     """Fetch C4 shards (default shard_names(1, 1)) into data_dir and T5's spiece.model to tokenizer_path
-    (None: skip it) from Hugging Face; files already present are kept, since fetch only ever renames checked ones."""
+    (None: skip it) from Hugging Face; files already present are kept, since fetch only ever renames checked ones,
+    unless recheck: then a present shard that fails its gzip check (a truncated copy placed by hand) is replaced."""
     base = (base_url or os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
     for name in shard_names() if shards is None else shards:
         if not re.fullmatch(r"c4-(train\.\d{5}-of-01024|validation\.\d{5}-of-00008)\.json\.gz", name):
             raise ValueError(f"{name!r} is not a C4 en shard name; they look like c4-train.00000-of-01024.json.gz "
                              f"and c4-validation.00000-of-00008.json.gz")
-        if not (Path(data_dir) / name).exists():
+        path = Path(data_dir) / name
+        if recheck and path.exists() and not _gzip_ok(path):
+            print(f"{path} is truncated or corrupt: downloading it again", flush=True)
+            path.unlink()
+        if not path.exists():
             fetch(f"{base}/datasets/allenai/c4/resolve/main/en/{name}", Path(data_dir) / name,
                   known_sha256.get(name), retries, backoff)
     if tokenizer_path is not None and not Path(tokenizer_path).exists():
@@ -459,11 +505,18 @@ def stats(data_dir, tokenizer_path, max_length=256):
     """Read and tokenize every document of every shard (a full check of a folder), one line per shard."""
     sp = load_tokenizer(tokenizer_path)
     print(f"{'shard':<48} {'docs':>8} {'tokens':>12} {'tok/doc':>8} {'paper tok/doc':>13} {'truncated':>9}")
+    bad = 0
     for split in ("train", "validation"):
         for path in find_shards(data_dir, split):
-            n = np.array([len(x) for t in _chunks(_texts([path]), 1024) for x in sp.encode(t, num_threads=_cpus())])
+            try:
+                n = np.array([len(x) for t in _chunks(_texts([path]), 1024) for x in sp.encode(t, num_threads=_cpus())])
+            except ValueError as e:  # a finding, not a crash: report it and go on to the next shard
+                print(f"{path.name:<48} {e}")
+                bad += 1
+                continue
             print(f"{path.name:<48} {len(n):>8,} {n.sum():>12,} {n.mean():>8.1f} "
                   f"{np.minimum(n + 1, max_length).mean():>13.1f} {(n + 1 > max_length).mean():>9.1%}")
+    return bad
 
 
 def bench(data_dir, tokenizer_path, batch_size=64, max_length=256, pack=False, num_workers=0, seconds=10.0):
@@ -513,11 +566,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.command == "download":
         shards = args.shards or shard_names(args.train_shards, args.validation_shards)
-        download(args.out, args.tokenizer or None, shards, args.base_url)
+        try:  # named shards are checked and replaced if bad: the fix that a truncated shard's message gives
+            download(args.out, args.tokenizer or None, shards, args.base_url, recheck=bool(args.shards))
+        except (ConnectionError, ValueError) as e:
+            raise SystemExit(str(e)) from None
     elif args.command == "train-tokenizer":
         print(f"trained {train_tokenizer(args.data_dir, args.out, args.vocab_size, args.max_docs)}")
     elif args.command == "stats":
-        stats(args.data_dir, args.tokenizer, args.max_length)
+        try:
+            bad = stats(args.data_dir, args.tokenizer, args.max_length)
+        except (OSError, ValueError) as e:  # no folder, no tokenizer: nothing to read
+            raise SystemExit(str(e)) from None
+        if bad:
+            raise SystemExit(f"{bad} shard(s) failed; see the lines above")
     elif args.command == "bench":
         bench(args.data_dir, args.tokenizer, args.batch_size, args.max_length, args.pack, args.num_workers,
               args.seconds)

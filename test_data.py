@@ -14,7 +14,9 @@ import random
 import re
 import subprocess
 import sys
+import socket
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -453,3 +455,40 @@ def test_real_samples_loader_and_validation():
     batches = data.validation_batches(folder, tokenizer, 16, eval_tokens=20_000)
     tokens = sum(int((y >= 0).sum()) + len(y) for _, y in batches)
     assert 20_000 <= tokens < 20_256, f"{tokens} validation tokens for eval_tokens=20,000"
+
+
+def test_offline_download_says_so_at_once(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on: the connection is refused, as with no network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        data.main(["download", "--out", str(tmp_path), "--tokenizer", "", "--train_shards", "1",
+                   "--validation_shards", "0", "--base_url", f"http://127.0.0.1:{port}"])
+    assert time.perf_counter() - t < 5, "no minute of silent retries when the network is unreachable"
+    message = str(e.value)
+    assert "network is unreachable" in message and "~320 MB" in message and "place them by hand" in message
+    assert ".part" not in message and not list(tmp_path.iterdir())
+
+
+def test_download_of_a_named_shard_replaces_a_truncated_copy(serve, tmp_path, capsys):
+    name = data.shard_names(2, 0)[1]  # shard 00000 has a known sha256 that the fixtures cannot match
+    body = gz_shard(30)
+    server = serve({f"/datasets/allenai/c4/resolve/main/en/{name}": body})
+    (tmp_path / name).write_bytes(body[: len(body) // 2])
+    with pytest.raises(ValueError, match=r"python data.py download --shards .*") as e:
+        list(data._lines(tmp_path / name))
+    fix = str(e.value).split("(python ", 1)[1].split(")", 1)[0].split()  # the command the message gives
+    data.main(fix[1:] + ["--tokenizer", "", "--base_url", server.url])
+    assert (tmp_path / name).read_bytes() == body, "the suggested command must replace the truncated shard"
+
+
+def test_stats_reports_a_bad_line_without_a_traceback(tok, tmp_path, capsys):
+    write_shard(tmp_path / "c4-train.00000-of-00002.json.gz", make_docs(0, 20, random.Random(0)))
+    write_shard(tmp_path / "c4-validation.00000-of-00001.json.gz", make_docs(0, 20, random.Random(1)))
+    bad = tmp_path / "c4-train.00001-of-00002.json.gz"
+    bad.write_bytes(gzip.compress(b'{"text": "fine"}\nnot json\n'))
+    with pytest.raises(SystemExit, match=r"1 shard\(s\) failed"):
+        data.main(["stats", "--data_dir", str(tmp_path), "--tokenizer", str(tok)])
+    out = capsys.readouterr().out
+    assert f"{bad}:2: not a JSON object" in out and "c4-validation.00000-of-00001.json.gz" in out

@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
     args = base_args(corpus, tmp_path, 6, "--lr", "1e30", "--warmup_steps", "0", "--save_every", "1")
-    with pytest.raises(SystemExit, match=r"non-finite loss at step \d"):
+    with pytest.raises(SystemExit, match=r"non-finite loss or gradient norm at step \d"):
         train.main(args)
     state = final_state(tmp_path)
     assert state["step"] >= 1
@@ -175,12 +176,13 @@ def test_missing_data_names_the_fix(tmp_path):
 
 
 def test_authors_flag_names_are_accepted(corpus, tmp_path):
-    args, _ = train.get_args(["--model_config", "configs/llama_60m.json", "--peft_model", "sltrain",
+    args = train.get_args(["--model_config", "configs/llama_60m.json", "--peft_model", "sltrain",
                               "--sp_ratio", "0.05", "--lora_alpha", "16", "--optimizer", "adam8bit_per_layer",
                               "--save_dir", "ckpts", "--continue_from", "ckpts/ckpt.pt"])
     assert (args.size, args.method, args.delta, args.alpha) == ("60m", "sltrain", 0.05, 16.0)
     assert (args.optimizer, args.per_layer, args.out_dir, args.resume) == ("adam8bit", True, "ckpts", "ckpts/ckpt.pt")
-    assert (args.num_training_steps, args.lr, args.warmup_steps, args.rank) == (11_000, 3e-3, 1100, 128)
+    assert (args.num_training_steps, args.lr, args.rank) == (11_000, 3e-3, 128)
+    assert args.warmup_steps is None, "a resumed run keeps the warmup in its checkpoint"
 
 
 def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_path):
@@ -190,3 +192,223 @@ def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_
     with pytest.raises(SystemExit, match="python data.py download --out .* --train_shards 17"):
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path)])
     assert not (tmp_path / "c4").exists()
+
+
+# ----------------------------------------------------------------------------- faults and bad input
+
+def start(cmd, **kw):
+    """A job as a scheduler runs it: its own process group, so a signal can go to every process of the job."""
+    return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"), **kw)
+
+
+def signal_group_at(proc, marker, sig):
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(marker):
+            os.killpg(proc.pid, sig)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    return "".join(lines) + rest
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_process_group_with_workers_saves(corpus, tmp_path, sig):
+    proc = start([sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path, 100_000, "--workers", "1")])
+    output = signal_group_at(proc, "step 2/", sig)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"stopped by {sig.name}" in output and "killed by signal" not in output
+    assert 2 <= final_state(tmp_path)["step"] < 100_000
+
+
+def test_sigterm_to_torchrun_group_saves_on_both_ranks(corpus, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "train.py"),
+           *base_args(corpus, tmp_path, 100_000, "--workers", "1")]
+    output = signal_group_at(start(cmd), "step 2/", signal.SIGTERM)
+    assert "stopped by SIGTERM" in output and "killed by signal" not in output, output[-3000:]
+    assert "broadcast_buffers" not in output  # DDP's FutureWarning, once per rank, says nothing about this run
+    state = final_state(tmp_path)
+    assert state["step"] >= 2 and state["world"] == 2 and all(state["data"])
+
+
+def test_diverged_run_never_saves_a_non_finite_model(corpus, tmp_path):
+    # lr 1e9 leaves the loss finite for a step while the parameters are already NaN: the parameters are checked
+    args = base_args(corpus, tmp_path, 6, "--lr", "1e9", "--warmup_steps", "0", "--save_every", "1")
+    with pytest.raises(SystemExit, match="non-finite") as e:
+        train.main(args)
+    state = final_state(tmp_path)
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    assert f"last good checkpoint is {tmp_path}/ckpt.pt" in str(e.value) and "--resume" in str(e.value)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(SystemExit, match="No checkpoint was saved yet"):
+        train.main(base_args(corpus, fresh, 6, "--lr", "1e9", "--warmup_steps", "0", "--save_every", "100"))
+
+
+def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
+    train.main(base_args(corpus, tmp_path, 2))
+    with pytest.raises(SystemExit, match="exists: continue that run with --resume, or pass a new --out_dir, or "
+                                         "--overwrite"):
+        train.main(base_args(corpus, tmp_path, 3))
+    assert final_state(tmp_path)["step"] == 2
+    train.main(base_args(corpus, tmp_path, 3, "--overwrite"))
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--lr", "0"], "--lr must be positive"),
+    (["--num_training_steps", "0"], "--num_training_steps must be positive"),
+    (["--min_lr_ratio", "-1"], "--min_lr_ratio must be in [0, 1]"),
+    (["--alpha", "0"], "--alpha must be positive"),
+    (["--alpha", "-5"], "--alpha must be positive"),
+    (["--workers", "-1"], "--workers must be >= 0"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--beta1", "1.5"], "--beta1 must be in [0, 1)"),
+    (["--weight_decay", "-1"], "--weight_decay must be >= 0"),
+    (["--max_length", "1"], "--max_length must be at least 2"),
+    (["--eval_tokens", "0"], "--eval_tokens must be positive"),
+    (["--device", "cuda"], "no usable CUDA GPU; pass --device cpu"),
+    (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
+])
+def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
+    if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit):
+        train.main(base_args(corpus, tmp_path, 4, *extra))
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, capsys):
+    pages = {"SC_PHYS_PAGES": 24 * 2**30 // 4096, "SC_PAGE_SIZE": 4096}  # a 24 GB machine, whatever runs the test
+    monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
+    with pytest.raises(SystemExit):
+        train.get_args(["--size", "60m", "--device", "cpu", "--max_length", "1024", "--batch_size", "512"])
+    assert re.search(r"needs about \d+\.\d GB per process, more than 80% of .* pass --batch_size \d+$",
+                     capsys.readouterr().err.strip())
+    args = train.get_args(["--size", "60m", "--device", "cpu"])
+    assert args.batch_size == train.CPU_MICRO  # not the GPU micro-batch of 128
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        train.get_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--min_lr_ratio MIN_LR_RATIO", "--eval_tokens EVAL_TOKENS", "--workers WORKERS"):
+        assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
+
+
+def test_resume_honors_new_flags_and_continues_the_schedule(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path, 6, "--lr", "1e-2"))
+    lr_end = metrics(tmp_path)[0][-1]["lr"]
+    capsys.readouterr()
+    train.main(base_args(corpus, tmp_path, 10, "--resume", "--lr", "1e-2"))
+    out = capsys.readouterr().out
+    assert f"resuming from {tmp_path}/ckpt.pt at step 6; changed and honored: num_training_steps 6 -> 10" in out
+    rows = metrics(tmp_path)[0]
+    assert rows[6]["lr"] <= lr_end + 1e-12, f"lr jumped from {lr_end} to {rows[6]['lr']} when the steps were raised"
+    state = final_state(tmp_path)
+    assert state["args"]["warmup_steps"] == 0 and state["args"]["num_training_steps"] == 10
+    # a new --lr is used, and what is recorded is what ran
+    train.main(base_args(corpus, tmp_path, 12, "--resume", "--lr", "1e-4"))
+    assert metrics(tmp_path)[0][-1]["lr"] < 1e-4 and final_state(tmp_path)["args"]["lr"] == 1e-4
+
+
+def test_resume_with_another_tokenizer_is_refused(corpus, tmp_path):
+    train.main(base_args(corpus, tmp_path, 2))
+    other = data.train_tokenizer(corpus[0], tmp_path / "other", vocab_size=96, max_docs=50)  # same vocabulary size
+    args = base_args(corpus, tmp_path, 4, "--resume")
+    args[args.index("--tokenizer") + 1] = str(other)
+    with pytest.raises(SystemExit, match="tokenizer_sha256"):
+        train.main(args)
+
+
+def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
+    train.main(base_args(corpus, tmp_path, 2))
+    path = tmp_path / "ckpt.pt"
+    good = path.read_bytes()
+    weight = max((t for t in final_state(tmp_path)["model"].values() if t.is_floating_point()), key=torch.numel)
+    at = good.index(weight.numpy().tobytes()[:64]) + 7
+    for name, damaged in [("truncated", good[: len(good) // 2]), ("empty", b""),
+                          ("flipped", good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1:])]:
+        path.write_bytes(damaged)
+        with pytest.raises(SystemExit, match=f"checkpoint {path} .*restore it from a copy") as e:
+            train.main(base_args(corpus, tmp_path, 4, "--resume"))
+        assert "\n" not in str(e.value), name
+
+
+def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    train.main(base_args(corpus, tmp_path / "probe", 1))
+    size = (tmp_path / "probe" / "ckpt.pt").stat().st_size
+    # a real full disk: a tmpfs with room for one checkpoint and a half, so the second (written beside it) fails
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with pytest.raises(SystemExit, match="^disk full: could not write .*the previous checkpoint there is kept"):
+            train.main(base_args(corpus, mnt, 4, "--save_every", "1"))
+        assert final_state(mnt)["step"] == 1 and not (mnt / "ckpt.pt.tmp").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])  # lazily: a failed run may still hold a file open there
+
+
+def test_bad_shard_line_saves_then_names_file_and_line(corpus, tmp_path):
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    for f in Path(corpus[0]).iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    shard = folder / "c4-train.00001-of-00002.json.gz"
+    lines = gzip.decompress(shard.read_bytes()).decode().splitlines(keepends=True)
+    lines[100] = "not json\n"
+    shard.write_bytes(gzip.compress("".join(lines).encode()))
+    args = base_args((str(folder), corpus[1]), tmp_path / "out", 10_000, "--workers", "1")
+    with pytest.raises(SystemExit, match=r"c4-train.00001-of-00002.json.gz:101: not a JSON object") as e:
+        train.main(args)
+    assert "Traceback" not in str(e.value)
+    step = final_state(tmp_path / "out")["step"]
+    assert f"saved {tmp_path / 'out'}/ckpt.pt at step {step}" in str(e.value)
+
+
+def test_resume_after_kill_drops_metrics_past_the_checkpoint(corpus, tmp_path):
+    train.main(base_args(corpus, tmp_path, 6, "--stop_after", "3"))
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # what a kill -9 after step 5 leaves behind
+        f.write(json.dumps({"step": 4, "loss": 1.0}) + "\n" + json.dumps({"step": 5, "loss": 1.0}) + "\n")
+    train.main(base_args(corpus, tmp_path, 6, "--resume"))
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path, 2))
+    val = metrics(tmp_path)[1][-1]["val_loss"]
+    capsys.readouterr()
+    train.main(base_args(corpus, tmp_path, 2, "--eval_only"))
+    out = capsys.readouterr().out
+    assert f"{tmp_path}/ckpt.pt at step 2 | val loss {val:.4f}" in out and "validation tokens" in out
+
+
+def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path):
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    for f in Path(corpus[0]).glob("c4-train.*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    docs = gzip.decompress((Path(corpus[0]) / "c4-validation.00000-of-00001.json.gz").read_bytes())
+    (folder / "c4-validation.00000-of-00001.json.gz").write_bytes(gzip.compress(docs * 100))  # an eval of seconds
+    args = base_args((str(folder), corpus[1]), tmp_path / "out", 100_000, "--eval_every", "1",
+                     "--eval_tokens", "1000000")
+    proc = start([sys.executable, str(HERE / "train.py"), *args])
+    output = signal_group_at(proc, "step 1/", signal.SIGINT)  # the log line comes just before the evaluation
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGINT: stopping at the end of this update (or evaluation)" in output
+    assert "val loss" not in output, "the evaluation ran to its end after Ctrl-C"
+    assert final_state(tmp_path / "out")["step"] == 1
+
+
+def test_tok_s_counts_trained_tokens_not_padding(corpus, tmp_path):
+    # 256-token rows of documents much shorter than that: most positions are padding, which trains nothing
+    train.main(base_args(corpus, tmp_path, 1, "--max_length", "256"))
+    row = metrics(tmp_path)[0][0]
+    counted = row["tokens_per_s"] * row["ms_per_step"] / 1000
+    assert counted < 0.9 * 8 * 255, f"tok/s counts {counted:.0f} tokens per update: padding is counted"

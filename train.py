@@ -5,6 +5,7 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     torchrun --standalone --nproc_per_node=8 train.py --size 1b     # DDP (NCCL on GPUs, gloo on CPU)
     python train.py --size 60m --optimizer adam8bit --per_layer     # the paper's memory-frugal setting
     python train.py --size 60m --resume                             # continue exactly from out/ckpt.pt
+    python train.py --size 60m --eval_only                          # validation loss of out/ckpt.pt alone
 
 Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line.
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
@@ -12,6 +13,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -19,6 +21,7 @@ import re
 import resource
 import signal
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -27,7 +30,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from analyze import prepare_for_training
+import checkpoint
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
+from estimate_memory import estimate
 from model import LLaMA, SIZES, config_for, describe
 from optim import AdamW, Adam8bit, attach_per_layer
 
@@ -35,10 +40,19 @@ from optim import AdamW, Adam8bit, attach_per_layer
 RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
            "350m": (65_000, 3e-3, 64), "1b": (140_000, 3e-3, 32), "7b": (150_000, 5e-4, 8)}
 MODEL_FIELDS = ("method", "rank", "alpha", "delta")
+CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows every flag's default, except where the help line already says what it is."""
+
+    def _get_help_string(self, action):
+        shown = "default" in action.help or action.default in (None, False, argparse.SUPPRESS)
+        return action.help if shown else action.help + " (default: %(default)s)"
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--size", default="60m", choices=list(SIZES), help="model size (the paper's LLaMA configs)")
     a("--method", "--peft_model", choices=["full", "lowrank", "sltrain"], default="sltrain",
@@ -53,14 +67,15 @@ def get_args(argv=None):
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
     a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU)")
     a("--compile", action="store_true", help="torch.compile the model")
-    a("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
-    a("--batch_size", type=int, help="sequences per device per micro-batch")
+    a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
+      f"at most {CPU_MICRO} on CPU)")
     a("--total_batch_size", type=int, default=512, help="sequences per update, over all devices and micro-batches")
     a("--gradient_accumulation", type=int, help="micro-batches per update (default: derived)")
     a("--max_length", type=int, default=256, help="tokens per sequence")
     a("--num_training_steps", type=int, help="optimizer updates (default: the paper's for the size)")
-    a("--warmup_steps", type=int, help="linear warmup updates (default: 10%% of the steps)")
+    a("--warmup_steps", type=int, help="linear warmup updates (default: 10%% of the steps; on resume, the run's)")
     a("--min_lr_ratio", type=float, default=0.1, help="the cosine schedule ends at this fraction of --lr")
     a("--scheduler", default="cosine", choices=["cosine"], help="learning-rate schedule (warmup, then cosine)")
     a("--weight_decay", type=float, default=0.0, help="decoupled weight decay")
@@ -68,15 +83,17 @@ def get_args(argv=None):
     a("--beta2", type=float, default=0.999, help="Adam beta2")
     a("--eval_every", type=int, default=1000, help="evaluate validation perplexity every this many updates")
     a("--eval_tokens", type=int, default=10_000_000, help="validation tokens (the first N of the validation shards)")
+    a("--eval_only", action="store_true", help="evaluate the --resume checkpoint (default out_dir/ckpt.pt) and exit")
     a("--save_every", type=int, default=1000, help="write a checkpoint every this many updates")
     a("--out_dir", "--save_dir", default="out", help="checkpoint and metrics.jsonl folder")
     a("--resume", "--continue_from", nargs="?", const="auto", help="continue from a checkpoint (default out_dir/ckpt.pt)")
+    a("--overwrite", action="store_true", help="start afresh even if out_dir holds a checkpoint (it is replaced)")
     a("--stop_after", type=int, help="end this run after this many updates, with a checkpoint (job time limits)")
     a("--data_dir", default="data/c4", help="folder of C4 shards (c4-train.*.json.gz, c4-validation.*.json.gz)")
     a("--tokenizer", default="data/t5_spiece.model", help="sentencepiece model (T5's: 32000 pieces)")
     a("--download", action="store_true", help="fetch missing C4 shards and the T5 tokenizer first")
     a("--pack", action="store_true", help="pack documents into full windows (default: the paper's padding)")
-    a("--workers", type=int, default=1, help="data loader worker processes")
+    a("--workers", type=int, default=1, help="data loader worker processes (0: load in the main process)")
     a("--log_every", type=int, default=10, help="print and record a log line every this many updates")
     a("--seed", type=int, default=42, help="seed for initialization, support and data order")
     a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
@@ -88,7 +105,7 @@ def get_args(argv=None):
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
     args = p.parse_args(argv)
 
-    # ---- resolve defaults and refuse what cannot work, before any expensive step
+    # ---- every flag is checked here, before any work: a bad value is one line naming the fix
     if args.model_config:
         m = re.search(r"llama_(\w+)\.json$", args.model_config)
         if not m or m.group(1) not in SIZES:
@@ -96,18 +113,28 @@ def get_args(argv=None):
         args.size = m.group(1)
     if args.optimizer.endswith("_per_layer"):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
-    steps, lr, micro = RECIPES[args.size]
-    args.num_training_steps = args.num_training_steps or steps
-    args.lr = args.lr or lr
-    args.warmup_steps = int(0.1 * args.num_training_steps) if args.warmup_steps is None else args.warmup_steps
+    steps, lr, _ = RECIPES[args.size]
+    args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
+    args.lr = lr if args.lr is None else args.lr
+    positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
+                "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after")
+    for name in positive:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:  # `not >` also refuses NaN
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
+        if getattr(args, name) is not None and not getattr(args, name) >= 0:
+            p.error(f"--{name} must be >= 0, got {getattr(args, name)}")
+    for name, low, high in (("min_lr_ratio", 0, 1), ("beta1", 0, 0.999999), ("beta2", 0, 0.999999)):
+        if not low <= getattr(args, name) <= high:
+            p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
+                    f"got {getattr(args, name)}")
+    if args.max_length < 2:
+        p.error(f"--max_length must be at least 2 (an input token and its target), got {args.max_length}")
+    if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps:
+        p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
     if args.per_layer and args.grad_clipping > 0:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
-    for name in ("num_training_steps", "eval_every", "save_every", "log_every", "max_length", "total_batch_size"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.warmup_steps <= args.num_training_steps:
-        p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
     if args.init_from and (args.method == "full" or not os.path.isfile(args.init_from)):
         p.error(f"--init_from {args.init_from}: needs --method lowrank or sltrain and an existing full-rank ckpt.pt")
     if args.support == "top" and not (args.init_from and args.method == "sltrain"):
@@ -116,49 +143,192 @@ def get_args(argv=None):
         p.error("--freeze lowrank needs --method lowrank or sltrain: a full-rank model has no B and A")
     if args.support_seed is not None and args.method != "sltrain":
         p.error(f"--support_seed draws the sparse supports: it needs --method sltrain, not {args.method}")
+    if args.eval_only and args.overwrite:
+        p.error("--eval_only reads a checkpoint and --overwrite replaces it: drop one of them")
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
         LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
     except ValueError as e:
         p.error(str(e))
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
-    return args, micro
+    resolve_device_and_batch(p, args)
+    if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
+        args.warmup_steps = int(0.1 * args.num_training_steps)
+    args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
+    return args
+
+
+def resolve_device_and_batch(p, args):
+    """The device, then the batch arithmetic (total = batch_size x accumulation x world, exactly), then memory."""
+    local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.device == "auto":
+        args.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu (or auto)")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: expected auto, cpu, cuda or cuda:N")
+    if args.batch_size is None:
+        args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
+        if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
+            micro = RECIPES[args.size][2] if device.type == "cuda" else CPU_MICRO
+            args.batch_size = max(1, min(args.batch_size, micro))
+    per_micro = args.batch_size * world
+    if args.batch_size <= 0 or args.total_batch_size % per_micro:
+        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size "
+                f"{args.batch_size} x {world} devices; pick sizes that divide")
+    accum = args.total_batch_size // per_micro
+    if args.gradient_accumulation not in (None, accum):
+        p.error(f"--gradient_accumulation {args.gradient_accumulation} x --batch_size {args.batch_size} x "
+                f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
+    args.gradient_accumulation = accum
+    check_memory(p, args, device, world)
+
+
+def check_memory(p, args, device, world):
+    """Refuse, before anything is built, a CPU run whose estimated peak exceeds the machine's memory (the kernel
+    would kill it with one word, 'Killed'), naming a --batch_size that fits. CUDA runs report their own OOM."""
+    if device.type != "cpu" or not hasattr(os, "sysconf") or "SC_PHYS_PAGES" not in os.sysconf_names:
+        return
+    available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
+
+    # activations grow linearly with the batch: estimate once per sequence; float32 on CPU doubles the bf16 figures
+    row = estimate(args.size, args.method, args.rank, args.delta, optimizer=args.optimizer, per_layer=args.per_layer,
+                   batch_size=1, max_length=args.max_length)
+    scale = (2 if args.dtype == "bfloat16" else 4) / 2
+
+    def need(batch):
+        return scale * (row["train_gb"] + (batch - 1) * row["act_gb"]) * 1e9
+    if need(args.batch_size) <= 0.8 * available:
+        return
+    fits = [b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0
+            and need(b) <= 0.8 * available]
+    fix = f"pass --batch_size {fits[0]}" if fits else "pick a smaller --size or more memory"
+    p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {need(args.batch_size) / 1e9:.1f} GB "
+            f"per process, more than 80% of this machine's {available / 1e9:.1f} GB; {fix}")
 
 
 def lr_lambda_for(args):
-    """Linear warmup to the peak, then cosine down to min_lr_ratio of it (the authors' schedule)."""
+    """Linear warmup to the peak, then cosine down to min_lr_ratio of it (the authors' schedule). When a resumed run
+    raised --num_training_steps, args.lr_restart = [step, factor] holds where the old schedule stood: from there
+    the cosine goes on from that factor down to the floor at the new end, so the learning rate never jumps."""
     warmup, total, floor = args.warmup_steps, args.num_training_steps, args.min_lr_ratio
+    begin, top = args.lr_restart or (warmup, 1.0)
 
     def lr_lambda(step):
         if step < warmup:
             return step / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        progress = (step - begin) / max(1, total - begin)
+        return floor + (top - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return lr_lambda
 
 
-def save_checkpoint(path, state):
-    """Atomic: write a temporary file, fsync it, rename it over the old one. A kill leaves one good file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+# ----------------------------------------------------------------------------- checkpoint and resume
 
+RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total_batch_size", "max_length", "pack",
+                                                "seed", "dtype", "data_dir", "tokenizer_sha256")
+RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
+                  "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
+                  "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
+
+
+def load_for_resume(args, vocab_size, world):
+    """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
+    listed in one refusal) or is honored and said so; args then records what this run does."""
+    path = os.path.join(args.out_dir, "ckpt.pt") if args.resume in (None, "auto") else args.resume
+    if not os.path.exists(path):
+        flag = "--eval_only" if args.eval_only else "--resume"
+        raise SystemExit(f"{flag}: no checkpoint at {path}; pass its path with --resume or drop {flag}")
+    try:
+        ckpt = checkpoint.load(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    old = ckpt["args"]
+    diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH if old.get(k) != getattr(args, k)]
+    if ckpt["model_config"]["vocab_size"] != vocab_size:
+        diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
+    if ckpt["world"] != world:
+        diff.append(f"{ckpt['world']} processes (now {world})")
+    if diff:
+        raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
+                         "pass the same flags, tokenizer, data and device count, or a new --out_dir")
+    if args.eval_only:
+        return ckpt, path
+    step = ckpt["step"]
+    if step >= args.num_training_steps:
+        raise SystemExit(f"--resume: {path} already has {step} updates; raise --num_training_steps to train on")
+    if args.warmup_steps is None:
+        args.warmup_steps = old["warmup_steps"]  # the run's warmup, not 10% of a new --num_training_steps
+    args.lr_restart = old.get("lr_restart")
+    if args.num_training_steps != old["num_training_steps"] and step >= min(old["warmup_steps"], args.warmup_steps):
+        args.lr_restart = [step, lr_lambda_for(argparse.Namespace(**old))(step)]  # continue from where it stood
+    changed = [f"{k} {old.get(k)} -> {getattr(args, k)}" for k in RESUME_HONORED if old.get(k) != getattr(args, k)]
+    print(f"resuming from {path} at step {step}" + (f"; changed and honored: {', '.join(changed)}" if changed else ""))
+    return ckpt, path
+
+
+def set_hyperparameters(args, optimizers, scheduler):
+    """A loaded optimizer state brings the old run's lr, betas and weight decay; this run's flags replace them."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group.update(initial_lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
+    if scheduler:
+        scheduler.base_lrs = [args.lr] * len(scheduler.base_lrs)
+        factor = lr_lambda_for(args)(scheduler.last_epoch)
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] = args.lr * factor
+        scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+def refuse_overwrite(args):
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if os.path.exists(path) and not args.overwrite:
+        raise SystemExit(f"{path} exists: continue that run with --resume, or pass a new --out_dir, or --overwrite "
+                         "to replace it")
+
+
+def trim_metrics(path, step):
+    """After a kill, the rows past the checkpoint's step are redone on resume: drop them so each step appears once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(f"{path}.tmp", path)
+
+
+def diverged(args, why):
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if os.path.exists(path):
+        return SystemExit(f"{why}; stopping. The last good checkpoint is {path} (nothing non-finite is ever saved): "
+                          f"rerun with --resume and a lower --lr (or --grad_clipping)")
+    return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr "
+                      f"(or --grad_clipping)")
+
+
+def all_finite(model):
+    return torch.stack([p.isfinite().all() for p in model.parameters()]).all().item()
+
+
+# ----------------------------------------------------------------------------- evaluation and logging
 
 @torch.no_grad()
-def evaluate(model, batches, device, rank, world):
-    """Token-weighted mean loss over the fixed validation set (each rank takes every world-th batch)."""
+def evaluate(model, batches, device, rank, world, stop):
+    """Token-weighted mean loss over the fixed validation set (each rank takes every world-th batch), and the
+    number of tokens it covered; None when a signal arrived meanwhile (the caller stops, without waiting)."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of losses, targets)
-    for x, y in batches[rank::world]:
-        x, y = x.to(device), y.to(device)
+    for i in range(0, len(batches), world):  # the same number of rounds on every rank, for the stop flag's all-reduce
+        if stopping(stop, device, world):
+            model.train()
+            return None
+        if i + rank >= len(batches):
+            continue
+        x, y = (t.to(device) for t in batches[i + rank])
         _, loss = model(x, y)
         n = (y != -1).sum()
         total += torch.stack([loss.double() * n, n.double()])
@@ -166,7 +336,16 @@ def evaluate(model, batches, device, rank, world):
         dist.all_reduce(total)
     model.train()
     val_loss = (total[0] / total[1]).item()
-    return val_loss, math.exp(min(val_loss, 50.0))
+    return val_loss, math.exp(min(val_loss, 50.0)), int(total[1].item())
+
+
+def stopping(stop, device, world):
+    """Whether any rank was signalled: every rank must stop at the same point, or the others would wait forever."""
+    if world > 1:
+        flag = torch.tensor(1 if stop["signal"] else 0, device=device)
+        dist.all_reduce(flag)
+        stop["signal"] = stop["signal"] or ("a signal on another rank" if flag.item() else None)
+    return stop["signal"] is not None
 
 
 def fmt_rate(tokens_per_s):
@@ -178,30 +357,24 @@ def fmt_time(seconds):
     return f"{h}h{m:02d}m"
 
 
-def main(argv=None):
-    args, micro_default = get_args(argv)
+def peak_mem_gb(device):
+    """Peak CUDA memory allocated on a GPU; on CPU the process's peak resident set size (RSS)."""
+    return (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
 
-    # ---- devices and DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE
+
+def one_line(error):
+    """A DataLoader worker's exception carries the worker's whole traceback; its last line is the message."""
+    return str(error).strip().splitlines()[-1].removeprefix("ValueError: ")
+
+
+# ----------------------------------------------------------------------------- setup
+
+def setup(args):
+    """DDP (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE), the download, the device, and cheap data checks."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
                                int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
-
-    # ---- batch arithmetic: total = batch_size x accumulation x world, exactly
-    if args.batch_size is None:
-        args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
-        if args.gradient_accumulation is None:  # the size's usual micro-batch, accumulating the rest
-            args.batch_size = min(args.batch_size, micro_default)
-    per_micro = args.batch_size * world
-    if args.batch_size <= 0 or args.total_batch_size % per_micro:
-        raise SystemExit(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size "
-                         f"{args.batch_size} x {world} devices; pick sizes that divide")
-    accum = args.total_batch_size // per_micro
-    if args.gradient_accumulation not in (None, accum):
-        raise SystemExit(f"--gradient_accumulation {args.gradient_accumulation} x --batch_size {args.batch_size} x "
-                         f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
-    args.gradient_accumulation = accum
-
-    # ---- data download (one process), then the device and the process group
     if args.download:
         # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents)
         n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
@@ -210,226 +383,258 @@ def main(argv=None):
                              f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {n_train}")
         print(f"--download: {n_train} C4 train shard(s), 1 validation shard and the T5 tokenizer into {args.data_dir}")
         download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=1))
-    if args.device == "auto":
-        args.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if ddp:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    master = rank == 0
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     args.dtype = str(dtype).removeprefix("torch.")
-
-    # ---- cheap checks of the data, and the resume checkpoint
     try:
         find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
         vocab_size = load_tokenizer(args.tokenizer).get_piece_size()  # 32000 for T5's, as in the paper
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
-    ckpt = None
-    if args.resume:
-        path = os.path.join(args.out_dir, "ckpt.pt") if args.resume == "auto" else args.resume
-        if not os.path.exists(path):
-            raise SystemExit(f"--resume: no checkpoint at {path}; pass its path or drop --resume")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        old = ckpt["args"]
-        keys = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total_batch_size", "max_length", "pack")
-        diff = [f"{k} {old[k]} (now {getattr(args, k)})" for k in keys if old[k] != getattr(args, k)]
-        if ckpt["model_config"]["vocab_size"] != vocab_size:
-            diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
-        if ckpt["world"] != world:
-            diff.append(f"{ckpt['world']} processes (now {world})")
-        if diff:
-            raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
-                             "pass the same flags and device count, or a new --out_dir")
-        if ckpt["step"] >= args.num_training_steps:
-            raise SystemExit(f"--resume: {path} already has {ckpt['step']} updates; raise --num_training_steps "
-                             "to train on")
-
-    # ---- model
-    torch.manual_seed(args.seed)
-    config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
-                        vocab_size=vocab_size)
-    model = LLaMA(config, device=device).to(dtype)
-    model.activation_checkpointing = args.activation_checkpointing
-    prepare_for_training(model, args, resuming=bool(ckpt))  # --support_seed, --init_from, --freeze (analyze.py)
-    if ckpt:
-        model.load_state_dict(ckpt["model"])
-    raw_model = model  # checkpoints come from the unwrapped, uncompiled model
-    if args.compile:
-        model = torch.compile(model)
+    args.data_dir = os.path.abspath(args.data_dir)
+    with open(args.tokenizer, "rb") as f:
+        args.tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()  # same vocabulary size is not same tokenizer
     if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
-                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets, not twice
-    if master:
-        print(json.dumps(vars(args)))
-        print(describe(raw_model))
-        print(f"{world} x {device.type} | {args.dtype} | batch {args.batch_size} x {accum} accum x {world} = "
-              f"{args.total_batch_size} sequences of {args.max_length} tokens per update")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return ddp, rank, world, device, dtype, vocab_size
 
-    # ---- optimizer and schedule
+
+def build(args, config, device, dtype, ddp, ckpt):
+    """The model (raw, for checkpoints) and what trains it: DDP wrapper, optimizer, schedule or per-layer updates."""
+    torch.manual_seed(args.seed)
+    raw_model = LLaMA(config, device=device).to(dtype)
+    raw_model.activation_checkpointing = args.activation_checkpointing
+    prepare_for_training(raw_model, args, resuming=bool(ckpt))  # --support_seed, --init_from, --freeze (analyze.py)
+    if ckpt:
+        raw_model.load_state_dict(ckpt["model"])
+    model = torch.compile(raw_model) if args.compile else raw_model
+    if ddp:
+        with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers, on every rank; its replacement
+            # (forward_sync_buffers) is missing from older torch and would sync at init, which we do not need
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+                        gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets, not twice
     Opt = {"adamw": AdamW, "adam8bit": Adam8bit}[args.optimizer]
     make_optimizer = lambda params: Opt(params, lr=args.lr, betas=(args.beta1, args.beta2),  # noqa: E731
                                         weight_decay=args.weight_decay)
     if args.per_layer:
-        per_layer = attach_per_layer(model, make_optimizer, lr_lambda_for(args))
-        optimizer = scheduler = None
+        per_layer, optimizer, scheduler = attach_per_layer(model, make_optimizer, lr_lambda_for(args)), None, None
     else:
-        per_layer = None
-        optimizer = make_optimizer(list(raw_model.parameters()))
+        per_layer, optimizer = None, make_optimizer(list(raw_model.parameters()))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(args))
     if ckpt:
-        if per_layer:
-            per_layer.load_state_dict(ckpt["optimizer"])
-        else:
-            optimizer.load_state_dict(ckpt["optimizer"])
+        (per_layer or optimizer).load_state_dict(ckpt["optimizer"])
+        if scheduler:
             scheduler.load_state_dict(ckpt["scheduler"])
+        set_hyperparameters(args, per_layer.optimizers.values() if per_layer else [optimizer], scheduler)
+    return model, raw_model, optimizer, scheduler, per_layer
 
+
+# ----------------------------------------------------------------------------- the run
+
+def main(argv=None):
+    args = get_args(argv)
+    ddp, rank, world, device, dtype, vocab_size = setup(args)
+    master = rank == 0
+    ckpt = None
+    if args.resume or args.eval_only:
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world)
+    else:
+        refuse_overwrite(args)
+    config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
+                        vocab_size=vocab_size)
+    model, raw_model, optimizer, scheduler, per_layer = build(args, config, device, dtype, ddp, ckpt)
+    if master:
+        print(json.dumps(vars(args)))
+        print(describe(raw_model))
+        print(f"{world} x {device.type} | {args.dtype} | batch {args.batch_size} x {args.gradient_accumulation} accum "
+              f"x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s counts "
+              f"trained (non-pad) tokens; mem is {'peak CUDA allocated' if device.type == 'cuda' else 'peak RSS'}")
+    val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
+                             eval_tokens=args.eval_tokens, pack=args.pack)
+
+    # ---- SIGTERM/SIGINT: said at once, then a checkpoint and a clean exit at the end of the current update
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        if master and stop["signal"] is None:  # os.write: a print here could re-enter a print in progress
+            os.write(1, f"{signal.Signals(signum).name}: stopping at the end of this update (or evaluation), with a "
+                        f"checkpoint\n".encode())
+        stop["signal"] = signal.Signals(signum).name
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if args.eval_only:
+            result = evaluate(raw_model, val, device, rank, world, stop)
+            if master and result:
+                print(f"{ckpt_path} at step {ckpt['step']} | val loss {result[0]:.4f} | val ppl {result[1]:.2f} | "
+                      f"{result[2]:,} validation tokens ({len(val)} batches)")
+        else:
+            train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world,
+                  stop)
+    finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        if ddp:  # DDP's reducer (and the per-layer hooks on it) must go before the process group does
+            if per_layer:
+                per_layer.remove()
+            model = per_layer = None
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop):
+    """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
+    ddp, master, accum, total = world > 1, rank == 0, args.gradient_accumulation, args.num_training_steps
     loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length, seed=args.seed,
                          rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
+    start = ckpt["step"] if ckpt else 0
     if ckpt:
         loader.load_state_dict(ckpt["data"][rank])
         torch.set_rng_state(ckpt["rng"])
-    val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
-                             eval_tokens=args.eval_tokens, pack=args.pack)
     batches = iter(loader)
-
-    # ---- SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current update
-    stop = {"signal": None}
-    old_handlers = {sig: signal.signal(sig, lambda signum, frame: stop.update(signal=signal.Signals(signum).name))
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-
     os.makedirs(args.out_dir, exist_ok=True)
-    metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if master else None
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    if master and ckpt:
+        trim_metrics(metrics_path, start)
+    metrics = open(metrics_path, "a" if ckpt else "w") if master else None
 
     def record(row):
         if master:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
 
-    def check_finite():
-        if first_bad.item() >= 0:  # a host sync: only at log and save steps
-            raise SystemExit(f"non-finite loss at step {first_bad.item()}; stopping. The last good checkpoint "
-                             f"is {args.out_dir}/ckpt.pt; lower --lr or add --grad_clipping, then --resume")
-
-    def checkpoint(step):
-        check_finite()  # never overwrite the last good checkpoint with a diverged model
+    def save(step, data_state):
+        # never write a diverged model over the last good checkpoint: the loss and norm flags, then the parameters
+        check_finite()
+        if not all_finite(raw_model):
+            raise diverged(args, f"non-finite parameters after step {step}")
         state = {"model": raw_model.state_dict(), "optimizer": (per_layer or optimizer).state_dict(),
                  "scheduler": scheduler.state_dict() if scheduler else None, "step": step, "args": vars(args),
                  "model_config": asdict(config), "world": world, "rng": torch.get_rng_state(),
                  "data": [None] * world}
         if ddp:
-            dist.all_gather_object(state["data"], loader.state_dict())
+            dist.all_gather_object(state["data"], data_state)
         else:
-            state["data"][0] = loader.state_dict()
+            state["data"][0] = data_state
         if master:
-            save_checkpoint(os.path.join(args.out_dir, "ckpt.pt"), state)
+            try:
+                checkpoint.save(os.path.join(args.out_dir, "ckpt.pt"), state)
+            except checkpoint.DiskFull as e:
+                raise SystemExit(str(e)) from None
 
-    last_eval = {}
+    first_bad = torch.tensor(-1, device=device)  # first update with a non-finite loss or norm, on device (no sync)
 
-    def run_eval(step):
-        val_loss, val_ppl = evaluate(raw_model, val, device, rank, world)
-        if master:
-            print(f"step {step}/{args.num_training_steps} | val loss {val_loss:.4f} | val ppl {val_ppl:.2f}")
-        last_eval.update(step=step, val_loss=val_loss, val_ppl=val_ppl)
-        record(dict(last_eval))
-
-    # ---- the loop: exactly num_training_steps updates
-    start = ckpt["step"] if ckpt else 0
-    first_bad = torch.tensor(-1, device=device)  # first update with a non-finite loss, kept on device (no sync)
-    tokens_per_update = args.total_batch_size * (args.max_length - (0 if args.pack else 1))
+    def check_finite():
+        if ddp:  # each rank holds its own share of the loss: all must agree to stop
+            dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
+        if first_bad.item() >= 0:
+            raise diverged(args, f"non-finite loss or gradient norm at step {first_bad.item()}")
     t_log, step_log, t_start = time.perf_counter(), start, time.perf_counter()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens, tokens_all = torch.zeros((), device=device, dtype=torch.float64), 0.0  # trained (non-pad) targets
+    last_eval = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(start, args.num_training_steps):
-        micro_batches = [next(batches) for _ in range(accum)]
-        # weight each micro-batch by its counted targets over the whole update's, so the gradient is the
-        # token-weighted mean over the global batch, whatever the padding, the accumulation or the device count
-        counts = [(y != -1).sum() for _, y in micro_batches]
-        n_total = torch.stack(counts).sum().to(device, torch.float64)
-        if ddp:
-            dist.all_reduce(n_total)
-        step_loss = torch.zeros((), device=device, dtype=torch.float64)
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == accum - 1
-            sync = model.no_sync() if ddp and not last else nullcontext()
-            hold = per_layer.accumulating() if per_layer and not last else nullcontext()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with sync, hold:
-                _, loss = model(x, y)
-                weight = counts[i].to(device) / n_total
-                (loss * (weight * world)).backward()  # DDP averages over ranks; * world makes it a sum
-            step_loss += loss.detach().double() * weight
-        if per_layer:
-            norm = per_layer.grad_norm()
-        else:
-            max_norm = args.grad_clipping if args.grad_clipping > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(step_loss), step + 1, first_bad)
-        loss_sum += step_loss
-        done = step + 1
-        if args.stop_after and done - start >= args.stop_after and done < args.num_training_steps:
-            stop["signal"] = "--stop_after"
+    try:
+        for step in range(start, total):
+            data_state = loader.state_dict()  # where this update's batches begin: a failed read saves this
+            try:
+                micro_batches = [next(batches) for _ in range(accum)]
+            except ValueError as e:  # a bad shard line: keep the work done so far, then the file:line message
+                save(step, data_state)
+                raise SystemExit(f"{one_line(e)}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
+                                 "shard, rerun with --resume") from None
+            step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
+                                                  micro_batches, device, world)
+            first_bad = torch.where((first_bad < 0) & ~(torch.isfinite(step_loss) & torch.isfinite(norm)),
+                                    step + 1, first_bad)
+            loss_sum += step_loss
+            tokens += n_total
+            done = step + 1
+            if args.stop_after and done - start >= args.stop_after and done < total:
+                stop["signal"] = "--stop_after"
 
-        # ---- log (the only host syncs of the loop), evaluate, save, stop
-        is_log = done % args.log_every == 0 or done == args.num_training_steps
-        if is_log or (not ddp and stop["signal"]):
+            # ---- log (with the stop flag, the only host syncs of the loop), evaluate, save, stop
             if ddp:
-                dist.all_reduce(loss_sum)  # each rank holds its share of the token-weighted mean: sum them
-                flag = torch.tensor(1 if stop["signal"] else 0, device=device)
-                dist.all_reduce(flag)  # every rank must stop at the same update
-                stop["signal"] = stop["signal"] or ("a signal on another rank" if flag.item() else None)
-            check_finite()
-            now = time.perf_counter()
-            ms = 1000 * (now - t_log) / (done - step_log)
-            tok_s = tokens_per_update / (ms / 1000)
-            lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
-            mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
-            eta = (now - t_start) / (done - start) * (args.num_training_steps - done)
-            row = {"step": done, "loss": loss_sum.item() / (done - step_log), "lr": lr, "grad_norm": norm.item(),
-                   "ms_per_step": ms, "tokens_per_s": tok_s, "peak_mem_gb": mem}
-            if master and is_log:
-                print(f"step {done}/{args.num_training_steps} | loss {row['loss']:.4f} | lr {lr:.1e} | "
-                      f"norm {row['grad_norm']:.2f} | {ms:.0f} ms | {fmt_rate(tok_s)} tok/s | mem {mem:.1f} GB | "
-                      f"eta {fmt_time(eta)}", flush=True)
-            if is_log:
+                stopping(stop, device, world)
+            if done % args.log_every == 0 or done == total:
+                if ddp:
+                    dist.all_reduce(loss_sum)  # each rank holds its share of the token-weighted mean: sum them
+                check_finite()
+                now = time.perf_counter()
+                ms = 1000 * (now - t_log) / (done - step_log)
+                lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
+                tok_s, mem = tokens.item() / (now - t_log), peak_mem_gb(device)
+                eta = (now - t_start) / (done - start) * (total - done)
+                row = {"step": done, "loss": loss_sum.item() / (done - step_log), "lr": lr, "grad_norm": norm.item(),
+                       "ms_per_step": ms, "tokens_per_s": tok_s, "peak_mem_gb": mem}
+                if master:
+                    print(f"step {done}/{total} | loss {row['loss']:.4f} | lr {lr:.1e} | norm {row['grad_norm']:.2f} "
+                          f"| {ms:.0f} ms | {fmt_rate(tok_s)} tok/s | mem {mem:.1f} GB | eta {fmt_time(eta)}",
+                          flush=True)
                 record(row)
+                tokens_all += tokens.item()
                 loss_sum.zero_()
+                tokens.zero_()
                 t_log, step_log = now, done
-        if done % args.eval_every == 0 or done == args.num_training_steps:
-            t_eval = time.perf_counter()
-            run_eval(done)
-            t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
-        if done % args.save_every == 0 or done == args.num_training_steps or stop["signal"]:
-            checkpoint(done)
-        if stop["signal"]:
-            if master:
-                print(f"stopped by {stop['signal']}: saved {args.out_dir}/ckpt.pt at step {done}; rerun with --resume")
-            break
+            if (done % args.eval_every == 0 or done == total) and not stop["signal"]:
+                t_eval = time.perf_counter()
+                result = evaluate(raw_model, val, device, rank, world, stop)
+                if result:
+                    if master:
+                        print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
+                    last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
+                    record(dict(last_eval))
+                t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
+            if done % args.save_every == 0 or done == total or stop["signal"]:
+                save(done, loader.state_dict())
+            if stop["signal"]:
+                if master:
+                    print(f"stopped by {stop['signal']}: saved {args.out_dir}/ckpt.pt at step {done}; "
+                          "rerun with --resume")
+                return
+        if master:
+            elapsed = time.perf_counter() - t_start
+            print(f"done: {total - start} updates in {fmt_time(elapsed)} ({fmt_rate(tokens_all / elapsed)} tok/s "
+                  f"with evals) | val loss {last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | "
+                  f"checkpoint {args.out_dir}/ckpt.pt")
+    finally:
+        batches.close()  # stops the loader's workers now, whatever ended the run
+        if metrics:
+            metrics.close()
 
-    if master and not stop["signal"]:
-        total = time.perf_counter() - t_start
-        print(f"done: {args.num_training_steps - start} updates in {fmt_time(total)} "
-              f"({fmt_rate(tokens_per_update * (args.num_training_steps - start) / total)} tok/s with evals) | "
-              f"val loss {last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | "
-              f"checkpoint {args.out_dir}/ckpt.pt")
-    for sig, handler in old_handlers.items():
-        signal.signal(sig, handler)
-    if metrics:
-        metrics.close()
-    if ddp:  # DDP's reducer (and the per-layer hooks on it) must go before the process group does
-        if per_layer:
-            per_layer.remove()
-        model = per_layer = None
-        gc.collect()
-        dist.destroy_process_group()
+
+def train_step(args, model, raw_model, optimizer, scheduler, per_layer, micro_batches, device, world):
+    """One update over the micro-batches; returns the update's loss, gradient norm and trained tokens (on device)."""
+    ddp, accum = world > 1, len(micro_batches)
+    # weight each micro-batch by its counted targets over the whole update's, so the gradient is the
+    # token-weighted mean over the global batch, whatever the padding, the accumulation or the device count
+    counts = [(y != -1).sum() for _, y in micro_batches]
+    n_total = torch.stack(counts).sum().to(device, torch.float64)
+    if ddp:
+        dist.all_reduce(n_total)
+    step_loss = torch.zeros((), device=device, dtype=torch.float64)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == accum - 1
+        sync = model.no_sync() if ddp and not last else nullcontext()
+        hold = per_layer.accumulating() if per_layer and not last else nullcontext()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with sync, hold:
+            _, loss = model(x, y)
+            weight = counts[i].to(device) / n_total
+            (loss * (weight * world)).backward()  # DDP averages over ranks; * world makes it a sum
+        step_loss += loss.detach().double() * weight
+    if per_layer:
+        return step_loss, per_layer.grad_norm(), n_total
+    max_norm = args.grad_clipping if args.grad_clipping > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, norm, n_total
 
 
 if __name__ == "__main__":

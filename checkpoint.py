@@ -1,0 +1,94 @@
+"""
+Checkpoint files that survive faults: written atomically, checked on load, never half-written on a full disk.
+
+    python checkpoint.py out/ckpt.pt          # verify a checkpoint: prints its step and checksum, or what is wrong
+
+A checkpoint is a plain torch.save file of a dict (loadable with torch.load(..., weights_only=True)); save() adds
+"sha256", a digest of every other entry (tensor bytes, dtypes, shapes and plain values, in order), so a truncated,
+empty or bit-flipped file is caught on load instead of training on from garbage.
+"""
+
+import errno
+import hashlib
+import os
+import sys
+
+import torch
+
+
+def digest(obj, h=None):
+    """sha256 over a nested dict/list of tensors and plain values; the same state gives the same digest."""
+    h = h or hashlib.sha256()
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for k, v in obj.items():
+            h.update(repr(k).encode())
+            digest(v, h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"L{len(obj)}".encode())
+        for v in obj:
+            digest(v, h)
+    else:
+        h.update(repr(obj).encode())
+    return h
+
+
+class DiskFull(Exception):
+    pass
+
+
+def save(path, state):
+    """Atomic: write path.tmp, fsync, rename over path. A kill leaves the old file or the new one, never a mix;
+    a full disk removes the partial file, keeps the old one and raises DiskFull."""
+    state = {**state, "sha256": digest(state).hexdigest()}
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)  # a partial file would only fill the disk further
+        # torch.save reports ENOSPC as a RuntimeError from its zip writer; the errno shows only in its text
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            raise DiskFull(f"disk full: could not write {path}; the previous checkpoint there is kept. Free space "
+                           f"(or pass a new --out_dir on a disk with room), then rerun with --resume") from None
+        raise
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(path):
+    """The checkpoint at path, verified; a missing, unreadable or corrupt file raises ValueError naming the fix."""
+    fix = ("it is damaged (truncated, emptied or changed since it was written): restore it from a copy, or start a "
+           "fresh run with a new --out_dir")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}); {fix}") from None
+    if not isinstance(state, dict) or "sha256" not in state:
+        raise ValueError(f"checkpoint {path} has no checksum, so it was not written by train.py; {fix}")
+    stored = state.pop("sha256")
+    if digest(state).hexdigest() != stored:
+        raise ValueError(f"checkpoint {path} fails its sha256 check; {fix}")
+    return state
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        try:
+            s = load(p)
+        except (OSError, ValueError) as e:
+            raise SystemExit(str(e)) from None
+        print(f"{p}: ok, step {s['step']}")
