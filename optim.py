@@ -22,6 +22,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in cache (6x faster than unchunked)
+# device types whose 8-bit step goes chunk by chunk. Elsewhere (GPUs) every operation is a kernel launch, so a tensor
+# is updated whole: a fixed number of operations (70, views included) whatever its size, not thousands of chunks.
+CHUNKED_DEVICES = {"cpu"}
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -103,7 +106,7 @@ def dynamic_map(signed):
     A value is 10^-e · f: the exponent e in 0..6 picks a decade, the fraction f is one of the midpoints of 2^(6-e)
     equal steps across [0.1, 1] (twice as many for the unsigned map, which spends the sign bit on the fraction).
     Large magnitudes get fine steps, small ones a wide range: 127 negatives, 0 and 128 positives up to 1 when
-    signed (for Adam's m), or 0 and 255 positives up to 1 when unsigned (for v, which is never negative)."""
+    signed (for Adam's m), or 0 and 255 positives up to 1 when unsigned (for √v, which is never negative)."""
     values = [0.0, 1.0]
     for e in range(7):
         steps = 2 ** (6 - e) if signed else 2 ** (7 - e)
@@ -135,6 +138,13 @@ def _lookup_tables(signed, device):
     mids32 = mids.float()
     mids32 = torch.where(mids32.double() > mids, torch.nextafter(mids32, torch.tensor(-float("inf"))), mids32)
     threshold = torch.where(inside == 1, mids32[first.clamp(max=len(mids) - 1)], float("inf"))
+    if not signed:
+        # v: a positive second moment never becomes code 0. A v stored as 0 beside an m that is not makes the next
+        # step m̂/(√v̂ + ε) huge (seen: 2e4·lr on heavy-tailed rows); the smallest positive code bounds it.
+        positive = top < 2**31  # sign bit clear; bucket 0 holds +0.0 and the smallest denormals
+        threshold = torch.where(positive & (first == 0), float("inf"), threshold)
+        first = torch.where(positive & (first == 0), 1, first)
+        first[0], threshold[0] = 0, 0.0  # +0.0 stays code 0 (so do all-zero blocks), anything above it is code 1
     return code.to(device), first.to(torch.uint8).to(device), threshold.to(device)
 
 
@@ -181,12 +191,14 @@ def _finite(grad):
 class Adam8bit(torch.optim.Optimizer):
     """AdamW with both moments stored in 8 bits, block-wise (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
     Quantization"): each block of `block_size` entries keeps one float32 absmax, and each entry one uint8 code into
-    the 256-value dynamic map, signed for m and unsigned for v. That is 2 + 8/block_size bytes per parameter
-    instead of 8.
+    the 256-value dynamic map, signed for m and unsigned for √v. That is 2 + 8/block_size bytes per parameter
+    instead of 8. Storing √v rather than v (as Dettmers et al. do) halves the decades a block must span: where one
+    block mixes gradients 1000x apart, v spans 10^6 and its small entries fall between the map's sparse lowest codes.
 
-    A step works through chunks of blocks: dequantize m and v, update them in float32, move the parameter with
-    these float32 moments, take the new absmax of each block and requantize to the nearest code. Tensors under
-    `min_8bit_size` entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
+    A step works through chunks of blocks (on CPU; on other devices the whole tensor at once): dequantize m and v,
+    update them in float32, move the parameter with these float32 moments, take the new absmax of each block and
+    requantize to the nearest code, except that a positive v never rounds to 0. Tensors under `min_8bit_size`
+    entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
     most. Weight decay is decoupled, as in AdamW. A non-finite gradient entry counts as zero, for that step."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
@@ -223,6 +235,9 @@ class Adam8bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         # torch casts every state tensor to the parameter's dtype; ours keep theirs (uint8 codes, float32 absmax)
+        if any("exp_avg_sq_codes" in s for s in state_dict["state"].values()):
+            raise ValueError("this Adam8bit state stores v, an older format; this Adam8bit stores √v: restart the "
+                             "optimizer state or resume with the optim.py that saved it")
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(ids, params):
@@ -243,7 +258,7 @@ class Adam8bit(torch.optim.Optimizer):
             raise ValueError(f"Adam8bit quantizes a parameter's flat storage; this {tuple(p.shape)} one is not "
                              "contiguous: make it contiguous or raise min_8bit_size above its size")
         blocks = -(-p.numel() // group["block_size"])
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in ("exp_avg", "sqrt_exp_avg_sq"):
             # absmax 0 makes every code decode to 0: the zero state, whatever the codes
             state[f"{name}_codes"] = torch.zeros(blocks * group["block_size"], dtype=torch.uint8, device=p.device)
             state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
@@ -253,15 +268,15 @@ class Adam8bit(torch.optim.Optimizer):
         signed, unsigned = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
         bias_correction1, bias_correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
-        v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
+        v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
-        chunk = block_size * max(1, CHUNK // block_size)
+        chunk = block_size * (max(1, CHUNK // block_size) if p.device.type in CHUNKED_DEVICES else m_absmax.numel())
         for start in range(0, param.numel(), chunk):
             stop = min(start + chunk, param.numel())
             blocks = slice(start // block_size, -(-stop // block_size))
             padded = slice(blocks.start * block_size, blocks.stop * block_size)
             m = _dequantize(m_codes[padded], m_absmax[blocks], signed[0], block_size)  # (nb, bs)
-            v = _dequantize(v_codes[padded], v_absmax[blocks], unsigned[0], block_size)  # (nb, bs)
+            v = _dequantize(v_codes[padded], v_absmax[blocks], unsigned[0], block_size).square_()  # (nb, bs) from √v
             g, p_ = _finite(grad[start:stop]), param[start:stop]
             m_, v_ = m.view(-1)[: stop - start], v.view(-1)[: stop - start]  # without the padding of the last block
             m_.lerp_(g, 1 - beta1)  # m = β1·m + (1-β1)·g
@@ -269,7 +284,8 @@ class Adam8bit(torch.optim.Optimizer):
             if weight_decay != 0:
                 p_.mul_(1 - lr * weight_decay)
             # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
-            p_.addcdiv_(m_, v_.sqrt().div_(bias_correction2**0.5).add_(eps), value=-(lr / bias_correction1))
+            v.sqrt_()  # √v: what is stored, and the denominator's
+            p_.addcdiv_(m_, v_.div(bias_correction2**0.5).add_(eps), value=-(lr / bias_correction1))
             _quantize_(m, m_absmax[blocks], m_codes[padded], signed)
             _quantize_(v, v_absmax[blocks], v_codes[padded], unsigned)
 
