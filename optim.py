@@ -447,10 +447,10 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
 # -----------------------------------------------------------------------------
 # Benchmark
 
-def bench(size=4096, steps=10, warmup=3, rounds=2):
+def bench(size=4096, steps=10, warmup=3, rounds=3):
     """Time one step on a size x size float32 tensor on CPU for each optimizer, each in its own block of steps after
     a warm-up (interleaving single steps would time the allocator), and print ratios to torch's foreach AdamW.
-    The median step of each block is kept, the best block of `rounds` counts."""
+    Each round keeps the median step of each block; the best round counts, [min-max] is the spread of the ratio."""
     makers = {
         "torch.optim.AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=True),
         "AdamW": lambda ps: AdamW(ps, weight_decay=0.1),
@@ -458,7 +458,7 @@ def bench(size=4096, steps=10, warmup=3, rounds=2):
     }
     print(f"one optimizer step on a {size}x{size} tensor, CPU, {torch.get_num_threads()} threads, "
           f"median of {steps} steps after {warmup} warm-up, best of {rounds} rounds")
-    best = {}
+    medians = defaultdict(list)
     for _ in range(rounds):
         for name, make in makers.items():
             torch.manual_seed(0)
@@ -472,15 +472,94 @@ def bench(size=4096, steps=10, warmup=3, rounds=2):
                 t0 = time.perf_counter()
                 opt.step()
                 times.append(time.perf_counter() - t0)
-            best[name] = min(best.get(name, float("inf")), sorted(times)[steps // 2])
-    reference = best["torch.optim.AdamW(foreach=True)"]
-    for name, seconds in best.items():
-        print(f"{name:>32}: {seconds * 1e3:7.1f} ms/step  {seconds / reference:5.2f}x")
+            medians[name].append(sorted(times)[steps // 2])
+    reference = medians["torch.optim.AdamW(foreach=True)"]
+    for name, seconds in medians.items():
+        ratios = [s / r for s, r in zip(seconds, reference)]
+        print(f"{name:>32}: {min(seconds) * 1e3:7.1f} ms/step  {min(seconds) / min(reference):5.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+
+
+def heavy_tailed(case, steps=200, lr=1e-3, make=None):
+    """Train one tensor for `steps` steps on gradients whose rows differ in scale by orders of magnitude (log-normal,
+    σ = 2.3, as the embedding rows of rare and common tokens do; a fixed drift plus fresh noise per entry) with
+    float32 AdamW and with make([p]) (Adam8bit by default). Returns (max |update|/lr of each, ||p8 - p32|| /
+    ||p32 - p0||). case: "short rows" (64 per row, 4 rows per block), "long rows" (1024, 4 blocks per row) or
+    "values" (a flat vector whose entries belong to random rows, as SLTrain's S does)."""
+    gen = torch.Generator().manual_seed(0)
+    shape, rows = {"short rows": ((512, 64), torch.arange(512 * 64) // 64),
+                   "long rows": ((64, 1024), torch.arange(64 * 1024) // 1024),
+                   "values": ((32768,), torch.randint(0, 1024, (32768,), generator=gen))}[case]
+    scale = torch.exp(2.3 * torch.randn(int(rows.max()) + 1, generator=gen))[rows].view(shape)
+    drift = 0.5 * torch.randn(shape, generator=gen)
+    p0 = 0.02 * torch.randn(shape, generator=gen)
+    params = [torch.nn.Parameter(p0.clone()) for _ in range(2)]
+    opts = [AdamW(params[:1], lr=lr), (make or functools.partial(Adam8bit, lr=lr))(params[1:])]
+    worst = [0.0, 0.0]
+    for _ in range(steps):
+        g = 1e-3 * scale * (drift + torch.randn(shape, generator=gen))
+        for i, (p, opt) in enumerate(zip(params, opts)):
+            before, p.grad = p.detach().clone(), g.clone()
+            opt.step()
+            worst[i] = max(worst[i], (p - before).abs().max().item() / lr)
+    p32, p8 = params
+    return worst[0], worst[1], ((p8 - p32).norm() / (p32 - p0).norm()).item()
+
+
+def per_layer_overhead(size="60m", batch=1, length=256, updates=3):
+    """Time per update spent in PerLayer's hooks beyond the optimizers' update arithmetic (the gradient norms count
+    as overhead here), beside the whole training step (forward, backward with the hooks), for an SLTrain model with
+    per-layer Adam8bit: the Python part is what a faster device does not shrink."""
+    from model import LLaMA, config_for
+
+    torch.manual_seed(0)
+    model = LLaMA(config_for(size, method="sltrain"))
+    per_layer = attach_per_layer(model, lambda ps: Adam8bit(ps, lr=1e-3))
+    spent = defaultdict(float)
+
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[key] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    per_layer._update = timed("hooks", per_layer._update)
+    original_8bit, original_adamw = Adam8bit._update_8bit, _adamw_
+    Adam8bit._update_8bit = staticmethod(timed("arithmetic", original_8bit))  # the update itself, under the hooks
+    globals()["_adamw_"] = timed("arithmetic", original_adamw)
+    try:
+        x = torch.randint(0, model.config.vocab_size, (updates + 1, batch, length))
+        for i in range(updates + 1):
+            if i == 1:  # the first update allocates the state: not counted
+                spent.clear()
+                t0 = time.perf_counter()
+            model(x[i], x[i])[1].backward()
+        step = (time.perf_counter() - t0) / updates
+    finally:
+        Adam8bit._update_8bit, globals()["_adamw_"] = staticmethod(original_8bit), original_adamw
+    overhead = (spent["hooks"] - spent["arithmetic"]) / updates
+    print(f"per-layer Adam8bit, {size} sltrain, {len(per_layer.names)} parameters, batch {batch}x{length}, CPU: "
+          f"step {step * 1e3:.0f} ms, hooks {spent['hooks'] / updates * 1e3:.1f} ms of which arithmetic "
+          f"{spent['arithmetic'] / updates * 1e3:.1f} ms: overhead {overhead * 1e3:.1f} ms per update "
+          f"({overhead / step:.1%} of the step)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Optimizer tools; the tests are: python -m pytest -q test_optim.py")
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench"],
-                        help="bench: time a step of each optimizer on a 4096x4096 tensor (the default)")
-    parser.parse_args()
-    bench()
+    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "heavy", "per_layer"],
+                        help="bench: time a step of each optimizer on a 4096x4096 tensor (the default); heavy: "
+                             "Adam8bit beside float32 AdamW on heavy-tailed gradients; per_layer: the per-layer "
+                             "hooks' overhead at 60m")
+    command = parser.parse_args().command
+    if command == "bench":
+        bench()
+    elif command == "heavy":
+        print("200 steps on heavy-tailed gradients (row scales exp(2.3·N(0,1))), lr 1e-3")
+        for case in ("short rows", "long rows", "values"):
+            worst32, worst8, distance = heavy_tailed(case)
+            print(f"{case:>10}: max |update|/lr AdamW {worst32:.2f}, Adam8bit {worst8:.2f}; "
+                  f"||p8 - p32|| / ||p32 - p0|| {distance:.3f}")
+    else:
+        per_layer_overhead()

@@ -17,7 +17,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from model import LLaMA, config_for
-from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, dynamic_map, quantize_blockwise
+from optim import (AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, dynamic_map, heavy_tailed,
+                   quantize_blockwise)
 
 VOCAB = 256
 
@@ -260,39 +261,17 @@ def test_adam8bit_trains_tiny_llama_like_adamw(method):
     assert abs(ratio - 1) < 0.02, f"loss ratio Adam8bit / AdamW = {ratio:.4f}"
 
 
-def heavy_tailed_gradients(shape, rows, steps, seed=0):
-    """Gradients whose rows differ in scale by orders of magnitude (log-normal, σ = 2.3), as the embedding rows of
-    rare and common tokens do; rows[i] is the row of flat entry i. Each entry has a fixed drift plus fresh noise."""
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.exp(2.3 * torch.randn(int(rows.max()) + 1, generator=gen))[rows].view(shape)
-    drift = 0.5 * torch.randn(shape, generator=gen)
-    return [1e-3 * scale * (drift + torch.randn(shape, generator=gen)) for _ in range(steps)]
-
-
-@pytest.mark.parametrize("case", ["rows shorter than a block", "rows of several blocks", "values of random rows"])
+@pytest.mark.parametrize("case", ["short rows", "long rows", "values"])
 def test_adam8bit_heavy_tailed_gradients_stay_near_adamw(case):
-    """A block mixing magnitudes 1000x apart: v of the small entries lies near the bottom of the map. Every update
-    stays within 10·lr (float32 AdamW's are about 1·lr), and after 200 steps the 8-bit parameters are within half
-    of float32 AdamW's whole move from float32 AdamW's."""
-    shape, rows = {"rows shorter than a block": ((512, 64), torch.arange(512 * 64) // 64),
-                   "rows of several blocks": ((64, 1024), torch.arange(64 * 1024) // 1024),
-                   "values of random rows": ((32768,), torch.randint(0, 1024, (32768,),
-                                                                     generator=torch.Generator().manual_seed(1)))}[case]
-    lr = 1e-3
-    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 0.02
-    p32, p8 = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
-    ref, opt = AdamW([p32], lr=lr), Adam8bit([p8], lr=lr)
-    worst = 0.0
-    for g in heavy_tailed_gradients(shape, rows, 200):
-        before = p8.detach().clone()
-        p32.grad, p8.grad = g, g.clone()
-        ref.step()
-        opt.step()
-        worst = max(worst, (p8 - before).abs().max().item() / lr)
-    distance = ((p8 - p32).norm() / (p32 - p0).norm()).item()
-    print(f"heavy-tailed, {case} {tuple(shape)}: max |update|/lr {worst:.2f}, |p8 - p32| / |p32 - p0| {distance:.3f}")
-    assert worst <= 10, f"an update of {worst:.1f}·lr"
-    assert distance <= 0.5, f"|p8 - p32| / |p32 - p0| = {distance:.3f} after 200 steps"
+    """Blocks that mix gradients 1000x apart (rows shorter than a block, rows of several blocks, a values vector of
+    random rows): over 200 steps every update stays within 10·lr (float32 AdamW's are about 1·lr), and the 8-bit
+    parameters end within half of float32 AdamW's whole move from float32 AdamW's. Storing v with code 0 allowed
+    gave updates up to 7.7e3·lr / 3.1e4·lr and ended 6.1x / 22.7x AdamW's move away on short rows / values."""
+    worst32, worst8, distance = heavy_tailed(case)
+    print(f"heavy-tailed {case}: max |update|/lr AdamW {worst32:.2f}, Adam8bit {worst8:.2f}; "
+          f"||p8 - p32|| / ||p32 - p0|| {distance:.3f}")
+    assert worst8 <= 10, f"an update of {worst8:.1f}·lr"
+    assert distance <= 0.5, f"||p8 - p32|| / ||p32 - p0|| = {distance:.3f} after 200 steps"
 
 
 def count_ops(fn):
