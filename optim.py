@@ -9,6 +9,8 @@ once (LOMO, GaLore). With SLTrain's W = s·BA + S these give the paper's memory 
 
 Run the tests:   python -m pytest -q test_optim.py
 Time a step:     python optim.py bench      (CPU, 4096x4096 tensor, as ratios to torch.optim.AdamW(foreach=True))
+Heavy tails:     python optim.py heavy      (Adam8bit beside float32 AdamW on gradients whose rows differ 1000x)
+Per-layer cost:  python optim.py per_layer  (the hooks' time beyond the arithmetic, 60m SLTrain, CPU)
 """
 
 import argparse
