@@ -118,6 +118,18 @@ def test_state_dict_round_trip_is_bit_exact(make, tmp_path):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"resume: max diff {max_diff(a, b)}\n{m}")
 
 
+def test_adam8bit_refuses_the_older_state_format():
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    opt = Adam8bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = opt.state_dict()
+    s = state["state"][0]
+    s["exp_avg_sq_codes"], s["exp_avg_sq_absmax"] = s.pop("sqrt_exp_avg_sq_codes"), s.pop("sqrt_exp_avg_sq_absmax")
+    with pytest.raises(ValueError, match="stores v, an older format"):
+        Adam8bit([p]).load_state_dict(state)
+
+
 # -----------------------------------------------------------------------------
 # 8-bit quantization
 
