@@ -9,6 +9,8 @@ once (LOMO, GaLore). With SLTrain's W = s·BA + S these give the paper's memory 
 
 Run the tests:   python -m pytest -q test_optim.py
 Time a step:     python optim.py bench      (CPU, 4096x4096 tensor, as ratios to torch.optim.AdamW(foreach=True))
+Heavy tails:     python optim.py heavy      (Adam8bit beside float32 AdamW on gradients whose rows differ 1000x)
+Per-layer cost:  python optim.py per_layer  (the hooks' time beyond the arithmetic, 60m SLTrain, CPU)
 """
 
 import argparse
@@ -22,6 +24,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in cache (6x faster than unchunked)
+# device types whose 8-bit step goes chunk by chunk. Elsewhere (GPUs) every operation is a kernel launch, so a tensor
+# is updated whole: a fixed number of operations (70, views included) whatever its size, not thousands of chunks.
+CHUNKED_DEVICES = {"cpu"}
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -103,7 +108,7 @@ def dynamic_map(signed):
     A value is 10^-e · f: the exponent e in 0..6 picks a decade, the fraction f is one of the midpoints of 2^(6-e)
     equal steps across [0.1, 1] (twice as many for the unsigned map, which spends the sign bit on the fraction).
     Large magnitudes get fine steps, small ones a wide range: 127 negatives, 0 and 128 positives up to 1 when
-    signed (for Adam's m), or 0 and 255 positives up to 1 when unsigned (for v, which is never negative)."""
+    signed (for Adam's m), or 0 and 255 positives up to 1 when unsigned (for √v, which is never negative)."""
     values = [0.0, 1.0]
     for e in range(7):
         steps = 2 ** (6 - e) if signed else 2 ** (7 - e)
@@ -135,6 +140,13 @@ def _lookup_tables(signed, device):
     mids32 = mids.float()
     mids32 = torch.where(mids32.double() > mids, torch.nextafter(mids32, torch.tensor(-float("inf"))), mids32)
     threshold = torch.where(inside == 1, mids32[first.clamp(max=len(mids) - 1)], float("inf"))
+    if not signed:
+        # v: a positive second moment never becomes code 0. A v stored as 0 beside an m that is not makes the next
+        # step m̂/(√v̂ + ε) huge (seen: 2e4·lr on heavy-tailed rows); the smallest positive code bounds it.
+        positive = top < 2**31  # sign bit clear; bucket 0 holds +0.0 and the smallest denormals
+        threshold = torch.where(positive & (first == 0), float("inf"), threshold)
+        first = torch.where(positive & (first == 0), 1, first)
+        first[0], threshold[0] = 0, 0.0  # +0.0 stays code 0 (so do all-zero blocks), anything above it is code 1
     return code.to(device), first.to(torch.uint8).to(device), threshold.to(device)
 
 
@@ -181,12 +193,14 @@ def _finite(grad):
 class Adam8bit(torch.optim.Optimizer):
     """AdamW with both moments stored in 8 bits, block-wise (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
     Quantization"): each block of `block_size` entries keeps one float32 absmax, and each entry one uint8 code into
-    the 256-value dynamic map, signed for m and unsigned for v. That is 2 + 8/block_size bytes per parameter
-    instead of 8.
+    the 256-value dynamic map, signed for m and unsigned for √v. That is 2 + 8/block_size bytes per parameter
+    instead of 8. Storing √v rather than v (as Dettmers et al. do) halves the decades a block must span: where one
+    block mixes gradients 1000x apart, v spans 10^6 and its small entries fall between the map's sparse lowest codes.
 
-    A step works through chunks of blocks: dequantize m and v, update them in float32, move the parameter with
-    these float32 moments, take the new absmax of each block and requantize to the nearest code. Tensors under
-    `min_8bit_size` entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
+    A step works through chunks of blocks (on CPU; on other devices the whole tensor at once): dequantize m and v,
+    update them in float32, move the parameter with these float32 moments, take the new absmax of each block and
+    requantize to the nearest code, except that a positive v never rounds to 0. Tensors under `min_8bit_size`
+    entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
     most. Weight decay is decoupled, as in AdamW. A non-finite gradient entry counts as zero, for that step."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
@@ -223,6 +237,9 @@ class Adam8bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         # torch casts every state tensor to the parameter's dtype; ours keep theirs (uint8 codes, float32 absmax)
+        if any("exp_avg_sq_codes" in s for s in state_dict["state"].values()):
+            raise ValueError("this Adam8bit state stores v, an older format; this Adam8bit stores √v: restart the "
+                             "optimizer state or resume with the optim.py that saved it")
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(ids, params):
@@ -243,7 +260,7 @@ class Adam8bit(torch.optim.Optimizer):
             raise ValueError(f"Adam8bit quantizes a parameter's flat storage; this {tuple(p.shape)} one is not "
                              "contiguous: make it contiguous or raise min_8bit_size above its size")
         blocks = -(-p.numel() // group["block_size"])
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in ("exp_avg", "sqrt_exp_avg_sq"):
             # absmax 0 makes every code decode to 0: the zero state, whatever the codes
             state[f"{name}_codes"] = torch.zeros(blocks * group["block_size"], dtype=torch.uint8, device=p.device)
             state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
@@ -253,15 +270,15 @@ class Adam8bit(torch.optim.Optimizer):
         signed, unsigned = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
         bias_correction1, bias_correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
-        v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
+        v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
-        chunk = block_size * max(1, CHUNK // block_size)
+        chunk = block_size * (max(1, CHUNK // block_size) if p.device.type in CHUNKED_DEVICES else m_absmax.numel())
         for start in range(0, param.numel(), chunk):
             stop = min(start + chunk, param.numel())
             blocks = slice(start // block_size, -(-stop // block_size))
             padded = slice(blocks.start * block_size, blocks.stop * block_size)
             m = _dequantize(m_codes[padded], m_absmax[blocks], signed[0], block_size)  # (nb, bs)
-            v = _dequantize(v_codes[padded], v_absmax[blocks], unsigned[0], block_size)  # (nb, bs)
+            v = _dequantize(v_codes[padded], v_absmax[blocks], unsigned[0], block_size).square_()  # (nb, bs) from √v
             g, p_ = _finite(grad[start:stop]), param[start:stop]
             m_, v_ = m.view(-1)[: stop - start], v.view(-1)[: stop - start]  # without the padding of the last block
             m_.lerp_(g, 1 - beta1)  # m = β1·m + (1-β1)·g
@@ -269,7 +286,8 @@ class Adam8bit(torch.optim.Optimizer):
             if weight_decay != 0:
                 p_.mul_(1 - lr * weight_decay)
             # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
-            p_.addcdiv_(m_, v_.sqrt().div_(bias_correction2**0.5).add_(eps), value=-(lr / bias_correction1))
+            v.sqrt_()  # √v: what is stored, and the denominator's
+            p_.addcdiv_(m_, v_.div(bias_correction2**0.5).add_(eps), value=-(lr / bias_correction1))
             _quantize_(m, m_absmax[blocks], m_codes[padded], signed)
             _quantize_(v, v_absmax[blocks], v_codes[padded], unsigned)
 
@@ -431,10 +449,10 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
 # -----------------------------------------------------------------------------
 # Benchmark
 
-def bench(size=4096, steps=10, warmup=3, rounds=2):
+def bench(size=4096, steps=10, warmup=3, rounds=3):
     """Time one step on a size x size float32 tensor on CPU for each optimizer, each in its own block of steps after
     a warm-up (interleaving single steps would time the allocator), and print ratios to torch's foreach AdamW.
-    The median step of each block is kept, the best block of `rounds` counts."""
+    Each round keeps the median step of each block; the best round counts, [min-max] is the spread of the ratio."""
     makers = {
         "torch.optim.AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=True),
         "AdamW": lambda ps: AdamW(ps, weight_decay=0.1),
@@ -442,7 +460,7 @@ def bench(size=4096, steps=10, warmup=3, rounds=2):
     }
     print(f"one optimizer step on a {size}x{size} tensor, CPU, {torch.get_num_threads()} threads, "
           f"median of {steps} steps after {warmup} warm-up, best of {rounds} rounds")
-    best = {}
+    medians = defaultdict(list)
     for _ in range(rounds):
         for name, make in makers.items():
             torch.manual_seed(0)
@@ -456,15 +474,94 @@ def bench(size=4096, steps=10, warmup=3, rounds=2):
                 t0 = time.perf_counter()
                 opt.step()
                 times.append(time.perf_counter() - t0)
-            best[name] = min(best.get(name, float("inf")), sorted(times)[steps // 2])
-    reference = best["torch.optim.AdamW(foreach=True)"]
-    for name, seconds in best.items():
-        print(f"{name:>32}: {seconds * 1e3:7.1f} ms/step  {seconds / reference:5.2f}x")
+            medians[name].append(sorted(times)[steps // 2])
+    reference = medians["torch.optim.AdamW(foreach=True)"]
+    for name, seconds in medians.items():
+        ratios = [s / r for s, r in zip(seconds, reference)]
+        print(f"{name:>32}: {min(seconds) * 1e3:7.1f} ms/step  {min(seconds) / min(reference):5.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+
+
+def heavy_tailed(case, steps=200, lr=1e-3, make=None):
+    """Train one tensor for `steps` steps on gradients whose rows differ in scale by orders of magnitude (log-normal,
+    σ = 2.3, as the embedding rows of rare and common tokens do; a fixed drift plus fresh noise per entry) with
+    float32 AdamW and with make([p]) (Adam8bit by default). Returns (max |update|/lr of each, ||p8 - p32|| /
+    ||p32 - p0||). case: "short rows" (64 per row, 4 rows per block), "long rows" (1024, 4 blocks per row) or
+    "values" (a flat vector whose entries belong to random rows, as SLTrain's S does)."""
+    gen = torch.Generator().manual_seed(0)
+    shape, rows = {"short rows": ((512, 64), torch.arange(512 * 64) // 64),
+                   "long rows": ((64, 1024), torch.arange(64 * 1024) // 1024),
+                   "values": ((32768,), torch.randint(0, 1024, (32768,), generator=gen))}[case]
+    scale = torch.exp(2.3 * torch.randn(int(rows.max()) + 1, generator=gen))[rows].view(shape)
+    drift = 0.5 * torch.randn(shape, generator=gen)
+    p0 = 0.02 * torch.randn(shape, generator=gen)
+    params = [torch.nn.Parameter(p0.clone()) for _ in range(2)]
+    opts = [AdamW(params[:1], lr=lr), (make or functools.partial(Adam8bit, lr=lr))(params[1:])]
+    worst = [0.0, 0.0]
+    for _ in range(steps):
+        g = 1e-3 * scale * (drift + torch.randn(shape, generator=gen))
+        for i, (p, opt) in enumerate(zip(params, opts)):
+            before, p.grad = p.detach().clone(), g.clone()
+            opt.step()
+            worst[i] = max(worst[i], (p - before).abs().max().item() / lr)
+    p32, p8 = params
+    return worst[0], worst[1], ((p8 - p32).norm() / (p32 - p0).norm()).item()
+
+
+def per_layer_overhead(size="60m", batch=1, length=256, updates=3):
+    """Time per update spent in PerLayer's hooks beyond the optimizers' update arithmetic (the gradient norms count
+    as overhead here), beside the whole training step (forward, backward with the hooks), for an SLTrain model with
+    per-layer Adam8bit: the Python part is what a faster device does not shrink."""
+    from model import LLaMA, config_for
+
+    torch.manual_seed(0)
+    model = LLaMA(config_for(size, method="sltrain"))
+    per_layer = attach_per_layer(model, lambda ps: Adam8bit(ps, lr=1e-3))
+    spent = defaultdict(float)
+
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[key] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    per_layer._update = timed("hooks", per_layer._update)
+    original_8bit, original_adamw = Adam8bit._update_8bit, _adamw_
+    Adam8bit._update_8bit = staticmethod(timed("arithmetic", original_8bit))  # the update itself, under the hooks
+    globals()["_adamw_"] = timed("arithmetic", original_adamw)
+    try:
+        x = torch.randint(0, model.config.vocab_size, (updates + 1, batch, length))
+        for i in range(updates + 1):
+            if i == 1:  # the first update allocates the state: not counted
+                spent.clear()
+                t0 = time.perf_counter()
+            model(x[i], x[i])[1].backward()
+        step = (time.perf_counter() - t0) / updates
+    finally:
+        Adam8bit._update_8bit, globals()["_adamw_"] = staticmethod(original_8bit), original_adamw
+    overhead = (spent["hooks"] - spent["arithmetic"]) / updates
+    print(f"per-layer Adam8bit, {size} sltrain, {len(per_layer.names)} parameters, batch {batch}x{length}, CPU: "
+          f"step {step * 1e3:.0f} ms, hooks {spent['hooks'] / updates * 1e3:.1f} ms of which arithmetic "
+          f"{spent['arithmetic'] / updates * 1e3:.1f} ms: overhead {overhead * 1e3:.1f} ms per update "
+          f"({overhead / step:.1%} of the step)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Optimizer tools; the tests are: python -m pytest -q test_optim.py")
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench"],
-                        help="bench: time a step of each optimizer on a 4096x4096 tensor (the default)")
-    parser.parse_args()
-    bench()
+    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "heavy", "per_layer"],
+                        help="bench: time a step of each optimizer on a 4096x4096 tensor (the default); heavy: "
+                             "Adam8bit beside float32 AdamW on heavy-tailed gradients; per_layer: the per-layer "
+                             "hooks' overhead at 60m")
+    command = parser.parse_args().command
+    if command == "bench":
+        bench()
+    elif command == "heavy":
+        print("200 steps on heavy-tailed gradients (row scales exp(2.3·N(0,1))), lr 1e-3")
+        for case in ("short rows", "long rows", "values"):
+            worst32, worst8, distance = heavy_tailed(case)
+            print(f"{case:>10}: max |update|/lr AdamW {worst32:.2f}, Adam8bit {worst8:.2f}; "
+                  f"||p8 - p32|| / ||p32 - p0|| {distance:.3f}")
+    else:
+        per_layer_overhead()
