@@ -9,11 +9,11 @@ Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
                2048x2048, r=128, delta=0.03: 4096 tokens in float32 on CPU (floor 1 + 4r/(3·tokens) = 1.042,
                target <= 1.05), 65536 tokens in bf16 on CUDA (target <= 1.01)
-    model      train-step tokens/s of full, lowrank and sltrain (CUDA default: 350m and 1b; paper: sltrain/full =
-               0.945 at 350m)
+    model      train-step tokens/s of full, lowrank, relora, sltrain (optim.AdamW) and galore (optim.GaLore, the
+               steps between its SVDs) (CUDA default: 350m and 1b; paper: sltrain/full = 0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
-    memory     CUDA only: peak memory of full-rank AdamW vs 8-bit SLTrain with per-layer updates at 350m, 1b and 7b
-               (batch 1 x 256, bf16; paper: -51%, -58%, -73%)
+    memory     CUDA only: peak memory of full-rank AdamW vs 8-bit GaLore and 8-bit SLTrain with per-layer updates
+               at 350m, 1b and 7b (batch 1 x 256, bf16; paper: SLTrain -51%, -58%, -73%; Figure 3 for GaLore)
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
@@ -35,7 +35,7 @@ import torch.nn as nn
 
 import optim
 from estimate_memory import estimate, measure
-from model import LLaMA, METHODS, config_for
+from model import LLaMA, METHODS, config_for, is_projection
 from sllinear import SLLinear
 
 
@@ -106,12 +106,17 @@ def bench_layer(device, tokens, dtype, rounds, dim=2048, rank=128, delta=0.03):
 
 
 def bench_model(size, batch_size, max_length, device, dtype, rounds):
-    """Train-step tokens/s of each method (forward, backward, optim.AdamW step), and ÷ full."""
+    """Train-step tokens/s of each method (forward, backward, optim.AdamW step; GaLore's own step), and ÷ full."""
     variants = {}
-    for method in METHODS:
+    for method in (*METHODS, "galore"):
         torch.manual_seed(0)
-        model = LLaMA(config_for(size, method=method), device=device).to(dtype)
-        opt = optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        model = LLaMA(config_for(size, method="full" if method == "galore" else method), device=device).to(dtype)
+        hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        opt = optim.AdamW(model.parameters(), **hyper)
+        if method == "galore":  # projections refreshed every 200 updates: the timed steps are the usual ones
+            groups = optim.galore_param_groups(model.named_parameters(), model.config.rank,
+                                               lambda name, p: is_projection(name))
+            opt = optim.GaLore(groups, **hyper)
         idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
         def step(model=model, opt=opt, idx=idx):
@@ -154,6 +159,7 @@ def bench_memory(sizes, device, steps=3):
     for size in sizes:
         peaks = {}
         for name, method, optimizer, per_layer in (("full_adamw", "full", "adamw", False),
+                                                   ("galore_8bit_per_layer", "galore", "adam8bit", True),
                                                    ("sltrain_8bit_per_layer", "sltrain", "adam8bit", True)):
             est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, 256)
             peaks[name + "_estimate"] = est["train_gb"]  # params + optimizer + gradients + activations
@@ -189,7 +195,8 @@ def report(r):
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
     for M in r.get("model", []):
         v = M["variants"]
-        print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW, "
+        print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW "
+              "(galore: optim.GaLore), "
               "throughput vs full")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {x(v[m])}" for m in v))
     if "optimizer" in r:
@@ -201,7 +208,9 @@ def report(r):
         cell = lambda gb: "OOM" if gb is None else f"{gb:.2f} GB"
         reduction = "" if P["reduction"] is None else f" ({-100 * P['reduction']:+.0f}%)"
         print(f"peak memory {size}, batch 1 x 256, bf16: full-rank AdamW {cell(P['full_adamw'])} (estimate "
-              f"{P['full_adamw_estimate']:.2f}) | 8-bit SLTrain per-layer {cell(P['sltrain_8bit_per_layer'])} "
+              f"{P['full_adamw_estimate']:.2f}) | 8-bit GaLore per-layer {cell(P['galore_8bit_per_layer'])} "
+              f"(estimate {P['galore_8bit_per_layer_estimate']:.2f}) | "
+              f"8-bit SLTrain per-layer {cell(P['sltrain_8bit_per_layer'])} "
               f"(estimate {P['sltrain_8bit_per_layer_estimate']:.2f}){reduction}")
     print("x: median over rounds of the per-round ratio [lowest-highest round]")
 

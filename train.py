@@ -5,6 +5,8 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     torchrun --standalone --nproc_per_node=8 train.py --size 1b     # DDP (NCCL on GPUs, gloo on CPU)
     python train.py --size 60m --optimizer adam8bit --per_layer     # the paper's memory-frugal setting
     python train.py --size 60m --resume                             # continue exactly from out/ckpt.pt
+    python train.py --size 60m --method full --optimizer galore_adamw   # the baselines: GaLore, and ReLoRA
+    python train.py --size 60m --method relora
 
 Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line.
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
@@ -27,8 +29,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
-from model import LLaMA, SIZES, config_for, describe
-from optim import AdamW, Adam8bit, attach_per_layer
+from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
+from optim import AdamW, Adam8bit, GaLore, attach_per_layer, galore_param_groups, prune_state_
 
 # size -> (training steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts
 RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
@@ -40,13 +42,15 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--size", default="60m", choices=list(SIZES), help="model size (the paper's LLaMA configs)")
-    a("--method", "--peft_model", choices=["full", "lowrank", "sltrain"], default="sltrain",
-      help="weights: dense, W = s·BA, or W = s·BA + S")
+    a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain"], default="sltrain",
+      help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), or W = s·BA + S")
     a("--rank", type=int, help="rank r of the factors (default: the paper's for the size)")
     a("--delta", "--sp_ratio", type=float, help="sparsity: fraction of entries in S (default 0.03; 7b 0.05)")
     a("--alpha", "--lora_alpha", type=float, help="low-rank scale s = alpha/r (default: the paper's for the size)")
-    a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer"],
-      help="optimizer (written from scratch in optim.py); *_per_layer is --per_layer")
+    a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer",
+                                                "galore_adamw", "galore_adam8bit", "galore_adamw_per_layer",
+                                                "galore_adam8bit_per_layer"],
+      help="optimizer (written from scratch in optim.py); *_per_layer is --per_layer; galore_* needs --method full")
     a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
     a("--grad_clipping", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
@@ -79,6 +83,13 @@ def get_args(argv=None):
     a("--log_every", type=int, default=10, help="print and record a log line every this many updates")
     a("--seed", type=int, default=42, help="seed for initialization, support and data order")
     a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
+    a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
+    a("--galore_update_gap", type=int, default=200, help="GaLore: recompute each projection every this many updates")
+    a("--galore_scale", type=float, default=0.25, help="GaLore: scale of the update projected back")
+    a("--relora_reset", type=int, default=2000, help="ReLoRA: merge BA into W0 and restart every this many updates")
+    a("--relora_warmup", type=int, default=50, help="ReLoRA: updates of linear lr warmup after each restart")
+    a("--relora_prune", type=float, default=0.99,
+      help="ReLoRA: fraction of the restarted factors' Adam moments zeroed, smallest magnitudes first")
     args = p.parse_args(argv)
 
     # ---- resolve defaults and refuse what cannot work, before any expensive step
@@ -91,7 +102,8 @@ def get_args(argv=None):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
     steps, lr, micro = RECIPES[args.size]
     args.num_training_steps = args.num_training_steps or steps
-    args.lr = args.lr or lr
+    galore = args.optimizer.startswith("galore")
+    args.lr = args.lr or (1e-2 if galore else lr)  # GaLore's paper trains with lr 0.01
     args.warmup_steps = int(0.1 * args.num_training_steps) if args.warmup_steps is None else args.warmup_steps
     if args.per_layer and args.grad_clipping > 0:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
@@ -107,11 +119,21 @@ def get_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
+    args.galore_rank = args.galore_rank or args.rank
+    if galore and args.method != "full":
+        p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
+    if galore and not 0 < args.galore_rank <= min(model_config.dim, model_config.ffn_dim):
+        p.error(f"--galore_rank must be in [1, {min(model_config.dim, model_config.ffn_dim)}], got {args.galore_rank}")
+    if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
+        p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
+    if not 0 <= args.relora_prune <= 1:
+        p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
     return args, micro
 
 
 def lr_lambda_for(args):
-    """Linear warmup to the peak, then cosine down to min_lr_ratio of it (the authors' schedule)."""
+    """Linear warmup to the peak, then cosine down to min_lr_ratio of it (the authors' schedule); for ReLoRA the same
+    cosine, cut into jags by a short warmup after every restart (ReLoRA's jagged schedule)."""
     warmup, total, floor = args.warmup_steps, args.num_training_steps, args.min_lr_ratio
 
     def lr_lambda(step):
@@ -119,7 +141,26 @@ def lr_lambda_for(args):
             return step / max(1, warmup)
         progress = (step - warmup) / max(1, total - warmup)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return lr_lambda
+
+    def jagged(step):  # ReLoRA: the cosine, with a linear warmup from 0 again after every restart
+        since = step % args.relora_reset
+        if step >= args.relora_reset and since < args.relora_warmup:
+            return lr_lambda(step) * since / args.relora_warmup
+        return lr_lambda(step)
+    return jagged if args.method == "relora" else lr_lambda
+
+
+def galore_maker(args, model):
+    """make_optimizer for GaLore: the attention and MLP projections projected at --galore_rank, the rest plain."""
+    names = {p: name for name, p in model.named_parameters()}
+
+    def make(params):
+        groups = galore_param_groups([(names[p], p) for p in params], args.galore_rank,
+                                     lambda name, p: is_projection(name))
+        return GaLore(groups, lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
+                      update_gap=args.galore_update_gap, scale=args.galore_scale,
+                      inner=args.optimizer.removeprefix("galore_"))
+    return make
 
 
 def save_checkpoint(path, state):
@@ -254,9 +295,11 @@ def main(argv=None):
               f"{args.total_batch_size} sequences of {args.max_length} tokens per update")
 
     # ---- optimizer and schedule
-    Opt = {"adamw": AdamW, "adam8bit": Adam8bit}[args.optimizer]
+    Opt = {"adamw": AdamW, "adam8bit": Adam8bit}.get(args.optimizer)
     make_optimizer = lambda params: Opt(params, lr=args.lr, betas=(args.beta1, args.beta2),  # noqa: E731
                                         weight_decay=args.weight_decay)
+    if args.optimizer.startswith("galore"):
+        make_optimizer = galore_maker(args, raw_model)
     if args.per_layer:
         per_layer = attach_per_layer(model, make_optimizer, lr_lambda_for(args))
         optimizer = scheduler = None
@@ -358,6 +401,10 @@ def main(argv=None):
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(step_loss), step + 1, first_bad)
         loss_sum += step_loss
         done = step + 1
+        if args.method == "relora" and done % args.relora_reset == 0 and done < args.num_training_steps:
+            restarted = relora_merge(raw_model, torch.Generator().manual_seed(args.seed + done))  # same on every rank
+            prune_state_(per_layer.optimizers.values() if per_layer else [optimizer], restarted,
+                         args.relora_prune)  # <-- ReLoRA: merge, restart the factors, prune their moments
         if args.stop_after and done - start >= args.stop_after and done < args.num_training_steps:
             stop["signal"] = "--stop_after"
 
