@@ -264,7 +264,9 @@ def describe(model):
 
 if __name__ == "__main__":
     # the parameter table of the paper (Table 1), counted on the meta device
-    print(f"{'size':>5} " + " ".join(f"{m:>9}" for m in METHODS) + "   (millions)")
+    # relora trains as many parameters as lowrank and Table 1 lists its merged model, as many as full: not repeated
+    shown = [m for m in METHODS if m != "relora"]
+    print(f"{'size':>5} " + " ".join(f"{m:>9}" for m in shown) + "   (millions)")
     for size in SIZES:
-        row = [LLaMA(config_for(size, method=m), device="meta").num_params()["total"] / 1e6 for m in METHODS]
+        row = [LLaMA(config_for(size, method=m), device="meta").num_params()["total"] / 1e6 for m in shown]
         print(f"{size:>5} " + " ".join(f"{v:9.2f}" for v in row))

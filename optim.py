@@ -547,7 +547,7 @@ class GaLore(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        # torch casts state tensors to the parameter's dtype; 8-bit codes and the float32 projector keep theirs
+        # torch casts state tensors to the parameter's dtype; the 8-bit codes and float32 absmax keep theirs
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(ids, params):
