@@ -163,6 +163,14 @@ def galore_maker(args, model):
     return make
 
 
+def relora_restart(args, model, optimizers, done):
+    """ReLoRA, after every --relora_reset updates but the last: merge s·BA into W0, restart the factors (the new A
+    drawn from a generator seeded by the step, the same on every rank) and prune 99% of their Adam moments."""
+    if args.method == "relora" and done % args.relora_reset == 0 and done < args.num_training_steps:
+        restarted = relora_merge(model, torch.Generator().manual_seed(args.seed + done))
+        prune_state_(optimizers, restarted, args.relora_prune)  # <-- ReLoRA: the optimizer state of A, B reset
+
+
 def save_checkpoint(path, state):
     """Atomic: write a temporary file, fsync it, rename it over the old one. A kill leaves one good file."""
     tmp = f"{path}.tmp"
@@ -298,8 +306,7 @@ def main(argv=None):
     Opt = {"adamw": AdamW, "adam8bit": Adam8bit}.get(args.optimizer)
     make_optimizer = lambda params: Opt(params, lr=args.lr, betas=(args.beta1, args.beta2),  # noqa: E731
                                         weight_decay=args.weight_decay)
-    if args.optimizer.startswith("galore"):
-        make_optimizer = galore_maker(args, raw_model)
+    make_optimizer = galore_maker(args, raw_model) if args.optimizer.startswith("galore") else make_optimizer
     if args.per_layer:
         per_layer = attach_per_layer(model, make_optimizer, lr_lambda_for(args))
         optimizer = scheduler = None
@@ -401,10 +408,7 @@ def main(argv=None):
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(step_loss), step + 1, first_bad)
         loss_sum += step_loss
         done = step + 1
-        if args.method == "relora" and done % args.relora_reset == 0 and done < args.num_training_steps:
-            restarted = relora_merge(raw_model, torch.Generator().manual_seed(args.seed + done))  # same on every rank
-            prune_state_(per_layer.optimizers.values() if per_layer else [optimizer], restarted,
-                         args.relora_prune)  # <-- ReLoRA: merge, restart the factors, prune their moments
+        relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
         if args.stop_after and done - start >= args.stop_after and done < args.num_training_steps:
             stop["signal"] = "--stop_after"
 
