@@ -13,13 +13,13 @@ Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
                2048x2048, r=128, delta=0.03: 4096 tokens in float32 on CPU (floor 1 + 4r/(3·tokens) = 1.042,
                target <= 1.05), 65536 tokens in bf16 on CUDA (target <= 1.01)
-    model      train-step tokens/s of full, lowrank and sltrain (CUDA default: 350m and 1b; paper: sltrain/full =
-               0.945 at 350m)
+    model      train-step tokens/s of full, lowrank, relora, sltrain (optim.AdamW) and galore (optim.GaLore, the
+               steps between its SVDs) (CUDA default: 350m and 1b; paper: sltrain/full = 0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
     inference  forward-only tokens/s and memory of full, sltrain (factors as trained) and sltrain merged once into
                dense weights (the paper's Table 5); CUDA batch 128 at 130m/350m, 32 at 1b/7b
-    memory     CUDA only: peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and
-               low-rank 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
+    memory     CUDA only: peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank,
+               low-rank and GaLore 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
 
 --suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the three
@@ -49,7 +49,7 @@ import torch.nn as nn
 import optim
 from estimate_memory import estimate, measure
 from export import dense_state
-from model import LLaMA, METHODS, config_for
+from model import LLaMA, METHODS, config_for, is_projection
 from sllinear import SLLinear
 
 
@@ -120,12 +120,17 @@ def bench_layer(device, tokens, dtype, rounds, dim=2048, rank=128, delta=0.03):
 
 
 def bench_model(size, batch_size, max_length, device, dtype, rounds):
-    """Train-step tokens/s of each method (forward, backward, optim.AdamW step), and ÷ full."""
+    """Train-step tokens/s of each method (forward, backward, optim.AdamW step; GaLore's own step), and ÷ full."""
     variants = {}
-    for method in METHODS:
+    for method in (*METHODS, "galore"):
         torch.manual_seed(0)
-        model = LLaMA(config_for(size, method=method), device=device).to(dtype)
-        opt = optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        model = LLaMA(config_for(size, method="full" if method == "galore" else method), device=device).to(dtype)
+        hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        opt = optim.AdamW(model.parameters(), **hyper)
+        if method == "galore":  # projections refreshed every 200 updates: the timed steps are the usual ones
+            groups = optim.galore_param_groups(model.named_parameters(), model.config.rank,
+                                               lambda name, p: is_projection(name))
+            opt = optim.GaLore(groups, **hyper)
         idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
         def step(model=model, opt=opt, idx=idx):
@@ -180,7 +185,7 @@ SUITES = {
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
 MEMORY_SETTINGS = (("full", "adamw", False), ("full", "adam8bit", True), ("lowrank", "adam8bit", True),
-                   ("sltrain", "adam8bit", True))
+                   ("galore", "adam8bit", True), ("sltrain", "adam8bit", True))
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
 
 
@@ -486,7 +491,8 @@ def report(r):
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
     for M in r.get("model", []):
         v = M["variants"]
-        print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW, "
+        print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW "
+              "(galore: optim.GaLore), "
               "throughput vs full")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {x(v[m])}" for m in v))
     if "optimizer" in r:

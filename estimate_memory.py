@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import optim
-from model import LLaMA, METHODS, SIZES, config_for
+from model import LLaMA, SIZES, config_for, is_projection
 from sllinear import SLLinear
 
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")
@@ -218,7 +218,7 @@ def print_breakdown(r):
         print(textwrap.fill(why, 118, initial_indent=f"  {name:<12} {value:8.2f}{unit}  ", subsequent_indent=" " * 26))
 
     parts = f"= {r['dense_m']:.2f}M dense + {r['lowrank_m']:.2f}M low-rank + {r['sparse_m']:.2f}M sparse"
-    line("parameters", r["params_m"], "M", parts if m in METHODS else "(full-rank)")
+    line("parameters", r["params_m"], "M", "(full-rank)" if m in ("relora", "galore") else parts)
     if m == "relora":
         line("stored", r["stored_m"], "M", f"= {r['params_m']:.2f}M full-rank + {r['stored_m'] - r['params_m']:.2f}M "
              "low-rank model")
@@ -253,12 +253,17 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
     once), optimizer state and saved activations (the most of one forward), counted; on CUDA also the allocator's
     peak; and the index dtype the model stores."""
     torch.manual_seed(0)
-    model = LLaMA(config_for(size, method=method, rank=rank, delta=delta), device=device).to(torch.bfloat16)
+    config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
+    model = LLaMA(config, device=device).to(torch.bfloat16)
     params = list(model.parameters())
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     # AdamW one tensor at a time: the multi-tensor path would add a temporary the size of all moments to the peak
     make = (lambda ps: optim.Adam8bit(ps, **hyper)) if optimizer == "adam8bit" else \
         (lambda ps: optim.AdamW(ps, **hyper, foreach=False))
+    if method == "galore":  # full-rank weights, the projections' moments in the projected space
+        names = {p: name for name, p in model.named_parameters()}
+        make = lambda ps: optim.GaLore(optim.galore_param_groups(  # noqa: E731
+            [(names[p], p) for p in ps], config.rank, lambda name, p: is_projection(name)), **hyper, inner=optimizer)
     peak = dict(grads=0, acts=0)
 
     def track_grads(_):  # registered before the per-layer hooks, so it runs while this gradient is still alive
@@ -328,7 +333,7 @@ def main():
     parser.add_argument("--max_length", type=int, default=256, help="tokens per sequence (the paper's 256)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--measure", action="store_true",
-                        help="run a few training steps of full/lowrank/sltrain; print measured beside estimated")
+                        help="run a few training steps of each method; print measured beside estimated")
     parser.add_argument("--steps", type=int, default=3, help="--measure: training steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--measure: device")
     args = parser.parse_args()
@@ -339,9 +344,7 @@ def main():
         if args.size == "all":
             args.size = "tiny"
         args.batch_size = args.batch_size or 2
-        methods = METHODS if args.method == "all" else (args.method,)
-        if any(m not in METHODS for m in methods):
-            raise ValueError(f"--measure runs this repo's models only; pass --method in {', '.join(METHODS)} or all")
+        methods = ALL_METHODS if args.method == "all" else (args.method,)
         device = torch.device(args.device)
         results = {}
         for method in methods:

@@ -5,7 +5,8 @@ in which every attention and MLP projection can be an SLTrain layer: W = s·BA +
     from model import LLaMA, config_for
     model = LLaMA(config_for("60m", method="sltrain"))     # the paper's 60M model, 43.53M parameters
 
-Sizes are the paper's (GaLore's LLaMA configs); `tiny` is for tests and quick runs.
+Sizes are the paper's (GaLore's LLaMA configs); `tiny` is for tests and quick runs. method="relora" gives the
+ReLoRA baseline (W = W0 + s·BA, W0 frozen, merged into every few thousand updates by train.py).
 Count a model for free:  LLaMA(config_for("7b", method="sltrain"), device="meta").num_params()
 """
 
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sllinear import SLLinear
 
-METHODS = ("full", "lowrank", "sltrain")
+METHODS = ("full", "lowrank", "relora", "sltrain")
 
 
 @dataclass
@@ -32,7 +33,7 @@ class LLaMAConfig:
     n_layers: int = 8
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    method: str = "full"    # full | lowrank (W = s·BA) | sltrain (W = s·BA + S)
+    method: str = "full"    # full | lowrank (W = s·BA) | relora (W = W0 + s·BA, W0 frozen) | sltrain (W = s·BA + S)
     rank: int = 128         # r of B (out, r) and A (r, in)
     alpha: float = 32.0     # low-rank scale s = alpha / r
     delta: float = 0.03     # sltrain: fraction of each weight's entries on the sparse support
@@ -70,8 +71,66 @@ def make_linear(in_features, out_features, config, device):
     """A projection of the transformer: dense, or re-parameterized as low-rank (+ sparse)."""
     if config.method == "full":
         return nn.Linear(in_features, out_features, bias=False, device=device)
+    if config.method == "relora":
+        return ReLoRALinear(in_features, out_features, config.rank, config.alpha, device=device)
     delta = config.delta if config.method == "sltrain" else 0.0
     return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device)  # <-- SLTrain
+
+
+class ReLoRALinear(nn.Module):
+    """The ReLoRA baseline (Lialin et al. 2023): W = W0 + s·BA with W0 (out, in) a frozen buffer, initialized as a
+    dense layer, and B (out, r), A (r, in) trained as in LoRA. merge_and_reinit() folds s·BA into W0 and restarts
+    the factors; train.py does it every --relora_reset updates. W0 is stored, which is what SLTrain avoids."""
+
+    def __init__(self, in_features, out_features, rank, alpha, device=None):
+        super().__init__()
+        if not 0 < rank < min(in_features, out_features):
+            raise ValueError(f"rank must be in [1, min(in, out)) = [1, {min(in_features, out_features)}), got {rank}")
+        self.in_features, self.out_features, self.rank, self.scale = in_features, out_features, rank, alpha / rank
+        self.register_buffer("W0", torch.empty(out_features, in_features, device=device))
+        self.A = nn.Parameter(torch.empty(rank, in_features, device=device))
+        self.B = nn.Parameter(torch.empty(out_features, rank, device=device))
+        if not (device is not None and torch.device(device).type == "meta"):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        nn.init.normal_(self.W0, mean=0.0, std=0.02)  # as the dense layers of LLaMA._init_weights
+        self._reinit_factors()
+
+    def _reinit_factors(self, generator=None):
+        # LoRA's start, BA = 0: B zero, A as kaiming_uniform_(a=√5), i.e. U[-1/√in, 1/√in], drawn on the CPU
+        # generator given, so that every DDP rank (and a resumed run) draws the same A
+        bound = 1 / math.sqrt(self.in_features)
+        self.A.copy_(torch.empty(self.A.shape).uniform_(-bound, bound, generator=generator))
+        nn.init.zeros_(self.B)
+
+    @torch.no_grad()
+    def merge_and_reinit(self, generator=None):
+        """W0 += s·BA, then a fresh A and B = 0: the layer computes the same function, with new factors to train."""
+        self.W0.add_((self.B * self.scale) @ self.A)  # (out, r) @ (r, in) -> (out, in)
+        self._reinit_factors(generator)
+
+    def forward(self, x):
+        return F.linear(x, self.W0) + ((x @ self.A.t()) * self.scale) @ self.B.t()  # <-- ReLoRA: W0 x + s·B(A x)
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
+
+
+def is_projection(name):
+    """Whether a parameter of a full-rank LLaMA is an attention or MLP projection weight: the layers the other
+    methods re-parameterize, and those whose gradients GaLore projects."""
+    return name.endswith("_proj.weight")
+
+
+def relora_merge(model, generator=None):
+    """Merge every ReLoRA layer of the model (see ReLoRALinear.merge_and_reinit), drawing the new A's from the CPU
+    `generator`; returns the reset A and B, whose optimizer state the caller prunes."""
+    layers = [m for m in model.modules() if isinstance(m, ReLoRALinear)]
+    for layer in layers:
+        layer.merge_and_reinit(generator)
+    return [p for layer in layers for p in (layer.A, layer.B)]
 
 
 class RMSNorm(nn.Module):
@@ -226,13 +285,17 @@ def describe(model):
     """One line of parameter counts in millions, e.g. for the start of a training run."""
     n = model.num_params()
     c = model.config
+    frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
     return (f"{c.method} LLaMA: {n['total'] / 1e6:.2f}M parameters = {n['dense'] / 1e6:.2f}M dense + "
-            f"{n['lowrank'] / 1e6:.2f}M low-rank + {n['sparse'] / 1e6:.2f}M sparse")
+            f"{n['lowrank'] / 1e6:.2f}M low-rank + {n['sparse'] / 1e6:.2f}M sparse"
+            + (f" (+ {frozen / 1e6:.2f}M frozen in W0)" if frozen else ""))
 
 
 if __name__ == "__main__":
     # the parameter table of the paper (Table 1), counted on the meta device
-    print(f"{'size':>5} " + " ".join(f"{m:>9}" for m in METHODS) + "   (millions)")
+    # relora trains as many parameters as lowrank and Table 1 lists its merged model, as many as full: not repeated
+    shown = [m for m in METHODS if m != "relora"]
+    print(f"{'size':>5} " + " ".join(f"{m:>9}" for m in shown) + "   (millions)")
     for size in SIZES:
-        row = [LLaMA(config_for(size, method=m), device="meta").num_params()["total"] / 1e6 for m in METHODS]
+        row = [LLaMA(config_for(size, method=m), device="meta").num_params()["total"] / 1e6 for m in shown]
         print(f"{size:>5} " + " ".join(f"{v:9.2f}" for v in row))

@@ -155,8 +155,8 @@ def test_bad_method_names_the_choices():
         em.estimate("60m", "lora")
 
 
-@pytest.mark.parametrize("optimizer,per_layer,methods", [("adamw", False, ("full", "lowrank", "sltrain")),
-                                                          ("adam8bit", True, ("sltrain",))],
+@pytest.mark.parametrize("optimizer,per_layer,methods", [("adamw", False, ("full", "lowrank", "sltrain", "galore")),
+                                                          ("adam8bit", True, ("sltrain", "galore"))],
                          ids=["adamw", "adam8bit-per-layer"])
 def test_measure_smoke_on_cpu(optimizer, per_layer, methods):
     for method in methods:
@@ -167,3 +167,15 @@ def test_measure_smoke_on_cpu(optimizer, per_layer, methods):
             assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (method, key, counted, est)
         # the measured input ids are a view of a (B, T+1) batch: 8·B bytes more than the estimate's (B, T)
         assert counted["act"] - est["act_gb"] * 1e9 == pytest.approx(8 * 2), (method, counted, est)
+
+
+def test_measure_relora_counts_w0_once():
+    counted, _ = em.measure("tiny", "relora", None, None, "adamw", False, 2, 32, 1, torch.device("cpu"))
+    est = em.estimate("tiny", "relora", None, None, "int32", "adamw", False, 2, 32)
+    for key in ("grad", "optim"):  # the trained low-rank model: exact
+        assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)
+    # the paper stores the full-rank model beside the low-rank one (embeddings twice); ours adds only W0 to the latter
+    lowrank = em.estimate("tiny", "lowrank", None, None, "int32", "adamw", False, 2, 32)
+    full = em.estimate("tiny", "full", None, None, "int32", "adamw", False, 2, 32)
+    w0 = full["params_m"] - (lowrank["params_m"] - lowrank["lowrank_m"])  # the dense projections
+    assert counted["param"] == pytest.approx(2 * 1e6 * (lowrank["params_m"] + w0), rel=1e-9), (counted, w0)

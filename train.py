@@ -6,6 +6,8 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     python train.py --size 60m --optimizer adam8bit --per_layer     # the paper's memory-frugal setting
     python train.py --size 60m --resume                             # continue exactly from out/ckpt.pt
     python train.py --size 60m --eval_only                          # validation loss of out/ckpt.pt alone
+    python train.py --size 60m --method full --optimizer galore_adamw   # the baselines: GaLore, and ReLoRA
+    python train.py --size 60m --method relora
 
 Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line.
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
@@ -33,8 +35,8 @@ from analyze import prepare_for_training
 import checkpoint
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
 from estimate_memory import estimate
-from model import LLaMA, SIZES, config_for, describe
-from optim import AdamW, Adam8bit, attach_per_layer
+from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
+from optim import AdamW, Adam8bit, GaLore, attach_per_layer, galore_param_groups, prune_state_
 
 # size -> (training steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts
 RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
@@ -55,13 +57,15 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--size", default="60m", choices=list(SIZES), help="model size (the paper's LLaMA configs)")
-    a("--method", "--peft_model", choices=["full", "lowrank", "sltrain"], default="sltrain",
-      help="weights: dense, W = s·BA, or W = s·BA + S")
+    a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain"], default="sltrain",
+      help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), or W = s·BA + S")
     a("--rank", type=int, help="rank r of the factors (default: the paper's for the size)")
     a("--delta", "--sp_ratio", type=float, help="sparsity: fraction of entries in S (default 0.03; 7b 0.05)")
     a("--alpha", "--lora_alpha", type=float, help="low-rank scale s = alpha/r (default: the paper's for the size)")
-    a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer"],
-      help="optimizer (written from scratch in optim.py); *_per_layer is --per_layer")
+    a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer",
+                                                "galore_adamw", "galore_adam8bit", "galore_adamw_per_layer",
+                                                "galore_adam8bit_per_layer"],
+      help="optimizer (written from scratch in optim.py); *_per_layer is --per_layer; galore_* needs --method full")
     a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
     a("--grad_clipping", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
@@ -103,6 +107,13 @@ def get_args(argv=None):
       help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
     a("--freeze", choices=["lowrank"], help="keep B and A at their start (with --init_from: L0) and train the rest")
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
+    a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
+    a("--galore_update_gap", type=int, default=200, help="GaLore: recompute each projection every this many updates")
+    a("--galore_scale", type=float, default=0.25, help="GaLore: scale of the update projected back")
+    a("--relora_reset", type=int, default=2000, help="ReLoRA: merge BA into W0 and restart every this many updates")
+    a("--relora_warmup", type=int, default=50, help="ReLoRA: updates of linear lr warmup after each restart")
+    a("--relora_prune", type=float, default=0.99,
+      help="ReLoRA: fraction of the restarted factors' Adam moments zeroed, smallest magnitudes first")
     args = p.parse_args(argv)
 
     # ---- every flag is checked here, before any work: a bad value is one line naming the fix
@@ -115,7 +126,8 @@ def get_args(argv=None):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
     steps, lr, _ = RECIPES[args.size]
     args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
-    args.lr = lr if args.lr is None else args.lr
+    galore = args.optimizer.startswith("galore")
+    args.lr = (1e-2 if galore else lr) if args.lr is None else args.lr  # GaLore's paper: lr 0.01
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
                 "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after")
     for name in positive:
@@ -151,6 +163,15 @@ def get_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
+    args.galore_rank = args.galore_rank or args.rank
+    if galore and args.method != "full":
+        p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
+    if galore and not 0 < args.galore_rank <= min(model_config.dim, model_config.ffn_dim):
+        p.error(f"--galore_rank must be in [1, {min(model_config.dim, model_config.ffn_dim)}], got {args.galore_rank}")
+    if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
+        p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
+    if not 0 <= args.relora_prune <= 1:
+        p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
     resolve_device_and_batch(p, args)
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
         args.warmup_steps = int(0.1 * args.num_training_steps)
@@ -196,8 +217,10 @@ def check_memory(p, args, device, world):
     available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
 
     # activations grow linearly with the batch: estimate once per sequence; float32 on CPU doubles the bf16 figures
-    row = estimate(args.size, args.method, args.rank, args.delta, optimizer=args.optimizer, per_layer=args.per_layer,
-                   batch_size=1, max_length=args.max_length)
+    galore = args.optimizer.startswith("galore")
+    row = estimate(args.size, "galore" if galore else args.method, args.rank, args.delta,
+                   optimizer="adam8bit" if args.optimizer.endswith("adam8bit") else "adamw",
+                   per_layer=args.per_layer, batch_size=1, max_length=args.max_length)
     scale = (2 if args.dtype == "bfloat16" else 4) / 2
 
     def need(batch):
@@ -214,7 +237,8 @@ def check_memory(p, args, device, world):
 def lr_lambda_for(args):
     """Linear warmup to the peak, then cosine down to min_lr_ratio of it (the authors' schedule). When a resumed run
     raised --num_training_steps, args.lr_restart = [step, factor] holds where the old schedule stood: from there
-    the cosine goes on from that factor down to the floor at the new end, so the learning rate never jumps."""
+    the cosine goes on from that factor down to the floor at the new end, so the learning rate never jumps. For
+    ReLoRA the same cosine, cut into jags by a short warmup after every restart (ReLoRA's jagged schedule)."""
     warmup, total, floor = args.warmup_steps, args.num_training_steps, args.min_lr_ratio
     begin, top = args.lr_restart or (warmup, 1.0)
 
@@ -223,13 +247,42 @@ def lr_lambda_for(args):
             return step / max(1, warmup)
         progress = (step - begin) / max(1, total - begin)
         return floor + (top - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return lr_lambda
+
+    def jagged(step):  # ReLoRA: the cosine, with a linear warmup from 0 again after every restart
+        since = step % args.relora_reset
+        if step >= args.relora_reset and since < args.relora_warmup:
+            return lr_lambda(step) * since / args.relora_warmup
+        return lr_lambda(step)
+    return jagged if args.method == "relora" else lr_lambda
+
+
+def galore_maker(args, model):
+    """make_optimizer for GaLore: the attention and MLP projections projected at --galore_rank, the rest plain."""
+    names = {p: name for name, p in model.named_parameters()}
+
+    def make(params):
+        groups = galore_param_groups([(names[p], p) for p in params], args.galore_rank,
+                                     lambda name, p: is_projection(name))
+        return GaLore(groups, lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
+                      update_gap=args.galore_update_gap, scale=args.galore_scale,
+                      inner=args.optimizer.removeprefix("galore_"))
+    return make
+
+
+def relora_restart(args, model, optimizers, done):
+    """ReLoRA, after every --relora_reset updates but the last: merge s·BA into W0, restart the factors (the new A
+    drawn from a generator seeded by the step, the same on every rank) and prune 99% of their Adam moments."""
+    if args.method == "relora" and done % args.relora_reset == 0 and done < args.num_training_steps:
+        restarted = relora_merge(model, torch.Generator().manual_seed(args.seed + done))
+        prune_state_(optimizers, restarted, args.relora_prune)  # <-- ReLoRA: the optimizer state of A, B reset
 
 
 # ----------------------------------------------------------------------------- checkpoint and resume
 
 RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total_batch_size", "max_length", "pack",
-                                                "seed", "dtype", "data_dir", "tokenizer_sha256")
+                                                "seed", "dtype", "data_dir", "tokenizer_sha256", "galore_rank",
+                                                "galore_update_gap", "galore_scale", "relora_reset", "relora_warmup",
+                                                "relora_prune", "init_from", "support", "freeze", "support_seed")
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
@@ -417,9 +470,10 @@ def build(args, config, device, dtype, ddp, ckpt):
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                         gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets, not twice
-    Opt = {"adamw": AdamW, "adam8bit": Adam8bit}[args.optimizer]
+    Opt = {"adamw": AdamW, "adam8bit": Adam8bit}.get(args.optimizer)  # None: GaLore
     make_optimizer = lambda params: Opt(params, lr=args.lr, betas=(args.beta1, args.beta2),  # noqa: E731
                                         weight_decay=args.weight_decay)
+    make_optimizer = galore_maker(args, raw_model) if args.optimizer.startswith("galore") else make_optimizer
     if args.per_layer:
         per_layer, optimizer, scheduler = attach_per_layer(model, make_optimizer, lr_lambda_for(args)), None, None
     else:
@@ -554,6 +608,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             loss_sum += step_loss
             tokens += n_total
             done = step + 1
+            relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
             if args.stop_after and done - start >= args.stop_after and done < total:
                 stop["signal"] = "--stop_after"
 

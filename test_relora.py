@@ -1,0 +1,123 @@
+"""
+Tests of the ReLoRA baseline: the merge (model.ReLoRALinear, model.relora_merge), the pruned optimizer state
+(optim.prune_state_), the jagged schedule and exact resume across a merge in train.py.
+
+    python -m pytest -q test_relora.py
+"""
+
+import copy
+
+import pytest
+import torch
+
+import train
+from model import LLaMA, ReLoRALinear, config_for, relora_merge
+from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, prune_state_
+from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
+
+
+def trained_relora(make_optimizer, steps=3):
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="relora", vocab_size=64))
+    opt = make_optimizer(list(model.parameters()))
+    for _ in range(steps):
+        idx = torch.randint(64, (2, 17))
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def test_layer_is_w0_plus_scaled_ba_and_w0_is_a_frozen_buffer():
+    torch.manual_seed(0)
+    layer = ReLoRALinear(12, 20, rank=4, alpha=32.0)
+    torch.nn.init.normal_(layer.B)
+    x = torch.randn(3, 12)
+    expected = x @ (layer.W0 + 8.0 * layer.B @ layer.A).t()  # s = alpha / r = 8
+    assert torch.allclose(layer(x), expected, atol=1e-5), (layer(x) - expected).abs().max()
+    assert {n for n, _ in layer.named_parameters()} == {"A", "B"} and "W0" in dict(layer.named_buffers())
+    with pytest.raises(ValueError, match="rank must be in"):
+        ReLoRALinear(12, 20, rank=12, alpha=32.0)
+
+
+def test_merge_keeps_the_function_and_restarts_the_factors():
+    model, _ = trained_relora(lambda ps: AdamW(ps, lr=1e-2))
+    idx = torch.randint(64, (2, 16))
+    layers = [m for m in model.modules() if isinstance(m, ReLoRALinear)]
+    assert all(layer.B.abs().max() > 0 for layer in layers), "training should have moved B off zero"
+    before, old_A = model(idx)[0], [layer.A.detach().clone() for layer in layers]
+    twin = copy.deepcopy(model)  # another DDP rank: the same generator seed draws the same A
+    reset = relora_merge(model, torch.Generator().manual_seed(7))
+    relora_merge(twin, torch.Generator().manual_seed(7))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    after = model(idx)[0]
+    assert torch.allclose(before, after, atol=1e-5), f"logits moved by {(before - after).abs().max()}"
+    assert len(reset) == 2 * len(layers) == 2 * 7 * 2  # A and B of 7 projections in each of 2 blocks
+    for layer, A in zip(layers, old_A):
+        assert torch.equal(layer.B, torch.zeros_like(layer.B))
+        assert not torch.equal(layer.A, A)
+        bound = 1 / layer.in_features**0.5  # kaiming_uniform(a=√5) draws A from U[-1/√in, 1/√in]
+        assert layer.A.abs().max() <= bound and layer.A.std() > 0.4 * bound
+
+
+@pytest.mark.parametrize("make", [lambda ps: AdamW(ps, lr=1e-2), lambda ps: Adam8bit(ps, lr=1e-2, min_8bit_size=256)],
+                         ids=["adamw", "adam8bit"])
+def test_merge_prunes_99_percent_of_the_factors_moments(make):
+    model, opt = trained_relora(make)
+    others = {p: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+              for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] not in ("A", "B")}
+    reset = relora_merge(model)
+    prune_state_([opt], reset, 0.99)
+    for p in reset:
+        state = opt.state[p]
+        assert state["step"] == 3, "the step count (bias correction) goes on"
+        names = ("exp_avg", "exp_avg_sq") if "exp_avg_sq" in state else ("exp_avg", "sqrt_exp_avg_sq")  # 8-bit: √v
+        for name, signed in zip(names, (True, False)):
+            values = state[name] if name in state else \
+                dequantize_blockwise(state[f"{name}_codes"], state[f"{name}_absmax"], signed, p.numel())
+            kept = int((values != 0).sum())
+            assert 0 < kept <= p.numel() - int(0.99 * p.numel()), f"{name}: {kept} of {p.numel()} kept"
+    for p, saved in others.items():  # everything else is untouched
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+
+
+def test_prune_reaches_per_layer_optimizers():
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="relora", vocab_size=64))
+    per = attach_per_layer(model, lambda ps: AdamW(ps, lr=1e-2))
+    idx = torch.randint(64, (2, 17))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    reset = relora_merge(model)
+    prune_state_(per.optimizers.values(), reset, 0.99)
+    for p in reset:
+        kept = int((per.optimizers[p].state[p]["exp_avg"] != 0).sum())
+        assert kept <= p.numel() - int(0.99 * p.numel())
+
+
+def test_jagged_schedule_restarts_at_every_reset():
+    args = train.get_args(["--size", "tiny", "--method", "relora", "--num_training_steps", "1000",
+                              "--warmup_steps", "100", "--relora_reset", "200", "--relora_warmup", "20"])
+    jagged = train.lr_lambda_for(args)
+    args.method = "sltrain"
+    cosine = train.lr_lambda_for(args)
+    assert [jagged(s) for s in range(200)] == [cosine(s) for s in range(200)], "the first cycle is the usual one"
+    for reset in (200, 400, 600, 800):
+        assert jagged(reset) == 0.0
+        assert jagged(reset + 10) == pytest.approx(0.5 * cosine(reset + 10))
+        rest = range(reset + 20, reset + 200)
+        assert [jagged(s) for s in rest] == [cosine(s) for s in rest]
+
+
+def test_train_resume_is_bit_exact_across_a_merge(corpus, tmp_path):  # noqa: F811
+    extra = ["--method", "relora", "--relora_reset", "2", "--relora_warmup", "1", "--warmup_steps", "1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train.main(base_args(corpus, straight, 6, *extra))
+    train.main(base_args(corpus, split, 6, "--stop_after", "3", *extra))  # merges after updates 2 and 4
+    train.main(base_args(corpus, split, 6, "--resume", *extra))
+    logs = metrics(straight)[0]
+    assert [r["loss"] for r in logs] == [r["loss"] for r in metrics(split)[0]]
+    # the lr logged at update k is the next update's: 0 at every multiple of --relora_reset
+    assert [r["lr"] == 0 for r in logs] == [False, True, False, True, False, True], [r["lr"] for r in logs]
+    sa, sb = final_state(straight)["model"], final_state(split)["model"]
+    for name, t in sa.items():
+        assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
