@@ -613,8 +613,9 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 stop["signal"] = "--stop_after"
 
             # ---- log (with the stop flag, the only host syncs of the loop), evaluate, save, stop
-            if ddp:
-                stopping(stop, device, world)
+            # the decision to stop is taken here, once, by all ranks together: a signal that lands after this point
+            # waits for the next update, or one rank would save (a collective) while the others train on
+            stop_now = stopping(stop, device, world) if ddp else stop["signal"] is not None
             if done % args.log_every == 0 or done == total:
                 if ddp:
                     dist.all_reduce(loss_sum)  # each rank holds its share of the token-weighted mean: sum them
@@ -635,18 +636,19 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 loss_sum.zero_()
                 tokens.zero_()
                 t_log, step_log = now, done
-            if (done % args.eval_every == 0 or done == total) and not stop["signal"]:
+            if (done % args.eval_every == 0 or done == total) and not stop_now:
                 t_eval = time.perf_counter()
-                result = evaluate(raw_model, val, device, rank, world, stop)
+                result = evaluate(raw_model, val, device, rank, world, stop)  # agrees on a signal every batch
+                stop_now = result is None
                 if result:
                     if master:
                         print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
                     last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
                     record(dict(last_eval))
                 t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
-            if done % args.save_every == 0 or done == total or stop["signal"]:
+            if done % args.save_every == 0 or done == total or stop_now:
                 save(done, loader.state_dict())
-            if stop["signal"]:
+            if stop_now:
                 if master:
                     print(f"stopped by {stop['signal']}: saved {args.out_dir}/ckpt.pt at step {done}; "
                           "rerun with --resume")
