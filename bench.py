@@ -19,7 +19,8 @@ Sections (--only picks some):
     inference  forward-only tokens/s and memory of full, sltrain (factors as trained) and sltrain merged once into
                dense weights (the paper's Table 5); CUDA batch 128 at 130m/350m, 32 at 1b/7b
     memory     CUDA only: peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank,
-               low-rank and GaLore 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
+               low-rank and GaLore 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's
+               estimate of each
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
 
 --suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the three

@@ -163,20 +163,26 @@ def get_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
-    args.galore_rank = args.galore_rank or args.rank
-    if galore and args.method != "full":
-        p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
-    if galore and not 0 < args.galore_rank <= min(model_config.dim, model_config.ffn_dim):
-        p.error(f"--galore_rank must be in [1, {min(model_config.dim, model_config.ffn_dim)}], got {args.galore_rank}")
-    if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
-        p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
-    if not 0 <= args.relora_prune <= 1:
-        p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
+    check_baseline_flags(p, args, model_config)
     resolve_device_and_batch(p, args)
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
         args.warmup_steps = int(0.1 * args.num_training_steps)
     args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
     return args
+
+
+def check_baseline_flags(p, args, config):
+    """GaLore's and ReLoRA's flags (the baselines of Table 1)."""
+    galore = args.optimizer.startswith("galore")
+    args.galore_rank = args.rank if args.galore_rank is None else args.galore_rank  # an explicit 0 is refused below
+    if galore and args.method != "full":
+        p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
+    if galore and not 0 < args.galore_rank <= min(config.dim, config.ffn_dim):
+        p.error(f"--galore_rank must be in [1, {min(config.dim, config.ffn_dim)}], got {args.galore_rank}")
+    if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
+        p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
+    if not 0 <= args.relora_prune <= 1:
+        p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
 
 
 def resolve_device_and_batch(p, args):
@@ -544,15 +550,14 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
     ddp, master, accum, total = world > 1, rank == 0, args.gradient_accumulation, args.num_training_steps
     loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length, seed=args.seed,
                          rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
-    start = ckpt["step"] if ckpt else 0
+    start, metrics_path = (ckpt["step"] if ckpt else 0), os.path.join(args.out_dir, "metrics.jsonl")
     if ckpt:
         loader.load_state_dict(ckpt["data"][rank])
         torch.set_rng_state(ckpt["rng"])
+        if master:
+            trim_metrics(metrics_path, start)  # rows past the checkpoint were redone after a crash
     batches = iter(loader)
     os.makedirs(args.out_dir, exist_ok=True)
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    if master and ckpt:
-        trim_metrics(metrics_path, start)
     metrics = open(metrics_path, "a" if ckpt else "w") if master else None
 
     def record(row):
@@ -613,8 +618,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 stop["signal"] = "--stop_after"
 
             # ---- log (with the stop flag, the only host syncs of the loop), evaluate, save, stop
-            # the decision to stop is taken here, once, by all ranks together: a signal that lands after this point
-            # waits for the next update, or one rank would save (a collective) while the others train on
+            # stop only where all ranks agree (here, or in evaluation): a later signal waits for the next update
             stop_now = stopping(stop, device, world) if ddp else stop["signal"] is not None
             if done % args.log_every == 0 or done == total:
                 if ddp:
