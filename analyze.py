@@ -24,7 +24,8 @@ import sys
 import torch
 import torch.nn as nn
 
-from model import RMSNorm, load_checkpoint
+from checkpoint import load_model
+from model import RMSNorm
 from sllinear import SLLinear, merge, uniform_support
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -246,7 +247,7 @@ def init_from_dense(model, path, support="random"):
     """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
     (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or with
     support="top" the δ·in·out largest entries of the residual. Everything else (embeddings, norms, head) is copied."""
-    dense, ckpt = load_checkpoint(path)
+    dense, ckpt = load_model(path)
     if dense.config.method != "full":
         raise ValueError(f"--init_from {path}: a {dense.config.method} checkpoint; pass a full-rank one "
                          "(train.py --method full, or export.py --merged)")
@@ -347,7 +348,7 @@ def main(argv=None):
     if args.command == "prune" and not 0 <= args.delta < 1:
         p.error(f"--delta must be in [0, 1), got {args.delta}")
     try:
-        model, ckpt = load_checkpoint(args.ckpt)
+        model, ckpt = load_model(args.ckpt)
     except (OSError, ValueError) as e:
         raise SystemExit(f"analyze.py {args.command}: {e}") from None
     model.float()

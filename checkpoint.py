@@ -3,6 +3,8 @@ Checkpoint files that survive faults: written atomically, checked on load, never
 
     python checkpoint.py out/ckpt.pt          # verify a checkpoint: prints its step and checksum, or what is wrong
 
+load_model() gives the model of a checkpoint (sample.py, analyze.py, export.py).
+
 A checkpoint is a plain torch.save file of a dict (loadable with torch.load(..., weights_only=True)); save() adds
 "sha256", a digest of every other entry (tensor bytes, dtypes, shapes and plain values, in order), so a truncated,
 empty or bit-flipped file is caught on load instead of training on from garbage.
@@ -14,6 +16,8 @@ import os
 import sys
 
 import torch
+
+from model import LLaMA, LLaMAConfig
 
 
 def digest(obj, h=None):
@@ -83,6 +87,29 @@ def load(path):
     if digest(state).hexdigest() != stored:
         raise ValueError(f"checkpoint {path} fails its sha256 check; {fix}")
     return state
+
+
+def load_model(path, device="cpu"):
+    """A model from a checkpoint that train.py (or export.py --merged) wrote, verified -> (model in eval mode,
+    checkpoint). Refuses, with the reason, a file that is not such a checkpoint."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}; pass the ckpt.pt that train.py wrote into its --out_dir")
+    ckpt = load(path)
+    if not {"model", "model_config"} <= set(ckpt):
+        raise ValueError(f"{path} has no 'model' and 'model_config' entries: not written by train.py or "
+                         "export.py --merged; pass one that was")
+    unknown = set(ckpt["model_config"]) - set(LLaMAConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{path}: unknown model_config fields {sorted(unknown)}; it was written by another "
+                         "version of model.py")
+    model = LLaMA(LLaMAConfig(**ckpt["model_config"]), device="meta")
+    try:
+        model.load_state_dict(ckpt["model"], strict=True, assign=True)  # the checkpoint's tensors, no copy
+    except RuntimeError as e:
+        raise ValueError(f"{path}: the weights do not fit its model_config ({str(e).splitlines()[0]}); "
+                         "the file was edited") from None
+    dtype = next(iter(ckpt["model"].values())).dtype
+    return model.to(device=device, dtype=dtype).eval(), ckpt
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from dataclasses import asdict
 
 import torch
 
-from model import LLaMA, load_checkpoint
+from checkpoint import load_model, save
+from model import LLaMA
 from sllinear import SLLinear
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -135,8 +136,8 @@ def export_merged(model, ckpt, path):
     dense = LLaMA(type(model.config)(**{**asdict(model.config), "method": "full"}), device="meta")
     dense.load_state_dict(dense_state(model), strict=True, assign=True)
     run = dict(ckpt.get("args", {}), method="full", merged_from=model.config.method)
-    torch.save({"model": dense.state_dict(), "model_config": asdict(dense.config), "args": run,
-                "step": ckpt.get("step")}, path)
+    save(path, {"model": dense.state_dict(), "model_config": asdict(dense.config), "args": run,
+                "step": ckpt.get("step")})  # atomic and checksummed, as train.py's
 
 
 def main(argv=None):
@@ -150,7 +151,7 @@ def main(argv=None):
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
     try:
-        model, ckpt = load_checkpoint(args.ckpt)
+        model, ckpt = load_model(args.ckpt)
         if args.dtype:
             model.to(getattr(torch, args.dtype))
         if args.out:

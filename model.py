@@ -11,7 +11,6 @@ Count a model for free:  LLaMA(config_for("7b", method="sltrain"), device="meta"
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -251,34 +250,6 @@ class LLaMA(nn.Module):
             counts[kind] += p.numel()
         counts["total"] = sum(counts.values())
         return counts
-
-
-def load_checkpoint(path, device="cpu"):
-    """A model from a checkpoint that train.py (or export.py --merged) wrote -> (model in eval mode, checkpoint).
-    Loads with weights_only=True; refuses, with the reason, a file that is not such a checkpoint."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}; pass the ckpt.pt that train.py wrote into its --out_dir")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated file, a pickle with code in it, not a torch file at all
-        raise ValueError(f"{path} is not a checkpoint that loads with weights_only=True ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}); pass a ckpt.pt written by train.py") from None
-    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= set(ckpt):
-        raise ValueError(f"{path} has no 'model' and 'model_config' entries: not written by train.py or "
-                         "export.py --merged; pass one that was")
-    fields = set(LLaMAConfig.__dataclass_fields__)
-    unknown = set(ckpt["model_config"]) - fields
-    if unknown:
-        raise ValueError(f"{path}: unknown model_config fields {sorted(unknown)}; it was written by another "
-                         "version of model.py")
-    model = LLaMA(LLaMAConfig(**ckpt["model_config"]), device="meta")
-    try:
-        model.load_state_dict(ckpt["model"], strict=True, assign=True)  # the checkpoint's tensors, no copy
-    except RuntimeError as e:
-        raise ValueError(f"{path}: the weights do not fit its model_config ({str(e).splitlines()[0]}); "
-                         "the file is damaged or edited") from None
-    dtype = next(iter(ckpt["model"].values())).dtype
-    return model.to(device=device, dtype=dtype).eval(), ckpt
 
 
 def describe(model):

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
+from checkpoint import load_model
 from data import load_tokenizer
-from model import load_checkpoint
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
 def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
            device="cpu", tokenizer=None):
     """The generated texts (prompt included). The draws come from a CPU generator, so a seed repeats on any device."""
-    model, ckpt = load_checkpoint(ckpt_path, device=device)
+    model, ckpt = load_model(ckpt_path, device=device)
     run = ckpt.get("args", {})
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:

@@ -13,7 +13,7 @@ import torch
 
 import analyze
 import train
-from model import load_checkpoint
+from checkpoint import load_model
 from sllinear import SLLinear
 from test_train import base_args, corpus  # noqa: F401  (corpus is a fixture)
 
@@ -34,7 +34,7 @@ def sltrain_ckpt(corpus, tmp_path_factory):  # noqa: F811
 
 
 def test_spectrum_split_adds_up_to_sigma(sltrain_ckpt, tmp_path, capsys):
-    model, _ = load_checkpoint(sltrain_ckpt)
+    model, _ = load_model(sltrain_ckpt)
     rows = analyze.spectrum(model)
     assert len(rows) == 7 * model.config.n_layers
     for r in rows:
@@ -52,7 +52,7 @@ def test_spectrum_split_adds_up_to_sigma(sltrain_ckpt, tmp_path, capsys):
 
 
 def test_spectrum_of_full_rank_residual(dense_ckpt, capsys):
-    model, _ = load_checkpoint(dense_ckpt)
+    model, _ = load_model(dense_ckpt)
     rows = analyze.spectrum(model, rank=8, threshold=0.04)
     W = model.layers[0].attn.q_proj.weight.double()
     U, S, Vh = torch.linalg.svd(W)
@@ -66,7 +66,7 @@ def test_spectrum_of_full_rank_residual(dense_ckpt, capsys):
 
 
 def test_prune_variants_and_evaluation(dense_ckpt, capsys):
-    model, _ = load_checkpoint(dense_ckpt)
+    model, _ = load_model(dense_ckpt)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     variants = analyze.prune_weights(model, rank=4, delta=0.05, seed=0)
     W = model.layers[1].mlp.down_proj.weight.double()
@@ -83,7 +83,7 @@ def test_prune_variants_and_evaluation(dense_ckpt, capsys):
     results = json.loads(capsys.readouterr().out)
     assert set(results) == {"full", "L0", "L0 + top", "L0 + random"}
     assert all(math.isfinite(v["val_ppl"]) for v in results.values())
-    full, _ = load_checkpoint(dense_ckpt)
+    full, _ = load_model(dense_ckpt)
     after = full.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "pruning must restore the weights it evaluated"
 
@@ -96,7 +96,7 @@ def test_prune_refuses_a_factored_checkpoint(sltrain_ckpt):
 @pytest.mark.parametrize("support", ["random", "top"])
 def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support):
     from model import LLaMA, config_for
-    dense, _ = load_checkpoint(dense_ckpt)
+    dense, _ = load_model(dense_ckpt)
     model = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=dense.config.vocab_size))
     analyze.init_from_dense(model, dense_ckpt, support=support)
     for name, module in model.named_modules():

@@ -10,10 +10,11 @@ import json
 import pytest
 import torch
 
+import checkpoint
 import export
 import sample
 import train
-from model import load_checkpoint
+from checkpoint import load_model
 from test_train import base_args, corpus  # noqa: F401  (corpus is a fixture)
 
 
@@ -37,11 +38,14 @@ def test_sample_is_deterministic_under_a_seed(sl_ckpt):
 def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint at"):
         sample.main([str(tmp_path / "missing.pt")])
-    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")  # not written by train.py
+    with pytest.raises(SystemExit, match="has no checksum"):
+        sample.main([str(tmp_path / "foreign.pt")])
+    checkpoint.save(str(tmp_path / "other.pt"), {"weights": torch.zeros(2)})  # whole, but holds no model
     with pytest.raises(SystemExit, match="no 'model' and 'model_config'"):
         sample.main([str(tmp_path / "other.pt")])
     (tmp_path / "cut.pt").write_bytes(open(sl_ckpt, "rb").read()[:1000])  # a copy cut short, as by a full disk
-    with pytest.raises(SystemExit, match="weights_only=True"):
+    with pytest.raises(SystemExit, match="cannot be read"):
         sample.main([str(tmp_path / "cut.pt")])
 
 
@@ -57,7 +61,7 @@ def test_safetensors_round_trip(tmp_path):
 
 
 def test_export_merges_and_merged_checkpoint_matches(sl_ckpt, tmp_path):
-    model, _ = load_checkpoint(sl_ckpt)
+    model, _ = load_model(sl_ckpt)
     export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "dense.pt")])
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
@@ -65,7 +69,7 @@ def test_export_merges_and_merged_checkpoint_matches(sl_ckpt, tmp_path):
     q = model.layers[0].attn.q_proj
     assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], q.merged_weight())
     assert len(weights) == 2 + 9 * model.config.n_layers + 1  # embed, norm, head; 7 projections + 2 norms per layer
-    dense, _ = load_checkpoint(str(tmp_path / "dense.pt"))
+    dense, _ = load_model(str(tmp_path / "dense.pt"))
     assert dense.config.method == "full"
     idx = torch.randint(0, model.config.vocab_size, (2, 16))
     err = (dense(idx)[0] - model(idx)[0]).abs().max().item()
@@ -75,7 +79,7 @@ def test_export_merges_and_merged_checkpoint_matches(sl_ckpt, tmp_path):
 
 def test_transformers_loads_the_export_with_our_logits(sl_ckpt, tmp_path):
     transformers = pytest.importorskip("transformers")
-    model, _ = load_checkpoint(sl_ckpt)
+    model, _ = load_model(sl_ckpt)
     export.main([sl_ckpt, "--out", str(tmp_path / "hf")])
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
     idx = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
