@@ -297,7 +297,7 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
 def load_for_resume(args, vocab_size, world):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
     listed in one refusal) or is honored and said so; args then records what this run does."""
-    path = os.path.join(args.out_dir, "ckpt.pt") if args.resume in (None, "auto") else args.resume
+    path = resume_path(args)
     if not os.path.exists(path):
         flag = "--eval_only" if args.eval_only else "--resume"
         raise SystemExit(f"{flag}: no checkpoint at {path}; pass its path with --resume or drop {flag}")
@@ -342,6 +342,10 @@ def set_hyperparameters(args, optimizers, scheduler):
         scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
+def resume_path(args):
+    return os.path.join(args.out_dir, "ckpt.pt") if args.resume in (None, "auto") else args.resume
+
+
 def refuse_overwrite(args):
     path = os.path.join(args.out_dir, "ckpt.pt")
     if os.path.exists(path) and not args.overwrite:
@@ -360,17 +364,26 @@ def trim_metrics(path, step):
     os.replace(f"{path}.tmp", path)
 
 
-def diverged(args, why):
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    if os.path.exists(path):
-        return SystemExit(f"{why}; stopping. The last good checkpoint is {path} (nothing non-finite is ever saved): "
-                          f"rerun with --resume and a lower --lr (or --grad_clipping)")
-    return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr "
-                      f"(or --grad_clipping)")
+def diverged(why, last_good):
+    """The message for a diverged run; last_good is (path, step) of the checkpoint it continues from or last saved,
+    empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
+    if not last_good:
+        return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
+                          f"--grad_clipping)")
+    path, step = last_good
+    return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (nothing non-finite is "
+                      f"ever saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
 
 
-def all_finite(model):
-    return torch.stack([p.isfinite().all() for p in model.parameters()]).all().item()
+@torch.no_grad()
+def all_finite(model, batch, device):
+    """Whether every parameter and the loss on one fixed batch are finite (as an int tensor). The parameters alone
+    can be finite yet ruined: one update at --lr 1e9 leaves them near 1e9, and the next forward gives NaN."""
+    model.eval()
+    _, loss = model(*(t.to(device) for t in batch))
+    model.train()
+    params = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
+    return (params & loss.isfinite()).int()
 
 
 # ----------------------------------------------------------------------------- evaluation and logging
@@ -568,8 +581,11 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
     def save(step, data_state):
         # never write a diverged model over the last good checkpoint: the loss and norm flags, then the parameters
         check_finite()
-        if not all_finite(raw_model):
-            raise diverged(args, f"non-finite parameters after step {step}")
+        ok = all_finite(raw_model, val[0], device)
+        if ddp:  # the ranks hold the same model and should agree; if not, none may save alone
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            raise diverged(f"the model after step {step} has non-finite parameters or loss", last_good)
         state = {"model": raw_model.state_dict(), "optimizer": (per_layer or optimizer).state_dict(),
                  "scheduler": scheduler.state_dict() if scheduler else None, "step": step, "args": vars(args),
                  "model_config": asdict(config), "world": world, "rng": torch.get_rng_state(),
@@ -583,14 +599,16 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 checkpoint.save(os.path.join(args.out_dir, "ckpt.pt"), state)
             except checkpoint.DiskFull as e:
                 raise SystemExit(str(e)) from None
+        last_good[:] = os.path.join(args.out_dir, "ckpt.pt"), step
 
+    last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
     first_bad = torch.tensor(-1, device=device)  # first update with a non-finite loss or norm, on device (no sync)
 
     def check_finite():
         if ddp:  # each rank holds its own share of the loss: all must agree to stop
             dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
         if first_bad.item() >= 0:
-            raise diverged(args, f"non-finite loss or gradient norm at step {first_bad.item()}")
+            raise diverged(f"non-finite loss or gradient norm at step {first_bad.item()}", last_good)
     t_log, step_log, t_start = time.perf_counter(), start, time.perf_counter()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens, tokens_all = torch.zeros((), device=device, dtype=torch.float64), 0.0  # trained (non-pad) targets
@@ -600,12 +618,11 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
     try:
         for step in range(start, total):
             data_state = loader.state_dict()  # where this update's batches begin: a failed read saves this
-            try:
-                micro_batches = [next(batches) for _ in range(accum)]
-            except ValueError as e:  # a bad shard line: keep the work done so far, then the file:line message
+            micro_batches, bad_line = read_update(batches, accum, device, world)
+            if bad_line:  # a bad shard line on some rank: every rank keeps the work done so far, then the message
                 save(step, data_state)
-                raise SystemExit(f"{one_line(e)}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
-                                 "shard, rerun with --resume") from None
+                raise SystemExit(f"{bad_line}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
+                                 "shard, rerun with --resume" if master else 1)
             step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
                                                   micro_batches, device, world)
             first_bad = torch.where((first_bad < 0) & ~(torch.isfinite(step_loss) & torch.isfinite(norm)),
@@ -666,6 +683,23 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
         batches.close()  # stops the loader's workers now, whatever ended the run
         if metrics:
             metrics.close()
+
+
+def read_update(batches, accum, device, world):
+    """This update's micro-batches, or None and the file:line message of a bad shard line. Under DDP the ranks agree
+    on it (one flag per update): a rank that stopped alone would leave the others waiting in a collective forever."""
+    try:
+        micro_batches, bad_line = [next(batches) for _ in range(accum)], None
+    except ValueError as e:
+        micro_batches, bad_line = None, one_line(e)
+    if world > 1:
+        flag = torch.tensor(int(bad_line is not None), device=device)
+        dist.all_reduce(flag)
+        if flag.item():
+            lines = [None] * world
+            dist.all_gather_object(lines, bad_line)
+            bad_line = "\n".join(f"rank {r}: {line}" for r, line in enumerate(lines) if line)
+    return micro_batches, bad_line
 
 
 def train_step(args, model, raw_model, optimizer, scheduler, per_layer, micro_batches, device, world):
