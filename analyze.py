@@ -286,10 +286,9 @@ def prepare_for_training(model, args, resuming):
                 module.indices.copy_(uniform_support(n, module.values.numel(), generator=g))
     if not resuming and args.init_from:
         init_from_dense(model, args.init_from, support=args.support)
-    if args.freeze == "lowrank":
+    if args.freeze == "lowrank":  # Table 2's sparse training: L0 and every dense weight stay, only V learns
         for name, p in model.named_parameters():
-            if name.rsplit(".", 1)[-1] in ("A", "B"):
-                p.requires_grad_(False)
+            p.requires_grad_(name.rsplit(".", 1)[-1] == "values")
 
 
 # ----------------------------------------------------------------------------- Figure 4: eval curves

@@ -105,7 +105,7 @@ def get_args(argv=None):
       "approximation, S = the residual on the support (analyze.py)")
     a("--support", default="random", choices=["random", "top"],
       help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
-    a("--freeze", choices=["lowrank"], help="keep B and A at their start (with --init_from: L0) and train the rest")
+    a("--freeze", choices=["lowrank"], help="train only the sparse values V: B, A (with --init_from: L0), embeddings, norms and head stay")
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
     a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
     a("--galore_update_gap", type=int, default=200, help="GaLore: recompute each projection every this many updates")
@@ -151,8 +151,8 @@ def get_args(argv=None):
         p.error(f"--init_from {args.init_from}: needs --method lowrank or sltrain and an existing full-rank ckpt.pt")
     if args.support == "top" and not (args.init_from and args.method == "sltrain"):
         p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
-    if args.freeze and args.method == "full":
-        p.error("--freeze lowrank needs --method lowrank or sltrain: a full-rank model has no B and A")
+    if args.freeze and args.method != "sltrain":
+        p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
     if args.support_seed is not None and args.method != "sltrain":
         p.error(f"--support_seed draws the sparse supports: it needs --method sltrain, not {args.method}")
     if args.eval_only and args.overwrite:
