@@ -176,12 +176,14 @@ SUITES = {
     "gpu": dict(layer_sizes=("60m", "350m", "1b", "7b"), tokens=32768, model_size="350m", model_batch=64,
                 max_length=256, memory_sizes=("350m", "1b", "7b"), memory_steps=3, backend="inductor", rounds=5,
                 optimizer_shapes=((4096, 4096), (11008, 4096), (int(0.05 * 4096 * 11008),)),
-                program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20),
+                program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20,
+                             compile=True),
                 inference_sizes=("130m", "350m", "1b", "7b")),
     "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
                  optimizer_shapes=((64, 32), (32, 64), (500,)),
-                 program=dict(size="tiny", steps=6, batch=2, eval_every=3, eval_tokens=2000, short=2),
+                 program=dict(size="tiny", steps=6, batch=2, eval_every=3, eval_tokens=2000, short=4,
+                              compile=False),  # inductor on a CPU takes minutes to compile
                  inference_sizes=("tiny",)),
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
@@ -218,11 +220,14 @@ def suite_layer(s, device, dtype):
     return rows
 
 
-def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None):
-    """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters, AdamW or
-    8-bit Adam, per-layer updates inside backward or one step after it, optionally torch.compile'd."""
+def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None,
+               amp=False):
+    """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
+    float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
+    step after it, optionally torch.compile'd."""
     torch.manual_seed(0)
-    model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(dtype)
+    model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
+    model.autocast = torch.bfloat16 if amp else None
     make = optim.Adam8bit if optimizer == "adam8bit" else optim.AdamW
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     opt = None
@@ -262,6 +267,35 @@ def suite_model(s, device, dtype):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], groups=groups)
+
+
+def suite_amp(s, device, dtype):
+    """train.py --amp (float32 parameters and state, bf16 autocast) beside the paper's pure bf16: train-step tokens/s
+    (side by side, ratio to pure bf16) and peak memory (CUDA, each setting alone), full AdamW and sltrain 8-bit."""
+    settings = [("full", "adamw", False), ("sltrain", "adam8bit", True)]
+    args = lambda m, o, pl, amp: (s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype,  # noqa
+                                  None, s.get("vocab"), amp)
+    result = {}
+    for m, o, pl in settings:
+        name = f"{m}/{o}{'/per_layer' if pl else ''}"
+        times = interleave({"bf16": train_step(*args(m, o, pl, False)), "amp": train_step(*args(m, o, pl, True))},
+                           s["rounds"], device)
+        v = summary(times, "bf16", invert=True)
+        gc.collect()
+        for amp in (False, True):  # alone, so that the peak is this setting's
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            step = train_step(*args(m, o, pl, amp))
+            for _ in range(2):
+                step()
+            key = "amp" if amp else "bf16"
+            v[key]["tok_s"] = s["model_batch"] * s["max_length"] / (v[key]["ms"] / 1e3)
+            v[key]["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+            del step
+            gc.collect()
+        result[name] = v
+    return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], settings=result)
 
 
 def suite_memory(s, device):
@@ -315,7 +349,7 @@ def suite_program(s, data_dir, tokenizer, out_dir):
     and resumed (how close its end is to the straight run), --compile, and torchrun's NCCL (or gloo) path."""
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
-    for run in ("straight", "signalled", "compiled", "torchrun"):  # the suite's own scratch folders, made anew
+    for run in ("straight", "signalled", "compiled", "eager_sync", "torchrun"):  # the suite's scratch folders, anew
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
     base = [sys.executable, "train.py", "--size", p["size"], "--optimizer", "adam8bit", "--per_layer",
             "--data_dir", data_dir, "--tokenizer", tokenizer, "--total_batch_size", str(p["batch"]),
@@ -354,8 +388,14 @@ def suite_program(s, data_dir, tokenizer, out_dir):
     result["sigterm_resume"] = dict(stopped_at=stopped_at, exit_code=proc.returncode,
                                     last_loss=resumed[-1].get("val_loss"), straight_last_loss=evals[-1],
                                     val_loss_diff=abs(resumed[-1].get("val_loss", float("nan")) - evals[-1]))
-    out = train("compiled", "--num_training_steps", str(p["short"]), "--compile")
-    result["compile"] = dict(ok=True, last_loss=rows("compiled")[-1].get("val_loss"), tail=out.splitlines()[-1])
+    short = str(p["short"])
+    sync = ["--num_training_steps", short, "--log_every", str(p["short"] // 2), "--eval_every", short, "--sync_debug"]
+    if p["compile"]:
+        out = train("compiled", *sync, "--compile")
+        result["compile"] = dict(ok=True, last_loss=rows("compiled")[-1].get("val_loss"),
+                                 tail=out.splitlines()[-2], sync_debug=out.splitlines()[-1])  # CUDA's own check
+    out = train("eager_sync", *sync)
+    result["sync_debug"] = dict(line=out.splitlines()[-1])  # every op checked, and CUDA's check
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     out = train("torchrun", "--num_training_steps", str(p["short"]), launcher=torchrun)
     result["torchrun"] = dict(ok=True, tail=out.splitlines()[-1])
@@ -367,6 +407,7 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
     s = SUITES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     run = dict(layer=lambda: suite_layer(s, device, dtype), model=lambda: suite_model(s, device, dtype),
+               amp=lambda: suite_amp(s, device, dtype),
                memory=lambda: suite_memory(s, device), optimizer=lambda: suite_optimizer(s, device, dtype),
                program=lambda: suite_program(s, data_dir, tokenizer, out_dir),
                inference=lambda: [bench_inference(size, INFERENCE_BATCH.get(size, 2), s["max_length"], device, dtype,
@@ -412,6 +453,12 @@ def report_suite(r):
         print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
         for name, row in v.items():
             print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {x(row)}")
+    A = r.get("amp", {})
+    for name, v in A.get("settings", {}).items():
+        peak = lambda k: "" if v[k]["peak_gb"] is None else f", peak {v[k]['peak_gb']:.2f} GB"  # noqa: E731
+        print(f"amp {A['size']} batch {A['batch_size']} x {A['max_length']}, {name}: pure bf16 "
+              f"{v['bf16']['tok_s']:,.0f} tok/s{peak('bf16')} | --amp {v['amp']['tok_s']:,.0f} tok/s {x(v['amp'])}"
+              f"{peak('amp')}")
     report_memory(r)
     report_inference(r)
     for name, row in r.get("program", {}).items():
@@ -516,7 +563,7 @@ def main():
     parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
     parser.add_argument("--only", nargs="+",
-                        choices=["layer", "model", "optimizer", "memory", "inference", "program"],
+                        choices=["layer", "model", "amp", "optimizer", "memory", "inference", "program"],
                         help="run only these sections (default: all that apply to the device; program: --suite only)")
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")

@@ -209,6 +209,7 @@ class LLaMA(nn.Module):
             raise ValueError(f"dim {config.dim} must split into {config.n_heads} heads of even size")
         self.config = config
         self.activation_checkpointing = False  # recompute each block in backward to save activations
+        self.autocast = None  # a dtype (bfloat16): mixed precision, the parameters stay float32 (train.py --amp)
         self.embed = nn.Embedding(config.vocab_size, config.dim, device=device)
         self.layers = nn.ModuleList([Block(config, device) for _ in range(config.n_layers)])
         self.norm = RMSNorm(config.dim, config.norm_eps, device)
@@ -224,6 +225,13 @@ class LLaMA(nn.Module):
 
     def forward(self, idx, targets=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets != -1, or None)."""
+        if self.autocast is None:
+            return self._forward(idx, targets)
+        # matmuls in self.autocast, norms and the loss in float32; backward follows the dtypes of the forward
+        with torch.autocast(idx.device.type, dtype=self.autocast):
+            return self._forward(idx, targets)
+
+    def _forward(self, idx, targets):
         B, T = idx.shape
         cos, sin = rope_cache(T, self.config.dim // self.config.n_heads, self.config.rope_theta, idx.device)
         x = self.embed(idx)  # (B, T, C)

@@ -153,6 +153,13 @@ def _lookup_tables(signed, device):
     return code.to(device), first.to(torch.uint8).to(device), threshold.to(device)
 
 
+def _build_tables(optimizer):
+    """The lookup tables of every device the optimizer's parameters are on, built (and cached) now, not inside the
+    first step: building them reads values on the host, which on a GPU would stall the step (train.py --sync_debug)."""
+    for device in {p.device for group in optimizer.param_groups for p in group["params"]}:
+        _lookup_tables(True, device), _lookup_tables(False, device)
+
+
 def _dequantize(codes, absmax, code, block_size):
     """codes (nb·bs,) uint8 and absmax (nb,) -> the float32 values (nb, bs)."""
     return code.index_select(0, codes.int()).view(-1, block_size).mul_(absmax.unsqueeze(1))
@@ -214,6 +221,7 @@ class Adam8bit(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
+        _build_tables(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -520,6 +528,8 @@ class GaLore(torch.optim.Optimizer):
                         scale=scale, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
         self.inner = inner
+        if inner == "adam8bit":
+            _build_tables(self)
         for group in self.param_groups:
             for p in group["params"] if group["rank"] is not None else []:
                 if p.dim() != 2 or not 0 < group["rank"] <= min(p.shape):

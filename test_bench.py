@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bench
+from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
 def test_tiny_suite_runs_every_section_and_reports():
@@ -29,7 +30,19 @@ def test_tiny_suite_runs_every_section_and_reports():
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit"}
     assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
+    for name, v in r["amp"]["settings"].items():  # --amp beside pure bf16 (on CPU: float32), side by side
+        assert v["bf16"]["ratio"] == 1.0 and v["amp"]["tok_s"] > 0 and v["amp"]["peak_gb"] is None, name
     bench.report_suite(r)  # the table prints from the JSON alone
+
+
+def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
+    r = bench.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))["program"]
+    assert r["straight"]["loss_falls"], r["straight"]
+    assert r["sigterm_resume"]["exit_code"] == 0 and 1 <= r["sigterm_resume"]["stopped_at"] < 6
+    assert r["sigterm_resume"]["val_loss_diff"] == 0.0  # exact on CPU
+    assert r["sync_debug"]["line"] == "sync_debug: 2 updates between log steps watched; host syncs: none"
+    assert r["torchrun"]["ok"] and "compile" not in r  # the tiny suite does not compile (minutes on a CPU)
+    bench.report_suite({"program": r})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -77,8 +77,9 @@ def test_loss_falls_and_metrics_are_recorded(corpus, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit"], ["--per_layer"],
-                                   ["--optimizer", "adam8bit_per_layer"], ["--pack", "--method", "lowrank"]],
-                         ids=["adamw", "adam8bit", "per-layer", "adam8bit-per-layer", "packed-lowrank"])
+                                   ["--optimizer", "adam8bit_per_layer"], ["--pack", "--method", "lowrank"],
+                                   ["--amp", "--optimizer", "adam8bit_per_layer"]],
+                         ids=["adamw", "adam8bit", "per-layer", "adam8bit-per-layer", "packed-lowrank", "amp"])
 def test_resume_is_bit_exact(corpus, tmp_path, extra):
     # total 8 = batch 4 x 2 micro-batches, so the per-layer runs accumulate too
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -268,6 +269,7 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     (["--eval_tokens", "0"], "--eval_tokens must be positive"),
     (["--device", "cuda"], "no usable CUDA GPU; pass --device cpu"),
     (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
+    (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters"),
 ])
 def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
     if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
@@ -432,3 +434,25 @@ def test_tok_s_counts_trained_tokens_not_padding(corpus, tmp_path):
     row = metrics(tmp_path)[0][0]
     counted = row["tokens_per_s"] * row["ms_per_step"] / 1000
     assert counted < 0.9 * 8 * 255, f"tok/s counts {counted:.0f} tokens per update: padding is counted"
+
+
+def test_amp_keeps_float32_parameters_and_computes_in_bf16(corpus, tmp_path):
+    fp32, amp = tmp_path / "fp32", tmp_path / "amp"
+    train.main(base_args(corpus, fp32, 6))
+    train.main(base_args(corpus, amp, 6, "--amp"))
+    state = final_state(amp)
+    assert state["args"]["amp"] and state["args"]["dtype"] == "float32"
+    assert all(t.dtype == torch.float32 for t in state["model"].values() if t.is_floating_point())
+    a, b = metrics(fp32)[0], metrics(amp)[0]
+    assert a[-1]["loss"] < a[0]["loss"] and b[-1]["loss"] < b[0]["loss"]
+    # bf16 matmuls: close to the float32 run, but not the same numbers
+    assert all(abs(ra["loss"] - rb["loss"]) < 0.05 * ra["loss"] for ra, rb in zip(a, b))
+    assert any(ra["loss"] != rb["loss"] for ra, rb in zip(a, b))
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit_per_layer"], ["--amp"],
+                                   ["--method", "full", "--optimizer", "galore_adam8bit", "--galore_update_gap", "2"]],
+                         ids=["adamw", "adam8bit-per-layer", "amp", "galore-8bit"])
+def test_no_host_sync_between_log_steps(corpus, tmp_path, capsys, extra):
+    train.main(base_args(corpus, tmp_path, 8, "--log_every", "4", "--eval_every", "8", "--sync_debug", *extra))
+    assert "sync_debug: 6 updates between log steps watched; host syncs: none" in capsys.readouterr().out

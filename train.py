@@ -35,6 +35,7 @@ from analyze import prepare_for_training
 import checkpoint
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
 from estimate_memory import estimate
+from hostsync import HostSyncs
 from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
 from optim import AdamW, Adam8bit, GaLore, attach_per_layer, galore_param_groups, prune_state_
 
@@ -70,7 +71,11 @@ def get_args(argv=None):
     a("--grad_clipping", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
     a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU)")
+    a("--amp", action="store_true", help="mixed precision: float32 parameters and optimizer state, bf16 autocast "
+      "for forward and backward (the default on GPU is the paper's pure bf16)")
     a("--compile", action="store_true", help="torch.compile the model")
+    a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
+      "should be none; hostsync.py) and print them at the end")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
@@ -90,7 +95,8 @@ def get_args(argv=None):
     a("--eval_only", action="store_true", help="evaluate the --resume checkpoint (default out_dir/ckpt.pt) and exit")
     a("--save_every", type=int, default=1000, help="write a checkpoint every this many updates")
     a("--out_dir", "--save_dir", default="out", help="checkpoint and metrics.jsonl folder")
-    a("--resume", "--continue_from", nargs="?", const="auto", help="continue from a checkpoint (default out_dir/ckpt.pt)")
+    a("--resume", "--continue_from", nargs="?", const="auto",
+      help="continue from a checkpoint (default out_dir/ckpt.pt)")
     a("--overwrite", action="store_true", help="start afresh even if out_dir holds a checkpoint (it is replaced)")
     a("--stop_after", type=int, help="end this run after this many updates, with a checkpoint (job time limits)")
     a("--data_dir", default="data/c4", help="folder of C4 shards (c4-train.*.json.gz, c4-validation.*.json.gz)")
@@ -105,7 +111,8 @@ def get_args(argv=None):
       "approximation, S = the residual on the support (analyze.py)")
     a("--support", default="random", choices=["random", "top"],
       help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
-    a("--freeze", choices=["lowrank"], help="train only the sparse values V: B, A (with --init_from: L0), embeddings, norms and head stay")
+    a("--freeze", choices=["lowrank"],
+      help="train only the sparse values V: B, A (with --init_from: L0), embeddings, norms and head stay")
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
     a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
     a("--galore_update_gap", type=int, default=200, help="GaLore: recompute each projection every this many updates")
@@ -120,7 +127,8 @@ def get_args(argv=None):
     if args.model_config:
         m = re.search(r"llama_(\w+)\.json$", args.model_config)
         if not m or m.group(1) not in SIZES:
-            p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in {list(SIZES)}")
+            p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in "
+                    f"{list(SIZES)}")
         args.size = m.group(1)
     if args.optimizer.endswith("_per_layer"):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
@@ -155,6 +163,8 @@ def get_args(argv=None):
         p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
     if args.support_seed is not None and args.method != "sltrain":
         p.error(f"--support_seed draws the sparse supports: it needs --method sltrain, not {args.method}")
+    if args.amp and args.dtype == "bfloat16":
+        p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     if args.eval_only and args.overwrite:
         p.error("--eval_only reads a checkpoint and --overwrite replaces it: drop one of them")
     try:
@@ -290,7 +300,7 @@ RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total
                                                 "galore_update_gap", "galore_scale", "relora_reset", "relora_warmup",
                                                 "relora_prune", "init_from", "support", "freeze", "support_seed")
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
-                  "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
+                  "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile", "amp",
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
 
 
@@ -458,7 +468,7 @@ def setup(args):
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32"))
     args.dtype = str(dtype).removeprefix("torch.")
     try:
         find_shards(args.data_dir, "train")
@@ -479,6 +489,7 @@ def build(args, config, device, dtype, ddp, ckpt):
     torch.manual_seed(args.seed)
     raw_model = LLaMA(config, device=device).to(dtype)
     raw_model.activation_checkpointing = args.activation_checkpointing
+    raw_model.autocast = torch.bfloat16 if args.amp else None
     prepare_for_training(raw_model, args, resuming=bool(ckpt))  # --support_seed, --init_from, --freeze (analyze.py)
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
@@ -523,8 +534,9 @@ def main(argv=None):
     if master:
         print(json.dumps(vars(args)))
         print(describe(raw_model))
-        print(f"{world} x {device.type} | {args.dtype} | batch {args.batch_size} x {args.gradient_accumulation} accum "
-              f"x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s counts "
+        amp = " + bf16 autocast" if args.amp else ""
+        print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
+              f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s counts "
               f"trained (non-pad) tokens; mem is {'peak CUDA allocated' if device.type == 'cuda' else 'peak RSS'}")
     val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                              eval_tokens=args.eval_tokens, pack=args.pack)
@@ -609,6 +621,11 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
         if first_bad.item() >= 0:
             raise diverged(f"non-finite loss or gradient norm at step {first_bad.item()}", last_good)
+    syncs = HostSyncs() if args.sync_debug else None
+
+    def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
+        quiet = done != total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
+        return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     t_log, step_log, t_start = time.perf_counter(), start, time.perf_counter()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens, tokens_all = torch.zeros((), device=device, dtype=torch.float64), 0.0  # trained (non-pad) targets
@@ -623,12 +640,13 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 save(step, data_state)
                 raise SystemExit(f"{bad_line}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
                                  "shard, rerun with --resume" if master else 1)
-            step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
-                                                  micro_batches, device, world)
-            first_bad = torch.where((first_bad < 0) & ~(torch.isfinite(step_loss) & torch.isfinite(norm)),
-                                    step + 1, first_bad)
-            loss_sum += step_loss
-            tokens += n_total
+            with watching(step + 1):
+                step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
+                                                      micro_batches, device, world)
+                first_bad = torch.where((first_bad < 0) & ~(torch.isfinite(step_loss) & torch.isfinite(norm)),
+                                        step + 1, first_bad)
+                loss_sum += step_loss
+                tokens += n_total
             done = step + 1
             relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
             if args.stop_after and done - start >= args.stop_after and done < total:
@@ -681,6 +699,8 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                   f"checkpoint {args.out_dir}/ckpt.pt")
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
+        if syncs and master:
+            print(f"sync_debug: {syncs.blocks} updates between log steps watched; host syncs: {syncs.summary()}")
         if metrics:
             metrics.close()
 

@@ -1,0 +1,92 @@
+"""
+Find where a training loop makes the host wait for the device (train.py --sync_debug).
+
+A GPU runs ahead of Python only while nothing asks for a value it has not computed yet. Reading a tensor's value
+(.item(), float(t), `if t:`), copying it to the host, or an op whose output size depends on values (nonzero,
+boolean-mask indexing, unique) stalls the queue until every kernel before it has finished. HostSyncs counts those
+ops, by name, while a block runs:
+
+    syncs = HostSyncs()
+    with syncs.watch():
+        loss = model(x, y); loss.backward(); optimizer.step()
+    print(syncs.summary())      # "none" or "aten::_local_scalar_dense x3, ..."
+
+It sees every op dispatched from Python, backward and optimizer hooks included, on any device (so the CPU tests can
+check a loop that is meant for the GPU). On CUDA it also turns on torch's own sync-debug mode, which warns from
+inside the CUDA calls, and counts those warnings. A torch.compile'd model hides its ops from the first check, not
+from the second.
+"""
+
+import warnings
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# ops whose result the host must see: a value (item, bool, int) or a data-dependent size
+VALUE_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                   aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
+                   aten.repeat_interleave.Tensor, aten.equal.default}
+
+
+# indexing ops, which need the host when an index is a boolean mask (the output size is its count of True)
+INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _is_host(device):
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def to_host(func, args, kwargs):
+    """Whether the op copies a device tensor to the host."""
+    if func is aten._to_copy.default:
+        return not _is_host(args[0].device) and _is_host(kwargs.get("device"))
+    if func is aten.copy_.default:
+        return _is_host(args[0].device) and not _is_host(args[1].device)
+    return False
+
+
+def masked(func, args):
+    return func in INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
+
+
+class HostSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts, self.blocks = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in VALUE_DEPENDENT or to_host(func, args, kwargs) or masked(func, args):
+            self.counts[func.name()] += 1
+        return func(*args, **kwargs)
+
+    @contextmanager
+    def watch(self, ops=True):
+        """Count the syncs of the block; ops=False leaves the op-by-op check off (a compiled model)."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with self if ops else nullcontext():
+                    yield self
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            text = str(w.message)
+            if "synchroniz" in text.lower():
+                self.counts["cuda: " + text.splitlines()[0][:80]] += 1
+            else:  # not ours: said as it would have been
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self.blocks += 1
+
+    def summary(self):
+        if not self.counts:
+            return "none"
+        return ", ".join(f"{name} x{n}" for name, n in self.counts.most_common())
