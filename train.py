@@ -54,7 +54,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return action.help if shown else action.help + " (default: %(default)s)"
 
 
-def get_args(argv=None):
+def make_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--size", default="60m", choices=list(SIZES), help="model size (the paper's LLaMA configs)")
@@ -121,9 +121,13 @@ def get_args(argv=None):
     a("--relora_warmup", type=int, default=50, help="ReLoRA: updates of linear lr warmup after each restart")
     a("--relora_prune", type=float, default=0.99,
       help="ReLoRA: fraction of the restarted factors' Adam moments zeroed, smallest magnitudes first")
-    args = p.parse_args(argv)
+    return p
 
-    # ---- every flag is checked here, before any work: a bad value is one line naming the fix
+
+def get_args(argv=None):
+    """The flags, every one checked here before any work: a bad value is one line naming the fix."""
+    p = make_parser()
+    args = p.parse_args(argv)
     if args.model_config:
         m = re.search(r"llama_(\w+)\.json$", args.model_config)
         if not m or m.group(1) not in SIZES:
@@ -430,6 +434,42 @@ def stopping(stop, device, world):
     return stop["signal"] is not None
 
 
+class Meter:
+    """The loss and trained (non-pad) tokens since the last log line, summed on the device (no host sync before
+    row())."""
+
+    def __init__(self, device, start, total):
+        self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        self.tokens = torch.zeros((), device=device, dtype=torch.float64)
+        self.device, self.start, self.total, self.tokens_all = device, start, total, 0.0
+        self.t_start = self.t_log = time.perf_counter()
+        self.step_log = start
+
+    def add(self, loss, tokens):
+        self.loss += loss
+        self.tokens += tokens
+
+    def row(self, done, lr, norm, ddp):
+        """The log row of the updates since the last one (this syncs), which starts the next interval."""
+        if ddp:
+            dist.all_reduce(self.loss)  # each rank holds its share of the token-weighted mean: sum them
+        now, n, tokens = time.perf_counter(), done - self.step_log, self.tokens.item()
+        row = {"step": done, "loss": self.loss.item() / n, "lr": lr, "grad_norm": norm.item(),
+               "ms_per_step": 1000 * (now - self.t_log) / n, "tokens_per_s": tokens / (now - self.t_log),
+               "peak_mem_gb": peak_mem_gb(self.device)}
+        self.eta = (now - self.t_start) / (done - self.start) * (self.total - done)
+        self.tokens_all += tokens
+        self.loss.zero_()
+        self.tokens.zero_()
+        self.t_log, self.step_log = now, done
+        return row
+
+    def line(self, r):
+        return (f"step {r['step']}/{self.total} | loss {r['loss']:.4f} | lr {r['lr']:.1e} | norm {r['grad_norm']:.2f} "
+                f"| {r['ms_per_step']:.0f} ms | {fmt_rate(r['tokens_per_s'])} tok/s | mem {r['peak_mem_gb']:.1f} GB | "
+                f"eta {fmt_time(self.eta)}")
+
+
 def fmt_rate(tokens_per_s):
     return f"{tokens_per_s / 1e3:.0f}k" if tokens_per_s >= 1e4 else f"{tokens_per_s / 1e3:.1f}k"
 
@@ -535,9 +575,10 @@ def main(argv=None):
         print(json.dumps(vars(args)))
         print(describe(raw_model))
         amp = " + bf16 autocast" if args.amp else ""
+        mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
         print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
-              f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s counts "
-              f"trained (non-pad) tokens; mem is {'peak CUDA allocated' if device.type == 'cuda' else 'peak RSS'}")
+              f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s "
+              f"counts trained (non-pad) tokens; mem is {mem}")
     val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                              eval_tokens=args.eval_tokens, pack=args.pack)
 
@@ -626,10 +667,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
-    t_log, step_log, t_start = time.perf_counter(), start, time.perf_counter()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens, tokens_all = torch.zeros((), device=device, dtype=torch.float64), 0.0  # trained (non-pad) targets
-    last_eval = {}
+    meter, last_eval = Meter(device, start, total), {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -645,8 +683,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                                                       micro_batches, device, world)
                 first_bad = torch.where((first_bad < 0) & ~(torch.isfinite(step_loss) & torch.isfinite(norm)),
                                         step + 1, first_bad)
-                loss_sum += step_loss
-                tokens += n_total
+                meter.add(step_loss, n_total)
             done = step + 1
             relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
             if args.stop_after and done - start >= args.stop_after and done < total:
@@ -656,25 +693,12 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             # stop only where all ranks agree (here, or in evaluation): a later signal waits for the next update
             stop_now = stopping(stop, device, world) if ddp else stop["signal"] is not None
             if done % args.log_every == 0 or done == total:
-                if ddp:
-                    dist.all_reduce(loss_sum)  # each rank holds its share of the token-weighted mean: sum them
                 check_finite()
-                now = time.perf_counter()
-                ms = 1000 * (now - t_log) / (done - step_log)
                 lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
-                tok_s, mem = tokens.item() / (now - t_log), peak_mem_gb(device)
-                eta = (now - t_start) / (done - start) * (total - done)
-                row = {"step": done, "loss": loss_sum.item() / (done - step_log), "lr": lr, "grad_norm": norm.item(),
-                       "ms_per_step": ms, "tokens_per_s": tok_s, "peak_mem_gb": mem}
+                row = meter.row(done, lr, norm, ddp)
                 if master:
-                    print(f"step {done}/{total} | loss {row['loss']:.4f} | lr {lr:.1e} | norm {row['grad_norm']:.2f} "
-                          f"| {ms:.0f} ms | {fmt_rate(tok_s)} tok/s | mem {mem:.1f} GB | eta {fmt_time(eta)}",
-                          flush=True)
+                    print(meter.line(row), flush=True)
                 record(row)
-                tokens_all += tokens.item()
-                loss_sum.zero_()
-                tokens.zero_()
-                t_log, step_log = now, done
             if (done % args.eval_every == 0 or done == total) and not stop_now:
                 t_eval = time.perf_counter()
                 result = evaluate(raw_model, val, device, rank, world, stop)  # agrees on a signal every batch
@@ -684,7 +708,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                         print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
                     last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
                     record(dict(last_eval))
-                t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
+                meter.t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
             if done % args.save_every == 0 or done == total or stop_now:
                 save(done, loader.state_dict())
             if stop_now:
@@ -693,10 +717,11 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                           "rerun with --resume")
                 return
         if master:
-            elapsed = time.perf_counter() - t_start
-            print(f"done: {total - start} updates in {fmt_time(elapsed)} ({fmt_rate(tokens_all / elapsed)} tok/s "
-                  f"with evals) | val loss {last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | "
-                  f"checkpoint {args.out_dir}/ckpt.pt")
+            elapsed = time.perf_counter() - meter.t_start
+            rate = fmt_rate(meter.tokens_all / elapsed)
+            print(f"done: {total - start} updates in {fmt_time(elapsed)} ({rate} tok/s with evals) | val loss "
+                  f"{last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | checkpoint "
+                  f"{args.out_dir}/ckpt.pt")
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
         if syncs and master:
