@@ -633,6 +633,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
 
     def save(step, data_state):
         # never write a diverged model over the last good checkpoint: the loss and norm flags, then the parameters
+        # and the loss of one fixed validation batch
         check_finite()
         ok = all_finite(raw_model, val[0], device)
         if ddp:  # the ranks hold the same model and should agree; if not, none may save alone
