@@ -23,10 +23,11 @@ Sections (--only picks some):
                estimate of each
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
 
---suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the three
-methods with AdamW and 8-bit per-layer, eager and compiled; the memory section; the 8-bit step against fused AdamW on
-the 7b shapes; and, with --data_dir, train.py itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile,
-torchrun). --suite tiny runs the same code at toy sizes on CPU (test_bench.py).
+--suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the four
+methods with AdamW and 8-bit per-layer, eager and compiled; amp (train.py --amp beside pure bf16 at 350m); the memory
+section; the 8-bit step against fused AdamW on the 7b shapes; inference; and, with --data_dir, program: train.py
+itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile, --sync_debug, torchrun). --suite tiny runs the same
+code at toy sizes on CPU (test_bench.py). The sections amp and program exist only in a suite.
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
@@ -182,7 +183,7 @@ SUITES = {
     "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
                  optimizer_shapes=((64, 32), (32, 64), (500,)),
-                 program=dict(size="tiny", steps=6, batch=2, eval_every=3, eval_tokens=2000, short=4,
+                 program=dict(size="tiny", steps=40, batch=2, eval_every=20, eval_tokens=2000, short=4,
                               compile=False),  # inductor on a CPU takes minutes to compile
                  inference_sizes=("tiny",)),
 }
@@ -272,21 +273,21 @@ def suite_model(s, device, dtype):
 def suite_amp(s, device, dtype):
     """train.py --amp (float32 parameters and state, bf16 autocast) beside the paper's pure bf16: train-step tokens/s
     (side by side, ratio to pure bf16) and peak memory (CUDA, each setting alone), full AdamW and sltrain 8-bit."""
-    settings = [("full", "adamw", False), ("sltrain", "adam8bit", True)]
-    args = lambda m, o, pl, amp: (s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype,  # noqa
-                                  None, s.get("vocab"), amp)
+    def make(method, optimizer, per_layer, amp):
+        return train_step(s["model_size"], method, optimizer, per_layer, s["model_batch"], s["max_length"], device,
+                          dtype, vocab=s.get("vocab"), amp=amp)
+
     result = {}
-    for m, o, pl in settings:
+    for m, o, pl in (("full", "adamw", False), ("sltrain", "adam8bit", True)):
         name = f"{m}/{o}{'/per_layer' if pl else ''}"
-        times = interleave({"bf16": train_step(*args(m, o, pl, False)), "amp": train_step(*args(m, o, pl, True))},
-                           s["rounds"], device)
+        times = interleave({"bf16": make(m, o, pl, False), "amp": make(m, o, pl, True)}, s["rounds"], device)
         v = summary(times, "bf16", invert=True)
         gc.collect()
         for amp in (False, True):  # alone, so that the peak is this setting's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            step = train_step(*args(m, o, pl, amp))
+            step = make(m, o, pl, amp)
             for _ in range(2):
                 step()
             key = "amp" if amp else "bf16"
@@ -375,12 +376,10 @@ def suite_program(s, data_dir, tokenizer, out_dir):
     # SIGTERM as a scheduler sends it: to the whole process group, once the run is half way
     cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    metrics = os.path.join(out_dir, "signalled", "metrics.jsonl")
-    while proc.poll() is None:
-        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= p["steps"] // 2:
+    for line in proc.stdout:  # the log line of the half-way update, as it is printed
+        if line.startswith(f"step {p['steps'] // 2}/"):
             os.killpg(proc.pid, signal.SIGTERM)
             break
-        time.sleep(0.2)
     proc.communicate()
     stopped_at = max(r["step"] for r in rows("signalled"))
     train("signalled", "--num_training_steps", str(p["steps"]), "--resume")
@@ -592,6 +591,8 @@ def main():
         raise ValueError("--batch_size, --max_length and --rounds must be >= 1")
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
 
+    if not args.suite and set(sections) & {"amp", "program"}:
+        raise ValueError("--only amp and program are sections of a suite: add --suite gpu (or --suite tiny on CPU)")
     if args.suite == "gpu" and not cuda:
         raise ValueError("--suite gpu measures bf16 on a GPU; run it on a CUDA machine, or use --suite tiny on CPU")
     result = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),

@@ -57,6 +57,7 @@ class HostSyncs(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts, self.blocks = Counter(), 0
+        self.shown = set()  # other warnings raised while watching: said once per place, as by default
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,7 +83,8 @@ class HostSyncs(TorchDispatchMode):
             text = str(w.message)
             if "synchroniz" in text.lower():
                 self.counts["cuda: " + text.splitlines()[0][:80]] += 1
-            else:  # not ours: said as it would have been
+            elif (text, w.category, w.filename, w.lineno) not in self.shown:  # not ours: passed on, once
+                self.shown.add((text, w.category, w.filename, w.lineno))
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         self.blocks += 1
 

@@ -4,6 +4,8 @@ hostsync.HostSyncs counts what makes the host wait for the device, and nothing e
     python -m pytest -q test_hostsync.py
 """
 
+import warnings
+
 import torch
 
 from hostsync import HostSyncs
@@ -37,3 +39,13 @@ def test_device_work_alone_is_none():
     with syncs.watch(ops=False):  # a compiled model: only CUDA's own check, which a CPU run does not have
         x.sum().item()
     assert syncs.summary() == "none" and syncs.blocks == 2
+
+
+def test_other_warnings_pass_through_once_per_place():
+    syncs = HostSyncs()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for _ in range(3):  # one place, three updates: said once, as without the watch
+            with syncs.watch():
+                warnings.warn("not a sync", UserWarning)
+    assert [str(w.message) for w in seen] == ["not a sync"] and syncs.summary() == "none"

@@ -449,6 +449,9 @@ class Meter:
         self.loss += loss
         self.tokens += tokens
 
+    def pause(self, seconds):  # an evaluation: ms/step and tok/s count training time only
+        self.t_log += seconds
+
     def row(self, done, lr, norm, ddp):
         """The log row of the updates since the last one (this syncs), which starts the next interval."""
         if ddp:
@@ -709,7 +712,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                         print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
                     last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
                     record(dict(last_eval))
-                meter.t_log += time.perf_counter() - t_eval  # ms/step and tok/s count training time only
+                meter.pause(time.perf_counter() - t_eval)
             if done % args.save_every == 0 or done == total or stop_now:
                 save(done, loader.state_dict())
             if stop_now:
