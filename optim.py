@@ -13,7 +13,7 @@ once (LOMO, GaLore). With SLTrain's W = s·BA + S these give the paper's memory 
 Run the tests:   python -m pytest -q test_optim.py test_galore.py
 Time a step:     python optim.py bench      (CPU, 4096x4096 tensor, as ratios to torch.optim.AdamW(foreach=True))
 Heavy tails:     python optim.py heavy      (Adam8bit beside float32 AdamW on gradients whose rows differ 1000x)
-Per-layer cost:  python optim.py per_layer  (the hooks' time beyond the arithmetic, 60m SLTrain, CPU)
+Host time:       python optim.py host       (per-layer updates: the host's time per parameter; --device cuda)
 """
 
 import argparse
@@ -30,6 +30,9 @@ CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in 
 # device types whose 8-bit step goes chunk by chunk. Elsewhere (GPUs) every operation is a kernel launch, so a tensor
 # is updated whole: a fixed number of operations (70, views included) whatever its size, not thousands of chunks.
 CHUNKED_DEVICES = {"cpu"}
+# elsewhere, consecutive 8-bit tensors of up to this many entries in all are updated as one (_update_8bit_together):
+# each operation is then one launch for all of them, while their temporaries stay far below the embedding's
+TOGETHER = 1 << 22
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -211,16 +214,23 @@ class Adam8bit(torch.optim.Optimizer):
     update them in float32, move the parameter with these float32 moments, take the new absmax of each block and
     requantize to the nearest code, except that a positive v never rounds to 0. Tensors under `min_8bit_size`
     entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
-    most. Weight decay is decoupled, as in AdamW. A non-finite gradient entry counts as zero, for that step."""
+    most. Weight decay is decoupled, as in AdamW. A non-finite gradient entry counts as zero, for that step.
+
+    Off CPU, runs of consecutive small 8-bit tensors (a layer's, under per-layer updates) are updated as one, to
+    the bit the same: one launch per operation for all of them (_update_8bit_together). compile=True runs the update
+    through torch.compile: a few fused kernels instead of ~35, one call from the host instead of ~60 operations
+    (what bounds a GPU step whose many small tensors each launch their own). Its results agree with the eager step
+    to float32 rounding, not bit for bit; the state format is the same."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
-                 min_8bit_size=4096):
+                 min_8bit_size=4096, compile=False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
+        self.compile = compile  # not a group setting: a checkpoint's param_groups must not switch it on resume
         _build_tables(self)
 
     @torch.no_grad()
@@ -232,6 +242,7 @@ class Adam8bit(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            eight_bit = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -242,8 +253,32 @@ class Adam8bit(torch.optim.Optimizer):
                 if "exp_avg" in state:  # a small tensor: float32 moments and the AdamW math
                     _adamw_([p], [_finite(p.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
                 else:
-                    self._update_8bit(p, state, group["block_size"], *hyper)
+                    eight_bit.append(p)
+            for run in self._runs(eight_bit):
+                if len(run) > 1:
+                    _update_8bit_together(run, [self.state[p] for p in run], group["block_size"], *hyper,
+                                          compile=self.compile)
+                else:
+                    self._update_8bit(run[0], self.state[run[0]], group["block_size"], *hyper, compile=self.compile)
         return loss
+
+    def _runs(self, params):
+        """params in runs to update as one: consecutive, of one dtype and step count, TOGETHER entries at most;
+        one by one on CPU, whose chunks keep the temporaries in cache."""
+        if not params or params[0].device.type in CHUNKED_DEVICES:
+            return [[p] for p in params]
+        runs, total = [], 0
+        for p in params:
+            size = self.state[p]["exp_avg_codes"].numel()
+            run = runs[-1] if runs else []
+            if run and total + size <= TOGETHER and p.dtype == run[0].dtype \
+                    and self.state[p]["step"] == self.state[run[0]]["step"]:
+                run.append(p)
+                total += size
+            else:
+                runs.append([p])
+                total = size
+        return runs
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -277,34 +312,84 @@ class Adam8bit(torch.optim.Optimizer):
             state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
 
     @staticmethod
-    def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay):
-        signed, unsigned = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
-        bias_correction1, bias_correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+    def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
+        tables = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
+        corrections = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
         v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
+        if compile:  # the whole tensor in one call of fused kernels
+            _adam8bit_compiled()(param, grad, m_codes, m_absmax, v_codes, v_absmax, *tables, block_size, lr, beta1,
+                                 beta2, eps, weight_decay, *corrections)
+            return
         chunk = block_size * (max(1, CHUNK // block_size) if p.device.type in CHUNKED_DEVICES else m_absmax.numel())
         for start in range(0, param.numel(), chunk):
             stop = min(start + chunk, param.numel())
             blocks = slice(start // block_size, -(-stop // block_size))
             padded = slice(blocks.start * block_size, blocks.stop * block_size)
-            m = _dequantize(m_codes[padded], m_absmax[blocks], signed[0], block_size)  # (nb, bs)
-            v = _dequantize(v_codes[padded], v_absmax[blocks], unsigned[0], block_size).square_()  # (nb, bs) from √v
-            g, p_ = _finite(grad[start:stop]), param[start:stop]
-            m_, v_ = m.view(-1)[: stop - start], v.view(-1)[: stop - start]  # without the padding of the last block
-            m_.lerp_(g, 1 - beta1)  # m = β1·m + (1-β1)·g
-            v_.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2·v + (1-β2)·g²
-            if weight_decay != 0:
-                p_.mul_(1 - lr * weight_decay)
-            # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
-            v.sqrt_()  # √v: what is stored, and the denominator's
-            p_.addcdiv_(m_, v_.div(bias_correction2**0.5).add_(eps), value=-(lr / bias_correction1))
-            _quantize_(m, m_absmax[blocks], m_codes[padded], signed)
-            _quantize_(v, v_absmax[blocks], v_codes[padded], unsigned)
+            _adam8bit_(param[start:stop], grad[start:stop], m_codes[padded], m_absmax[blocks], v_codes[padded],
+                       v_absmax[blocks], *tables, block_size, lr, beta1, beta2, eps, weight_decay, *corrections)
+
+
+def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
+    """The 8-bit updates of several tensors as one: their parameters, gradients and states laid end to end, each
+    padded to whole blocks (no block mixes two tensors; the padding is zeros and stays zero), one update of the
+    whole, the results copied back. Element by element the same arithmetic as one update per tensor, to the bit,
+    in a fixed number of operations: a GPU's host issues them once per run of tensors instead of once per tensor.
+    compile: the update of the whole through torch.compile (the copies around it stay eager)."""
+    sizes = [state["exp_avg_codes"].numel() for state in states]  # each tensor's entries, padded to whole blocks
+    device, n = params[0].device, sum(sizes)
+    param, grad = torch.zeros(n, dtype=params[0].dtype, device=device), torch.zeros(n, device=device)
+    unpadded = lambda flat: [part[: p.numel()] for part, p in zip(flat.split(sizes), params)]  # noqa: E731
+    torch._foreach_copy_(unpadded(param), [p.view(-1) for p in params])
+    torch._foreach_copy_(unpadded(grad), [p.grad.reshape(-1) for p in params])  # to float32, as _finite does
+    keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
+    whole = [torch.cat([state[key] for state in states]) for key in keys]
+    tables = _lookup_tables(True, device), _lookup_tables(False, device)
+    step = states[0]["step"]
+    update = _adam8bit_compiled() if compile else _adam8bit_
+    update(param, grad, *whole, *tables, block_size, lr, beta1, beta2, eps, weight_decay, 1 - beta1**step,
+           1 - beta2**step)
+    torch._foreach_copy_([p.view(-1) for p in params], unpadded(param))
+    for key, flat in zip(keys, whole):
+        per_tensor = [size // (1 if key.endswith("codes") else block_size) for size in sizes]
+        torch._foreach_copy_([state[key] for state in states], list(flat.split(per_tensor)))
+
+
+def _adam8bit_(param, grad, m_codes, m_absmax, v_codes, v_absmax, signed, unsigned, block_size, lr, beta1, beta2, eps,
+               weight_decay, bias_correction1, bias_correction2):
+    """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat, the codes (nb·bs,)
+    and absmax (nb,) of m and √v, the lookup tables of the signed and unsigned maps; the last block may be padded."""
+    m = _dequantize(m_codes, m_absmax, signed[0], block_size)  # (nb, bs)
+    v = _dequantize(v_codes, v_absmax, unsigned[0], block_size).square_()  # (nb, bs) from √v
+    g = _finite(grad)
+    m_, v_ = m.view(-1)[: param.numel()], v.view(-1)[: param.numel()]  # without the padding of the last block
+    m_.lerp_(g, 1 - beta1)  # m = β1·m + (1-β1)·g
+    v_.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2·v + (1-β2)·g²
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
+    v.sqrt_()  # √v: what is stored, and the denominator's
+    denom = v_.div(bias_correction2**0.5).add_(eps)
+    if torch.compiler.is_compiling():  # the same arithmetic (bit for bit in eager) with lr as a tensor operand: a
+        param.add_(m_ * -(lr / bias_correction1) / denom)  # Python-number argument would recompile for every lr
+    else:
+        param.addcdiv_(m_, denom, value=-(lr / bias_correction1))
+    _quantize_(m, m_absmax, m_codes, signed)
+    _quantize_(v, v_absmax, v_codes, unsigned)
+
+
+@functools.cache
+def _adam8bit_compiled():
+    """_adam8bit_ through torch.compile (Adam8bit(compile=True)): eagerly it is ~35 kernels per tensor, each a
+    pass over memory and a launch the host must issue; compiled, a few fused ones. Sizes are dynamic: one graph
+    serves every parameter of a dtype and number of dimensions (the flat view passed in is guarded on its base's).
+    The hyperparameters are graph inputs, so a new lr or step count does not recompile."""
+    return torch.compile(_adam8bit_, dynamic=True, fullgraph=True)
 
 
 # -----------------------------------------------------------------------------
-# Per-layer updates: step each parameter inside backward
+# Per-layer updates: step each layer inside backward
 
 def _at_end_of_backward(fn):
     # the autograd engine's hook for "once this backward is done", which DDP itself and torch's
@@ -313,8 +398,11 @@ def _at_end_of_backward(fn):
 
 
 class PerLayer:
-    """Per-layer updates, made by attach_per_layer(): one optimizer per parameter, stepped as soon as that
-    parameter's gradient is complete, after which the gradient is freed. See attach_per_layer for how to drive it."""
+    """Per-layer updates, made by attach_per_layer(): one optimizer per layer, i.e. per module with trainable
+    parameters of its own (an SLLinear's B, A and values; a norm's weight), stepped as soon as the last of them has
+    its gradient, after which their gradients are freed. A layer's gradients come out of its backward together, so
+    this holds no more gradient than one optimizer per tensor would, and the host issues one step per layer, not
+    one per tensor (SLTrain has three tensors per projection). See attach_per_layer for how to drive it."""
 
     def __init__(self, model, make_optimizer, lr_lambda=None, max_grad_norm_per_param=None):
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -323,14 +411,19 @@ class PerLayer:
         self.names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         if not self.names:
             raise ValueError("the model has no parameters that require grad")
-        self.optimizers = {p: make_optimizer([p]) for p in self.names}
+        layers = defaultdict(list)
+        for p, name in self.names.items():
+            layers[name.rpartition(".")[0]].append(p)
+        self.optimizers = {layer: make_optimizer(params) for layer, params in layers.items()}  # by module name
+        self.optimizer_of = {p: self.optimizers[name.rpartition(".")[0]] for p, name in self.names.items()}
+        self._size = {opt: sum(len(g["params"]) for g in opt.param_groups) for opt in self.optimizers.values()}
         for opt in self.optimizers.values():
             for group in opt.param_groups:
                 group.setdefault("initial_lr", group["lr"])  # the base lr that lr_lambda scales, as in LambdaLR
         self.lr_lambda, self.max_grad_norm = lr_lambda, max_grad_norm_per_param
         self.steps = 0  # updates done so far; the lr of update k is initial_lr · lr_lambda(k)
         self._accumulating = self._removed = self._in_update = False
-        self._sq_norm = self._last_norm = None
+        self._arrived, self._norms, self._last_norm = {}, [], None  # this update's: gradients per layer, norms
         if self.ddp is None:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.names]
         else:
@@ -340,8 +433,7 @@ class PerLayer:
     def _on_grad(self, p):
         if self._accumulating:
             return  # .grad keeps accumulating; the backward of the last micro-batch updates
-        self._update(p)
-        p.grad = None  # the memory saving: this gradient dies before most others exist
+        self._arrive(p)
 
     def _on_bucket(self, _, bucket):
         # DDP communication hook: average the bucket over the ranks, then update its parameters with the average.
@@ -352,36 +444,50 @@ class PerLayer:
         if not (self._accumulating or self._removed):  # accumulating without no_sync(): averaged, still correct
             for p, grad in zip(bucket.parameters(), bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view into the bucket
-                self._update(p)
+                self._arrive(p)
         future = torch.futures.Future()
         future.set_result(buffer)
         return future
 
-    @torch.no_grad()
-    def _update(self, p):
-        if not self._in_update:  # the first parameter of this update: fix its lr, finish it once backward ends
+    def _arrive(self, p):
+        """p's gradient is complete: once its layer's last one is, update the layer."""
+        if not self._in_update:  # the first gradient of this update: fix its lr, finish it once backward ends
             self._in_update = True
             self._factor = 1.0 if self.lr_lambda is None else self.lr_lambda(self.steps)
-            self._sq_norm = torch.zeros((), device=p.device)
+            self._norms = []
             if self.ddp is None:
                 _at_end_of_backward(self._finish)
             else:  # queued twice, to run after DDP's own end-of-backward callback writes the buckets into .grad
                 _at_end_of_backward(lambda: _at_end_of_backward(self._finish))
-        norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-        self._sq_norm += norm.square().to(self._sq_norm.device)
-        if self.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ applied to this one tensor
-            p.grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
-        opt = self.optimizers[p]
+        opt = self.optimizer_of[p]
+        arrived = self._arrived.setdefault(opt, [])
+        arrived.append(p)
+        if len(arrived) == self._size[opt]:
+            self._update(opt, self._arrived.pop(opt))
+
+    @torch.no_grad()
+    def _update(self, opt, params):
+        for p in params:
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            self._norms.append(norm)  # summed once the update is done: one op per parameter here, not four
+            if self.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ applied to this one tensor
+                p.grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * self._factor
         opt.step()
+        if self.ddp is None:
+            for p in params:
+                p.grad = None  # the memory saving: these gradients die before most others exist
 
     def _finish(self):
+        for opt, params in self._arrived.items():  # layers some of whose parameters got no gradient this time
+            self._update(opt, params)
+        self._arrived = {}
         if self.ddp is not None:
             for p in self.names:
                 p.grad = None
         self.steps += 1
-        self._last_norm = self._sq_norm.sqrt()
+        self._last_norm = torch.linalg.vector_norm(torch.stack(self._norms))
         self._in_update = False
 
     @contextlib.contextmanager
@@ -408,16 +514,32 @@ class PerLayer:
         return [group["initial_lr"] * factor for group in next(iter(self.optimizers.values())).param_groups]
 
     def state_dict(self):
-        return {"steps": self.steps,
-                "optimizers": {self.names[p]: opt.state_dict() for p, opt in self.optimizers.items()}}
+        """{"steps", "optimizers": {parameter name: the state_dict of an optimizer of that parameter alone}}: one
+        entry per parameter, however the parameters are grouped into layers."""
+        states = {}
+        for opt in self.optimizers.values():
+            packed = opt.state_dict()
+            for group, saved in zip(opt.param_groups, packed["param_groups"]):
+                for p, i in zip(group["params"], saved["params"]):
+                    states[self.names[p]] = {"state": {0: packed["state"][i]} if i in packed["state"] else {},
+                                             "param_groups": [dict(saved, params=[0])]}
+        return {"steps": self.steps, "optimizers": states}
 
     def load_state_dict(self, state):
         names, saved = set(self.names.values()), set(state["optimizers"])
         if names != saved:
             raise ValueError(f"per-layer state does not match the model: missing {sorted(names - saved)[:3]}, "
                              f"unexpected {sorted(saved - names)[:3]}; was it saved for another config?")
-        for p, opt in self.optimizers.items():
-            opt.load_state_dict(state["optimizers"][self.names[p]])
+        for opt in self.optimizers.values():
+            packed = opt.state_dict()  # this layer's layout (groups, parameter numbers), filled with the saved state
+            packed["state"] = {}
+            for group, layout in zip(opt.param_groups, packed["param_groups"]):
+                for p, i in zip(group["params"], layout["params"]):
+                    one = state["optimizers"][self.names[p]]
+                    layout.update({k: v for k, v in one["param_groups"][0].items() if k != "params"})
+                    if 0 in one["state"]:
+                        packed["state"][i] = one["state"][0]
+            opt.load_state_dict(packed)
         self.steps = state["steps"]
 
     def remove(self):
@@ -429,8 +551,9 @@ class PerLayer:
 
 
 def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None, max_grad_norm_per_param=None):
-    """Update each parameter inside backward with its own optimizer, make_optimizer([p]), and free its gradient at
-    once: backward never holds all gradients, and there is no optimizer.step() to call. Returns a PerLayer.
+    """Update each layer (a module's own trainable parameters) inside backward with its own optimizer,
+    make_optimizer(params), as soon as its gradients are complete, and free them at once: backward never holds all
+    gradients, and there is no optimizer.step() to call. Returns a PerLayer.
 
     model may be a DistributedDataParallel (attach before its first backward): then a communication hook updates
     each bucket's parameters after its all-reduce, with the averaged gradient. DDP's buckets hold a full set of
@@ -465,7 +588,7 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
 #   Adam's moments follow R; its normalized step N = m̂ / (√v̂ + ε) goes back, W -= lr · scale · N P (or P N).
 #   P is recomputed from the current G every update_gap updates; the moments carry over.
 
-def _adam_step_(kind, target, state, group, lr, weight_decay):
+def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False):
     """The AdamW or Adam8bit update of one tensor `target` by its `.grad`, with the state dict and group settings of
     that optimizer: the narrow interface through which GaLore reuses them on a projected gradient."""
     beta1, beta2 = group["betas"]
@@ -485,7 +608,7 @@ def _adam_step_(kind, target, state, group, lr, weight_decay):
     if "exp_avg" in state:  # below min_8bit_size: float32 moments, as Adam8bit
         _adamw_([target], [_finite(target.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
     else:
-        Adam8bit._update_8bit(target, state, group["block_size"], *hyper)
+        Adam8bit._update_8bit(target, state, group["block_size"], *hyper, compile=compile)
 
 
 def galore_projector(grad, rank):
@@ -516,7 +639,7 @@ class GaLore(torch.optim.Optimizer):
     is decoupled and applied to the full weight, before the update."""
 
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, rank=None,
-                 update_gap=200, scale=0.25, inner="adamw", block_size=256, min_8bit_size=4096):
+                 update_gap=200, scale=0.25, inner="adamw", block_size=256, min_8bit_size=4096, compile=False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if inner not in ("adamw", "adam8bit"):
             raise ValueError(f"inner must be adamw or adam8bit, got {inner!r}")
@@ -527,7 +650,7 @@ class GaLore(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank, update_gap=update_gap,
                         scale=scale, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
-        self.inner = inner
+        self.inner, self.compile = inner, compile  # compile: the 8-bit update as in Adam8bit(compile=True)
         if inner == "adam8bit":
             _build_tables(self)
         for group in self.param_groups:
@@ -550,7 +673,7 @@ class GaLore(torch.optim.Optimizer):
                     raise RuntimeError("GaLore does not take sparse gradients")
                 state = self.state[p]
                 if group["rank"] is None:
-                    _adam_step_(self.inner, p, state, group, group["lr"], group["weight_decay"])
+                    _adam_step_(self.inner, p, state, group, group["lr"], group["weight_decay"], self.compile)
                 else:
                     self._projected_step(p, state, group)
         return loss
@@ -567,7 +690,7 @@ class GaLore(torch.optim.Optimizer):
         # afterwards it holds -N = -m̂ / (√v̂ + ε), the normalized update in the projected space
         low = torch.zeros_like(R)
         low.grad = R
-        _adam_step_(self.inner, low, state, group, 1.0, 0.0)
+        _adam_step_(self.inner, low, state, group, 1.0, 0.0, self.compile)
         back = galore_project_back(low, P, p.shape)  # (m, n)
         if group["weight_decay"] != 0:
             p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -640,6 +763,7 @@ def bench(size=4096, steps=10, warmup=3, rounds=3):
         "torch.optim.AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=True),
         "AdamW": lambda ps: AdamW(ps, weight_decay=0.1),
         "Adam8bit": lambda ps: Adam8bit(ps, weight_decay=0.1),
+        "Adam8bit(compile=True)": lambda ps: Adam8bit(ps, weight_decay=0.1, compile=True),  # compiled in warm-up
     }
     print(f"one optimizer step on a {size}x{size} tensor, CPU, {torch.get_num_threads()} threads, "
           f"median of {steps} steps after {warmup} warm-up, best of {rounds} rounds")
@@ -691,60 +815,106 @@ def heavy_tailed(case, steps=200, lr=1e-3, make=None):
     return worst[0], worst[1], ((p8 - p32).norm() / (p32 - p0).norm()).item()
 
 
-def per_layer_overhead(size="60m", batch=1, length=256, updates=3):
-    """Time per update spent in PerLayer's hooks beyond the optimizers' update arithmetic (the gradient norms count
-    as overhead here), beside the whole training step (forward, backward with the hooks), for an SLTrain model with
-    per-layer Adam8bit: the Python part is what a faster device does not shrink."""
+def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
+    """Host time of per-layer updates: a training step of a model with the layers and trained tensors of `size`
+    (a 350m SLTrain model: 24 blocks, 555 tensors) at the tiny size's width, with per-layer updates, minus the same
+    step without them, for AdamW, Adam8bit and Adam8bit(compile=True) (every tensor a projection has takes the 8-bit
+    path, as at full width). At that width the arithmetic is negligible and what remains is what the host issues
+    for every tensor of every update: Python, dispatch and, on a GPU, kernel launches, whatever the tensors' sizes.
+    On CPU the 8-bit step takes the path it takes on a GPU (whole tensors, small ones together), not the chunked
+    one. Returns {name: (ms per update, operations per update)} (operations: the aten calls, views included; None
+    for compiled code, whose kernels run below the dispatcher)."""
     from model import LLaMA, config_for
 
-    torch.manual_seed(0)
-    model = LLaMA(config_for(size, method="sltrain"))
-    per_layer = attach_per_layer(model, lambda ps: Adam8bit(ps, lr=1e-3))
-    spent = defaultdict(float)
-
-    def timed(key, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            spent[key] += time.perf_counter() - t0
-            return out
-        return wrapper
-
-    per_layer._update = timed("hooks", per_layer._update)
-    original_8bit, original_adamw = Adam8bit._update_8bit, _adamw_
-    Adam8bit._update_8bit = staticmethod(timed("arithmetic", original_8bit))  # the update itself, under the hooks
-    globals()["_adamw_"] = timed("arithmetic", original_adamw)
+    device = torch.device(device)
+    small = 65  # the norms (64 wide here) keep float32 moments, as they do at full width; the rest is 8-bit
+    makers = {"none": None, "AdamW": lambda ps: AdamW(ps, lr=1e-3),
+              "Adam8bit": lambda ps: Adam8bit(ps, lr=1e-3, min_8bit_size=small),
+              "Adam8bit(compile=True)": lambda ps: Adam8bit(ps, lr=1e-3, min_8bit_size=small, compile=True)}
+    config = config_for("tiny", method=method, n_layers=config_for(size).n_layers, vocab_size=256)
+    idx = torch.randint(256, (1, 17), device=device)
+    times, chunked = {}, set(CHUNKED_DEVICES)
+    CHUNKED_DEVICES.discard(device.type)
     try:
-        x = torch.randint(0, model.config.vocab_size, (updates + 1, batch, length))
-        for i in range(updates + 1):
-            if i == 1:  # the first update allocates the state: not counted
-                spent.clear()
-                t0 = time.perf_counter()
-            model(x[i], x[i])[1].backward()
-        step = (time.perf_counter() - t0) / updates
+        for name, make in makers.items():
+            torch.manual_seed(0)
+            times[name] = _step_time(LLaMA(config, device=device), make, idx, rounds, ops="compile" not in name)
     finally:
-        Adam8bit._update_8bit, globals()["_adamw_"] = staticmethod(original_8bit), original_adamw
-    overhead = (spent["hooks"] - spent["arithmetic"]) / updates
-    print(f"per-layer Adam8bit, {size} sltrain, {len(per_layer.names)} parameters, batch {batch}x{length}, CPU: "
-          f"step {step * 1e3:.0f} ms, hooks {spent['hooks'] / updates * 1e3:.1f} ms of which arithmetic "
-          f"{spent['arithmetic'] / updates * 1e3:.1f} ms: overhead {overhead * 1e3:.1f} ms per update "
-          f"({overhead / step:.1%} of the step)")
+        CHUNKED_DEVICES.update(chunked)
+    (none, none_ops) = times.pop("none")
+    return {name: ((t - none) * 1e3, None if n is None else n - none_ops) for name, (t, n) in times.items()}
+
+
+def count_ops(fn):
+    """The number of aten operations fn() issues, views included: on a GPU, about the kernel launches and what else
+    the host must do for each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _step_time(model, make, idx, rounds, ops):
+    """(best seconds, aten operations if ops else None) of a training step of model with per-layer updates by make
+    (none if make is None)."""
+    sync = torch.cuda.synchronize if idx.device.type == "cuda" else lambda: None
+    per_layer = attach_per_layer(model, make) if make else None
+
+    def step():
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        if per_layer is None:
+            model.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # the state appears, and compiled code compiles, here
+        step()
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times), count_ops(step) if ops else None
+
+
+def report_host_time(device):
+    from model import LLaMA, config_for
+
+    print(f"per-layer updates on {device}: the host's time per update (a step with them minus one without, best of "
+          "5) of models with the layers and trained tensors of each size at tiny width, and the aten operations")
+    for size in ("60m", "350m", "7b"):
+        for method in ("full", "sltrain"):
+            tensors = sum(p.requires_grad for p in LLaMA(config_for(size, method=method), device="meta").parameters())
+            results = per_layer_host_time(device, size, method)
+            print(f"  {size} {method} ({tensors} tensors): " + " | ".join(
+                f"{name} {ms:.1f} ms{'' if n is None else f', {n} ops'}" for name, (ms, n) in results.items()))
+    if device == "cpu":
+        print("  (compiled, on CPU: mostly the time of inductor's CPU kernels, slower than eager, not the host's)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Optimizer tools; the tests are: python -m pytest -q test_optim.py")
-    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "heavy", "per_layer"],
+    parser.add_argument("command", nargs="?", default="bench", choices=["bench", "heavy", "host"],
                         help="bench: time a step of each optimizer on a 4096x4096 tensor (the default); heavy: "
-                             "Adam8bit beside float32 AdamW on heavy-tailed gradients; per_layer: the per-layer "
-                             "hooks' overhead at 60m")
-    command = parser.parse_args().command
-    if command == "bench":
+                             "Adam8bit beside float32 AdamW on heavy-tailed gradients; host: the host time per "
+                             "parameter of per-layer updates")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="host: cpu or cuda")
+    args = parser.parse_args()
+    if args.command == "bench":
         bench()
-    elif command == "heavy":
+    elif args.command == "heavy":
         print("200 steps on heavy-tailed gradients (row scales exp(2.3·N(0,1))), lr 1e-3")
         for case in ("short rows", "long rows", "values"):
             worst32, worst8, distance = heavy_tailed(case)
             print(f"{case:>10}: max |update|/lr AdamW {worst32:.2f}, Adam8bit {worst8:.2f}; "
                   f"||p8 - p32|| / ||p32 - p0|| {distance:.3f}")
     else:
-        per_layer_overhead()
+        report_host_time(args.device)

@@ -16,8 +16,10 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from hostsync import HostSyncs
 from model import LLaMA, config_for
-from optim import (AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, dynamic_map, heavy_tailed,
+from sllinear import SLLinear
+from optim import (AdamW, Adam8bit, attach_per_layer, count_ops, dequantize_blockwise, dynamic_map, heavy_tailed,
                    quantize_blockwise)
 
 VOCAB = 256
@@ -286,22 +288,6 @@ def test_adam8bit_heavy_tailed_gradients_stay_near_adamw(case):
     assert distance <= 0.5, f"||p8 - p32|| / ||p32 - p0|| = {distance:.3f} after 200 steps"
 
 
-def count_ops(fn):
-    """The number of aten operations fn() issues: on a GPU, about the number of kernel launches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
 def test_adam8bit_whole_tensor_path_has_bounded_ops_and_matches_chunks(monkeypatch):
     """The path taken on GPUs, forced on CPU: one step issues a fixed number of operations whatever the tensor's
     size, and gives the parameters and state of the chunked CPU path to the bit."""
@@ -330,12 +316,94 @@ def test_adam8bit_whole_tensor_path_has_bounded_ops_and_matches_chunks(monkeypat
         assert torch.equal(torch.as_tensor(s_whole[key]), torch.as_tensor(s_chunk[key])), f"state {key} differs"
 
 
+def test_adam8bit_compiled_step_agrees_with_eager_and_compiles_once():
+    """compile=True, the fused step meant for GPUs, run here by inductor on CPU: the same state format, the same
+    parameters up to float32 rounding (and the few codes that rounding sends the other way), and one graph for
+    every size (of a number of dimensions), learning rate and step count, so a schedule never recompiles."""
+    torch._dynamo.reset()  # compiled anew here, whatever other tests compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    lr, steps = 1e-3, 12
+    for shape in ((64, 1030), (40, 256), (5000,), (4096,)):  # partial last blocks; two sizes through each graph
+        p0 = torch.randn(shape) * 0.05
+        params = [torch.nn.Parameter(p0.clone()) for _ in range(2)]
+        eager, compiled = [Adam8bit([p], lr=lr, weight_decay=0.1, compile=c) for p, c in zip(params, (False, True))]
+        for step in range(steps):
+            g = torch.randn(shape) * 1e-3
+            for p, opt in zip(params, (eager, compiled)):
+                opt.param_groups[0]["lr"] = lr * (step + 1) / steps  # a warm-up: a new lr every step
+                p.grad = g.clone()
+                opt.step()
+        diff = (params[0] - params[1]).abs()
+        assert diff.max() < 0.25 * lr and diff.mean() < 1e-3 * lr, (shape, diff.max().item(), diff.mean().item())
+        s_eager, s_compiled = eager.state[params[0]], compiled.state[params[1]]
+        assert {k: (v.dtype, v.shape) for k, v in s_eager.items() if torch.is_tensor(v)} == \
+            {k: (v.dtype, v.shape) for k, v in s_compiled.items() if torch.is_tensor(v)}
+        for key in ("exp_avg_codes", "sqrt_exp_avg_sq_codes"):
+            assert (s_eager[key] != s_compiled[key]).float().mean() < 1e-3, (shape, key)
+        assert (params[0] - p0).abs().max() > 5 * lr, "the parameters should have moved"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    assert graphs == 2, f"{graphs} graphs compiled for 2-D and 1-D tensors: a size, lr or step count recompiled"
+
+
+def same_state(a, b):
+    """Two (nested) optimizer states hold equal values, tensors to the bit."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+@pytest.mark.parametrize("per_layer,compile,dtype", [(True, False, torch.bfloat16), (False, False, torch.bfloat16),
+                                                     (True, True, torch.float32)],
+                         ids=["per-layer", "global", "per-layer-compiled"])
+def test_adam8bit_small_tensors_together_match_one_by_one(monkeypatch, per_layer, compile, dtype):
+    """Off CPU (forced here) consecutive small 8-bit tensors are updated as one run: the same parameters and state,
+    to the bit, as one update per tensor, in far fewer operations."""
+    import optim
+    monkeypatch.setattr(optim, "CHUNKED_DEVICES", set())
+
+    def train(together, steps=3):
+        monkeypatch.setattr(optim, "TOGETHER", 1 << 22 if together else 0)
+        torch.manual_seed(0)
+        model = LLaMA(config_for("tiny", method="sltrain", vocab_size=VOCAB)).to(dtype)
+        make = lambda ps: Adam8bit(ps, lr=1e-3, weight_decay=0.1, min_8bit_size=65, compile=compile)  # noqa: E731
+        per = attach_per_layer(model, make) if per_layer else None
+        opt = None if per_layer else make(model.parameters())
+        x, y = bigram_batches(steps + 1, batch=2, T=16)
+
+        def step(i):
+            model(x[i], y[i])[1].backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        for i in range(steps - 1):
+            step(i)
+        with watcher.watch(ops=not compile):
+            step(steps - 1)
+        ops = count_ops(lambda: step(steps)) if not compile else None
+        return model, (per or opt).state_dict(), ops
+
+    watcher = HostSyncs()
+
+    (together, state, ops), (alone, state_alone, ops_alone) = train(True), train(False)
+    syncs = watcher.summary()
+    assert_same_params(together, alone, "together vs one by one")
+    assert same_state(state, state_alone), "the 8-bit state differs"
+    if not compile:
+        print(f"ops of a step: {ops} together, {ops_alone} one by one")
+        assert ops < 0.75 * ops_alone, (ops, ops_alone)
+        assert syncs == "none", f"the runs' copies made the host wait: {syncs}"
+
+
 # -----------------------------------------------------------------------------
 # Per-layer updates
 
 OPTIMIZERS = {
     "AdamW": lambda ps: AdamW(ps, lr=3e-3, weight_decay=0.1),
     "Adam8bit": lambda ps: Adam8bit(ps, lr=3e-3, weight_decay=0.1, min_8bit_size=1024),  # both state kinds
+    "Adam8bit(compile=True)": lambda ps: Adam8bit(ps, lr=3e-3, weight_decay=0.1, min_8bit_size=1024, compile=True),
 }
 
 
@@ -365,6 +433,35 @@ def test_per_layer_matches_global_step(name):
         assert not held, f"gradients still held after backward: {held[:3]}"
         assert per_layer.steps == step + 1 and per_layer.get_last_lr() == sched.get_last_lr()
     assert_same_params(model, ref, f"per-layer {name} vs global")
+
+
+def test_per_layer_steps_each_layer_once_and_keeps_the_per_parameter_format():
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, OPTIMIZERS["Adam8bit"])
+    layers = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
+    assert len(per_layer.optimizers) == len(layers) < len(list(model.parameters()))  # SLLinear: B, A, values as one
+    sl = next(m for m in model.modules() if isinstance(m, SLLinear))
+    assert per_layer.optimizer_of[sl.A] is per_layer.optimizer_of[sl.B] is per_layer.optimizer_of[sl.values]
+    steps = []
+    for opt in per_layer.optimizers.values():
+        opt.register_step_post_hook(lambda opt, *_: steps.append(opt))
+    x, y = bigram_batches(1, batch=2, T=16)
+    model(x[0], y[0])[1].backward()
+    assert len(steps) == len(set(steps)) == len(layers), "each layer's optimizer steps once per update"
+    saved = per_layer.state_dict()["optimizers"]  # one entry per parameter, as one optimizer per parameter saves it
+    assert set(saved) == {name for name, _ in model.named_parameters()}
+    assert all(s["param_groups"][0]["params"] == [0] and set(s["state"]) == {0} for s in saved.values())
+
+
+def test_per_layer_updates_a_layer_whose_other_parameter_got_no_gradient():
+    torch.manual_seed(0)
+    layer = torch.nn.Module()
+    layer.used, layer.unused = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    per_layer = attach_per_layer(layer, lambda ps: AdamW(ps, lr=1e-2))
+    before = [p.detach().clone() for p in (layer.used, layer.unused)]
+    (layer.used ** 2).sum().backward()  # the layer's last gradient never comes: updated once backward ends
+    assert not torch.equal(layer.used, before[0]) and torch.equal(layer.unused, before[1])
+    assert layer.used.grad is None and per_layer.steps == 1 and per_layer.grad_norm() > 0
 
 
 def test_per_layer_grad_norm_and_clipping():

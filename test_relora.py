@@ -90,7 +90,7 @@ def test_prune_reaches_per_layer_optimizers():
     reset = relora_merge(model)
     prune_state_(per.optimizers.values(), reset, 0.99)
     for p in reset:
-        kept = int((per.optimizers[p].state[p]["exp_avg"] != 0).sum())
+        kept = int((per.optimizer_of[p].state[p]["exp_avg"] != 0).sum())
         assert kept <= p.numel() - int(0.99 * p.numel())
 
 

@@ -20,6 +20,7 @@ import torch
 
 import data
 import train
+from model import config_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -448,6 +449,17 @@ def test_amp_keeps_float32_parameters_and_computes_in_bf16(corpus, tmp_path):
     # bf16 matmuls: close to the float32 run, but not the same numbers
     assert all(abs(ra["loss"] - rb["loss"]) < 0.05 * ra["loss"] for ra, rb in zip(a, b))
     assert any(ra["loss"] != rb["loss"] for ra, rb in zip(a, b))
+
+
+@pytest.mark.parametrize("optimizer", ["adam8bit", "adam8bit_per_layer", "galore_adam8bit_per_layer"])
+def test_compile_also_compiles_the_8bit_step(corpus, tmp_path, optimizer):
+    for extra, compiled in (([], False), (["--compile"], True)):
+        args = train.get_args(base_args(corpus, tmp_path, 2, "--method", "full", "--optimizer", optimizer, *extra))
+        config = config_for("tiny", method="full", vocab_size=96)
+        model, _, optimizer_, _, per_layer = train.build(args, config, torch.device("cpu"), torch.float32, False, None)
+        optimizers = per_layer.optimizers.values() if per_layer else [optimizer_]
+        assert all(o.compile is compiled for o in optimizers), (optimizer, extra)
+        assert hasattr(model, "_orig_mod") is compiled, "--compile compiles the model as well"
 
 
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit_per_layer"], ["--amp"],
