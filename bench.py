@@ -4,7 +4,7 @@ Speed (and, on a GPU, memory) of SLTrain against dense training, always as ratio
     python bench.py --quick                  # a couple of minutes on a 2-core CPU
     python bench.py                          # CPU: layer at 4096 tokens, 60m train steps, optimizer steps on 60m
     python bench.py --size 350m 1b --batch_size 16 --json --out bench.json   # choose the models; write the figures
-    python bench.py --suite gpu --data_dir data/c4 --out out/gpu.json        # every GPU figure, one H100, ~8 min
+    python bench.py --suite gpu --data_dir data/c4 --out out/gpu.json        # every GPU figure, one H100
     python bench.py --suite gpu --only layer optimizer                       # some of its sections
     python bench.py --suite tiny                                             # the same code at toy sizes, on CPU
     python bench.py --only inference --size 130m 350m 1b                      # Table 5 on a GPU: forward only
@@ -23,11 +23,15 @@ Sections (--only picks some):
                estimate of each
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
 
---suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16); 350m train steps of the four
-methods with AdamW and 8-bit per-layer, eager and compiled; amp (train.py --amp beside pure bf16 at 350m); the memory
-section; the 8-bit step against fused AdamW on the 7b shapes; inference; and, with --data_dir, program: train.py
-itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile, --sync_debug, torchrun). --suite tiny runs the same
-code at toy sizes on CPU (test_bench.py). The sections amp and program exist only in a suite.
+--suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16), with the parts of SLTrain's
+extra work timed alone; 350m train steps of the four methods with AdamW and 8-bit per-layer, eager and compiled; amp
+(train.py --amp beside pure bf16 at 350m); the memory section; the 8-bit step against fused AdamW on the 7b shapes;
+inference; and, with --data_dir, program: train.py itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile,
+--sync_debug, torchrun). --suite tiny runs the same code at toy sizes on CPU (test_bench.py). The sections amp and
+program exist only in a suite. A suite runs its sections one by one: after each, its table prints and --out is
+rewritten, with the section's seconds under "seconds"; a section that raises is recorded under "errors" and the
+next one runs; the command exits non-zero if any failed. The GPU suite has never run; BENCHMARKS.md splits it with
+--only into three shorter commands (how long each takes is an estimate).
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
@@ -44,6 +48,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn as nn
@@ -171,7 +176,7 @@ def bench_optimizer(size, device, dtype, rounds):
 
 # ----------------------------------------------------------------------------- the GPU suite
 
-# `--suite gpu` runs every figure of the paper's GPU claims in one command (about 8 minutes on one H100);
+# `--suite gpu` runs every figure of the paper's GPU claims in one command (never run yet; split it with --only);
 # `--suite tiny` is the same code at toy sizes, which the CPU tests run end to end.
 SUITES = {
     "gpu": dict(layer_sizes=("60m", "350m", "1b", "7b"), tokens=32768, model_size="350m", model_batch=64,
@@ -188,8 +193,9 @@ SUITES = {
                  inference_sizes=("tiny",)),
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
-MEMORY_SETTINGS = (("full", "adamw", False), ("full", "adam8bit", True), ("lowrank", "adam8bit", True),
-                   ("galore", "adam8bit", True), ("sltrain", "adam8bit", True))
+# (in this order: the paper's headline pair first, GaLore, whose first step takes an SVD of every projection, last)
+MEMORY_SETTINGS = (("full", "adamw", False), ("sltrain", "adam8bit", True), ("full", "adam8bit", True),
+                   ("lowrank", "adam8bit", True), ("galore", "adam8bit", True))
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
 
 
@@ -200,7 +206,10 @@ def projection_shapes(size):
 
 
 def suite_layer(s, device, dtype):
-    """SLTrain forward+backward ÷ nn.Linear at every projection shape, and the share of forming W (merge) in it."""
+    """SLTrain forward+backward ÷ nn.Linear at every projection shape, and where SLTrain's extra time goes: forming
+    W alone (merge) and the parts of sllinear.py's extra work, each timed alone. Forward forms W (form s·BA, scatter
+    V into it); backward forms it again, then G = gᵀx (as dense does), the factor gradients G Aᵀ and Bᵀ G, and V's
+    gradient (gather G at I). So accounted = dense + 2·(form + scatter) + factor_grads + gather, beside sltrain."""
     rows = []
     for size in s["layer_sizes"]:
         c, shapes = projection_shapes(size)
@@ -211,13 +220,23 @@ def suite_layer(s, device, dtype):
             sl = SLLinear(in_f, out_f, c.rank, c.delta, c.alpha, **kw)
             x = torch.randn(s["tokens"], in_f, **kw, requires_grad=True)  # (N, in)
             g = torch.randn(s["tokens"], out_f, **kw)  # (N, out)
+            B, A, V, I, scale = sl.B.detach(), sl.A.detach(), sl.values.detach(), sl.indices, sl.scale
+            W = torch.zeros(out_f * in_f, **kw)  # (out·in,): the scatter's target
+            G = torch.randn(out_f, in_f, **kw)  # (out, in): a weight gradient
             fwd_bwd = lambda layer: lambda: torch.autograd.grad(layer(x), [x, *layer.parameters()], g)
-            times = interleave({"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl),
-                                "merge": lambda: sl.merged_weight()}, s["rounds"], device)
+            parts = {"form": lambda: torch.mm(B * scale, A),  # (out, r) @ (r, in) -> (out, in)
+                     "scatter": lambda: W.index_add_(0, I, V),  # (nnz,) into (out·in,)
+                     "factor_grads": lambda: ((G @ A.t()).mul_(scale), (B.t() @ G).mul_(scale)),  # (out, r), (r, in)
+                     "gather": lambda: G.view(-1).index_select(0, I)}  # (out·in,)[I] -> (nnz,)
+            times = interleave({"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl), "merge": lambda: sl.merged_weight(),
+                                **parts}, s["rounds"], device)
+            v = summary(times, "dense")
+            ms = {name: row["ms"] for name, row in v.items()}
+            accounted = ms["dense"] + 2 * (ms["form"] + ms["scatter"]) + ms["factor_grads"] + ms["gather"]
             floor = 1 + 4 * c.rank / (3 * s["tokens"])
             rows.append(dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
-                             floor=floor, variants=summary(times, "dense")))
-            del dense, sl, x, g
+                             floor=floor, accounted_ms=accounted, variants=v))
+            del dense, sl, x, g, B, A, V, I, W, G, parts
     return rows
 
 
@@ -225,12 +244,12 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
                amp=False):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
-    step after it, optionally torch.compile'd."""
+    step after it, optionally compiled as train.py --compile does it: the model, and the 8-bit step."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
     model.autocast = torch.bfloat16 if amp else None
-    make = optim.Adam8bit if optimizer == "adam8bit" else optim.AdamW
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    make = optim.AdamW if optimizer == "adamw" else lambda ps, **kw: optim.Adam8bit(ps, **kw, compile=bool(backend))
     opt = None
     if per_layer:
         optim.attach_per_layer(model, lambda ps: make(ps, **hyper))
@@ -248,10 +267,12 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     return step
 
 
-def suite_model(s, device, dtype):
-    """Train-step tokens/s of full, lowrank and sltrain with AdamW and with 8-bit Adam per-layer, ÷ full AdamW;
-    eager and compiled variants are measured in two groups (all six models of a group are alive at once)."""
+def suite_model(s, device, dtype, progress=lambda partial: None):
+    """Train-step tokens/s of the four methods with AdamW and with 8-bit Adam per-layer, ÷ full AdamW; eager and
+    compiled (model and 8-bit step, as train.py --compile) variants are measured in two groups (all eight models of
+    a group are alive at once). progress gets the result so far after the eager group."""
     groups = {}
+    result = dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], groups=groups)
     for compiled in (False, True):
         backend = s["backend"] if compiled else None
         variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
@@ -267,7 +288,8 @@ def suite_model(s, device, dtype):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], groups=groups)
+        progress(result)
+    return result
 
 
 def suite_amp(s, device, dtype):
@@ -299,12 +321,13 @@ def suite_amp(s, device, dtype):
     return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], settings=result)
 
 
-def suite_memory(s, device):
+def suite_memory(s, device, progress=lambda partial: None):
     """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the counted bytes) of each
-    setting, beside estimate_memory's estimate of the same setting."""
+    setting, beside estimate_memory's estimate of the same setting. progress gets the result after each setting."""
     result = {}
     for size in s["memory_sizes"]:
         rows = {}
+        result[size] = dict(settings=rows, reduction=None, paper_reduction=PAPER_REDUCTION.get(size))
         for method, optimizer, per_layer in MEMORY_SETTINGS:
             name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}"
             est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, s["max_length"])
@@ -319,14 +342,16 @@ def suite_memory(s, device):
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        full, ours = rows["full/adamw"]["gb"], rows["sltrain/adam8bit/per_layer"]["gb"]
-        result[size] = dict(settings=rows, reduction=1 - ours / full if full and ours else None,
-                            paper_reduction=PAPER_REDUCTION.get(size))
+            full, ours = (rows.get(k, {}).get("gb") for k in ("full/adamw", "sltrain/adam8bit/per_layer"))
+            result[size]["reduction"] = 1 - ours / full if full and ours else None
+            progress(result)
     return result
 
 
 def suite_optimizer(s, device, dtype):
-    """optim.Adam8bit step ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16 parameters."""
+    """optim.Adam8bit step, eager and compiled, ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the
+    host's time per update of per-layer updates for the model section's size (optim.per_layer_host_time): what
+    bounds a per-layer GPU step when it exceeds the device's time."""
     torch.manual_seed(0)
     base = [torch.randn(shape, device=device, dtype=dtype) * 0.02 for shape in s["optimizer_shapes"]]
     grads = [torch.randn_like(p) * 1e-3 for p in base]
@@ -340,9 +365,13 @@ def suite_optimizer(s, device, dtype):
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     reference = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
     times = interleave({"torch.optim.AdamW": stepper(lambda ps: torch.optim.AdamW(ps, **hyper, **reference)),
-                        "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper))}, s["rounds"], device)
+                        "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper)),
+                        "optim.Adam8bit(compile=True)": stepper(lambda ps: optim.Adam8bit(ps, **hyper, compile=True))},
+                       s["rounds"], device)  # the compiled step compiles in the warm-up
     return dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
-                variants=summary(times, "torch.optim.AdamW"))
+                variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"],
+                host_ms_per_update={m: optim.per_layer_host_time(device, s["model_size"], m)
+                                    for m in ("full", "sltrain")})
 
 
 def suite_program(s, data_dir, tokenizer, out_dir):
@@ -401,20 +430,112 @@ def suite_program(s, data_dir, tokenizer, out_dir):
     return result
 
 
-def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_dir="out/suite"):
-    """The suite's sections (default: all; program only with C4 shards and a tokenizer: data_dir, tokenizer)."""
+def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_dir="out/suite", result=None,
+              out=None):
+    """The suite's sections (default: all; program only with C4 shards and a tokenizer: data_dir, tokenizer), one
+    after another, into result (a new dict by default), which is returned. After each section: its figures (or under
+    "errors" what it raised) and its seconds go into result, memory is freed, the JSON file out is rewritten, and the
+    section's table prints, so that a run killed part way keeps, on disk and on screen, every finished section."""
     s = SUITES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    run = dict(layer=lambda: suite_layer(s, device, dtype), model=lambda: suite_model(s, device, dtype),
-               amp=lambda: suite_amp(s, device, dtype),
-               memory=lambda: suite_memory(s, device), optimizer=lambda: suite_optimizer(s, device, dtype),
-               program=lambda: suite_program(s, data_dir, tokenizer, out_dir),
-               inference=lambda: [bench_inference(size, INFERENCE_BATCH.get(size, 2), s["max_length"], device, dtype,
-                                                  s["rounds"]) for size in s["inference_sizes"]])
+
+    def inference(progress):
+        rows = []
+        for size in s["inference_sizes"]:
+            rows.append(bench_inference(size, INFERENCE_BATCH.get(size, 2), s["max_length"], device, dtype,
+                                        s["rounds"]))
+            progress(rows)
+        return rows
+
+    # each takes progress(partial): the long ones pass it what they have finished, which is saved before they go on
+    run = dict(layer=lambda _: suite_layer(s, device, dtype), model=lambda p: suite_model(s, device, dtype, p),
+               amp=lambda _: suite_amp(s, device, dtype), memory=lambda p: suite_memory(s, device, p),
+               optimizer=lambda _: suite_optimizer(s, device, dtype),
+               program=lambda _: suite_program(s, data_dir, tokenizer, out_dir), inference=inference)
     sections = sections or [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
-    return dict(suite=name, **{k: run[k]() for k in sections})
+    result = {} if result is None else result
+    result["suite"] = name
+    result.setdefault("seconds", {})
+    for k in sections:
+        t0 = time.perf_counter()
+
+        def progress(partial, k=k):  # a long section's finished part, on disk before it goes on
+            result[k] = partial
+            if out:
+                write_json(out, result)
+        try:
+            result[k] = run[k](progress)
+        except Exception as e:  # an OOM or a bug costs this section only; KeyboardInterrupt still stops the run
+            record_error(result, k, e)
+        result["seconds"][k] = time.perf_counter() - t0
+        gc.collect()  # the failed section's tensors too: its traceback is gone by now
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if out:
+            write_json(out, result)
+        if k in result:
+            try:
+                SUITE_REPORTS[k](result)
+            except Exception as e:  # the figures are on disk already; a table that cannot print is an error too
+                record_error(result, f"{k} (table)", e)
+                if out:
+                    write_json(out, result)
+        print(f"{k}: {result['seconds'][k]:.1f} s{' (failed)' if k in result.get('errors', {}) else ''}", flush=True)
+    return result
+
+
+def record_error(result, section, e):
+    """result["errors"][section]: the exception and the last lines of its traceback, printed as well."""
+    lines = "".join(traceback.format_exception(e)).splitlines()[-15:]
+    result.setdefault("errors", {})[section] = dict(error=f"{type(e).__name__}: {e}", traceback=lines)
+    print(f"{section} failed:\n  " + "\n  ".join(lines), flush=True)
+
+
+def write_json(path, result):
+    """The results to path, through a temporary file in the same folder and os.replace: a kill mid-write leaves the
+    previous file whole."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1, default=str)  # default=str: an odd value must not cost the file
+    os.replace(path + ".tmp", path)
+
+
+def ratio_text(v):
+    """A variant's median ratio [lowest-highest round]."""
+    return f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
+
+
+def report_layer(r):
+    print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd; "
+          "parts in ms, accounted = dense + 2·(form + scatter) + factor grads + gather")
+    for L in r["layer"]:
+        v = L["variants"]
+        ms = lambda k: f"{v[k]['ms']:.3f}"  # noqa: E731
+        print(f"  {L['size']:>4} {L['shape']:>11} r={L['rank']:<4} floor x{L['floor']:.4f} | dense {ms('dense')} ms "
+              f"| sltrain {ratio_text(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%} of floor) | merge "
+              f"{ratio_text(v['merge'])}")
+        print(f"  {'':>16} form {ms('form')} | scatter {ms('scatter')} | factor grads {ms('factor_grads')} | gather "
+              f"{ms('gather')} | accounted {L['accounted_ms']:.3f} of sltrain {ms('sltrain')} ms "
+              f"({L['accounted_ms'] / v['sltrain']['ms']:.0%})")
+
+
+def report_model(r):
+    M = r["model"]
+    for group, v in M["groups"].items():
+        print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
+        for name, row in v.items():
+            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
+
+
+def report_amp(r):
+    A = r["amp"]
+    for name, v in A["settings"].items():
+        peak = lambda k: "" if v[k]["peak_gb"] is None else f", peak {v[k]['peak_gb']:.2f} GB"  # noqa: E731
+        print(f"amp {A['size']} batch {A['batch_size']} x {A['max_length']}, {name}: pure bf16 "
+              f"{v['bf16']['tok_s']:,.0f} tok/s{peak('bf16')} | --amp {v['amp']['tok_s']:,.0f} tok/s "
+              f"{ratio_text(v['amp'])}{peak('amp')}")
 
 
 def report_memory(r):
@@ -428,44 +549,41 @@ def report_memory(r):
 
 
 def report_inference(r):
-    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"  # noqa: E731
     for I in r.get("inference", []):
         v = I["variants"]
         peak = lambda m: "" if v[m]["peak_gb"] is None else f", peak {v[m]['peak_gb']:.2f} GB"  # noqa: E731
         print(f"inference {I['size']}, batch {I['batch_size']} x {I['max_length']}, {I['dtype']}, forward only, "
               "throughput vs full")
-        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {x(v[m])}, weights {v[m]['weights_gb']:.3f} GB"
-                                f"{peak(m)}" for m in v))
+        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}, weights "
+                                f"{v[m]['weights_gb']:.3f} GB{peak(m)}" for m in v))
+
+
+def report_program(r):
+    for name, row in r["program"].items():
+        print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+
+
+def report_suite_optimizer(r):
+    O = r["optimizer"]
+    print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
+          + " | ".join(f"{k} {v['ms']:.2f} ms {ratio_text(v)}" for k, v in O["variants"].items()))
+    for method, host in O["host_ms_per_update"].items():
+        print(f"  per-layer updates, host time per update ({O['host_size']} {method} layers at tiny width): "
+              + " | ".join(f"{k} {ms:.1f} ms{'' if n is None else f' ({n} ops)'}" for k, (ms, n) in host.items()))
+
+
+# each suite section's table, printed as the section ends and again, from the JSON alone, by report_suite
+SUITE_REPORTS = dict(layer=report_layer, model=report_model, amp=report_amp, memory=report_memory,
+                     inference=report_inference, program=report_program, optimizer=report_suite_optimizer)
 
 
 def report_suite(r):
-    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
-    if "layer" in r:
-        print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd")
-    for L in r.get("layer", []):
-        v = L["variants"]
-        print(f"  {L['size']:>4} {L['shape']:>11} r={L['rank']:<4} floor x{L['floor']:.4f} | dense "
-              f"{v['dense']['ms']:.2f} ms | sltrain {x(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%}"
-              f" of floor) | merge {x(v['merge'])}")
-    M = r.get("model", {})
-    for group, v in M.get("groups", {}).items():
-        print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
-        for name, row in v.items():
-            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {x(row)}")
-    A = r.get("amp", {})
-    for name, v in A.get("settings", {}).items():
-        peak = lambda k: "" if v[k]["peak_gb"] is None else f", peak {v[k]['peak_gb']:.2f} GB"  # noqa: E731
-        print(f"amp {A['size']} batch {A['batch_size']} x {A['max_length']}, {name}: pure bf16 "
-              f"{v['bf16']['tok_s']:,.0f} tok/s{peak('bf16')} | --amp {v['amp']['tok_s']:,.0f} tok/s {x(v['amp'])}"
-              f"{peak('amp')}")
-    report_memory(r)
-    report_inference(r)
-    for name, row in r.get("program", {}).items():
-        print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    if "optimizer" in r:
-        O = r["optimizer"]
-        print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
-              + " | ".join(f"{k} {v['ms']:.2f} ms {x(v)}" for k, v in O["variants"].items()))
+    """Every table of a suite's results (the JSON), then the sections that failed."""
+    for k, table in SUITE_REPORTS.items():
+        if k in r:
+            table(r)
+    for k, e in r.get("errors", {}).items():
+        print(f"{k} failed: {e['error']}")
 
 
 # the paper's inference batch sizes (Table 5): 128 sequences at 130m and 350m, 32 at 1b and 7b
@@ -484,25 +602,23 @@ def inference_models(size, device, dtype):
 
 
 def bench_inference(size, batch_size, max_length, device, dtype, rounds):
-    """Forward-only tokens/s (÷ full) and memory of full, sltrain (factors) and sltrain merged once. Memory: the
-    bytes of the weights (buffers included), and on CUDA the peak allocation of one forward with only that model
-    resident."""
+    """Forward-only tokens/s (÷ full) and memory of full, sltrain (factors) and sltrain merged once, the three models
+    built once and resident together. Memory: the bytes of the weights (buffers included), and on CUDA peak_gb = those
+    bytes + the most that one forward allocates above what was allocated before it, i.e. the peak of a forward with
+    only that model resident (up to the allocator's rounding of each block)."""
+    models = inference_models(size, device, dtype)
     idx = torch.randint(32000, (batch_size, max_length), device=device)  # (B, T)
     weights_gb, peak_gb = {}, {}
-    if device.type == "cuda":
-        for name in ("full", "sltrain", "sltrain_merged"):  # one model at a time, so each peak is its own
-            model = inference_models(size, device, dtype)[name]
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            with torch.inference_mode():
-                model(idx)
-            peak_gb[name] = torch.cuda.max_memory_allocated(device) / 1e9
-            del model
-    models = inference_models(size, device, dtype)
     for name, model in models.items():
         tensors = list(model.parameters()) + list(model.buffers())
         weights_gb[name] = sum(t.numel() * t.element_size() for t in tensors) / 1e9
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            with torch.inference_mode():
+                model(idx)
+            peak_gb[name] = weights_gb[name] + (torch.cuda.max_memory_allocated(device) - before) / 1e9
 
     def forward(model):
         def run():
@@ -530,23 +646,22 @@ def machine(device):
 
 
 def report(r):
-    x = lambda v: f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"  # median ratio [range over rounds]
     if "layer" in r:
         L, v = r["layer"], r["layer"]["variants"]
         print(f"layer {L['shape']} r={L['rank']} delta={L['delta']}, {L['tokens']} tokens, {L['dtype']}, fwd+bwd "
               f"(floor x{L['floor']:.3f})")
-        print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
+        print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
     for M in r.get("model", []):
         v = M["variants"]
         print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW "
               "(galore: optim.GaLore), "
               "throughput vs full")
-        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {x(v[m])}" for m in v))
+        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}" for m in v))
     if "optimizer" in r:
         O, v = r["optimizer"], r["optimizer"]["variants"]
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
               "(for-loop on CPU, foreach on CUDA)")
-        print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {x(v[k])}" for k in v))
+        print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
     report_inference(r)
     report_memory(r)
     print("x: median over rounds of the per-round ratio [lowest-highest round]")
@@ -556,8 +671,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--suite", choices=list(SUITES),
-                        help="gpu: every GPU figure of the paper in one run (one H100, ~8 min); tiny: the same at toy "
-                             "sizes (a CPU check of the suite's code)")
+                        help="gpu: every GPU figure of the paper in one run (one H100); tiny: the same at toy sizes (a "
+                             "CPU check of the suite's code)")
     parser.add_argument("--data_dir", help="--suite: C4 shards for the train.py section (skipped without them)")
     parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
@@ -599,9 +714,8 @@ def main():
                   device=str(device), machine=machine(device))
     print(f"{result['command']} | {result['date']} | {device} | {torch.get_num_threads()} threads | "
           f"torch {torch.__version__}")
-    if args.suite:
-        result.update(run_suite(args.suite, device, args.only, args.data_dir, args.tokenizer))
-        report_suite(result)
+    if args.suite:  # each section's table prints, and --out is written, as the section ends
+        run_suite(args.suite, device, args.only, args.data_dir, args.tokenizer, result=result, out=args.out)
         sections = []
     if "layer" in sections:
         result["layer"] = bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds)
@@ -620,9 +734,11 @@ def main():
     if args.json:
         print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
+    if result.get("errors"):
+        raise SystemExit(f"failed: {', '.join(result['errors'])} (each error and its traceback are under \"errors\" in "
+                         f"the JSON{' ' + args.out if args.out else ''})")
 
 
 if __name__ == "__main__":

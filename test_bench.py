@@ -4,6 +4,8 @@ The benchmark suite's code at toy sizes on CPU, so that a GPU session spends its
     python -m pytest -q test_bench.py
 """
 
+import json
+
 import pytest
 import torch
 
@@ -11,13 +13,20 @@ import bench
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
-def test_tiny_suite_runs_every_section_and_reports():
-    r = bench.run_suite("tiny", torch.device("cpu"))
+def test_tiny_suite_runs_every_section_and_reports(tmp_path):
+    out = str(tmp_path / "tiny.json")
+    r = bench.run_suite("tiny", torch.device("cpu"), out=out)
     s = bench.SUITES["tiny"]
+    sections = ["layer", "model", "amp", "memory", "optimizer", "inference"]
+    assert list(r["seconds"]) == sections and "errors" not in r
     assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
     for L in r["layer"]:
         assert L["floor"] == 1 + 4 * L["rank"] / (3 * s["tokens"])
-        assert set(L["variants"]) == {"dense", "sltrain", "merge"} and L["variants"]["sltrain"]["ratio"] > 0
+        v = L["variants"]
+        assert set(v) == {"dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather"}
+        assert all(row["ms"] > 0 for row in v.values()) and v["sltrain"]["ratio"] > 0
+        parts = v["form"]["ms"] + v["scatter"]["ms"]
+        assert L["accounted_ms"] == v["dense"]["ms"] + 2 * parts + v["factor_grads"]["ms"] + v["gather"]["ms"]
     for group in ("eager", "compiled"):
         v = r["model"]["groups"][group]
         assert len(v) == 2 * len(bench.METHODS) and v["full/adamw"]["ratio"] == 1.0
@@ -28,11 +37,66 @@ def test_tiny_suite_runs_every_section_and_reports():
     for name, row in mem["settings"].items():  # on CPU the counted bytes: they must agree with the estimate
         assert abs(row["vs_estimate"]) < 0.05, (name, row)
     assert 0 < mem["reduction"] < 1
-    assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit"}
+    assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
+    for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops
+        assert set(host) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"} and all(ms > 0 for ms, _ in host.values())
+        assert host["Adam8bit"][1] > host["AdamW"][1] > 0 and host["Adam8bit(compile=True)"][1] is None
     assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
     for name, v in r["amp"]["settings"].items():  # --amp beside pure bf16 (on CPU: float32), side by side
         assert v["bf16"]["ratio"] == 1.0 and v["amp"]["tok_s"] > 0 and v["amp"]["peak_gb"] is None, name
-    bench.report_suite(r)  # the table prints from the JSON alone
+    on_disk = json.load(open(out))
+    assert all(k in on_disk for k in sections) and list(on_disk["seconds"]) == sections
+    bench.report_suite(on_disk)  # the tables print from the JSON alone
+
+
+def test_a_failing_section_is_recorded_and_the_others_run(monkeypatch, tmp_path, capsys):
+    def broken(*args):
+        raise RuntimeError("CUDA out of memory (a test)")
+    monkeypatch.setattr(bench, "suite_optimizer", broken)
+    out = str(tmp_path / "suite.json")
+    monkeypatch.setattr("sys.argv", ["bench.py", "--suite", "tiny", "--only", "layer", "optimizer", "inference",
+                                     "--out", out])
+    with pytest.raises(SystemExit) as stopped:  # after writing the JSON, the command fails, naming the section
+        bench.main()
+    assert "failed: optimizer" in str(stopped.value.code)
+    r = json.load(open(out))
+    assert r["errors"]["optimizer"]["error"] == "RuntimeError: CUDA out of memory (a test)", r["errors"]
+    assert any("in broken" in line for line in r["errors"]["optimizer"]["traceback"])
+    assert "optimizer" not in r and r["layer"] and r["inference"]  # the section after the failed one ran too
+    assert list(r["seconds"]) == ["layer", "optimizer", "inference"] and r["command"].startswith("python bench.py")
+    printed = capsys.readouterr().out
+    assert "optimizer failed" in printed and printed.index("layer: SLTrain") < printed.index("optimizer failed")
+
+
+def test_each_section_is_on_disk_before_the_next_runs(monkeypatch, tmp_path):
+    out, seen = str(tmp_path / "suite.json"), {}
+
+    def interrupted(*args):  # what a kill mid-section leaves: the file as it is now
+        seen.update(json.load(open(out)))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "suite_optimizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # not recorded as a section's error: it stops the run
+        bench.run_suite("tiny", torch.device("cpu"), ["layer", "optimizer", "inference"], out=out)
+    assert seen["layer"] and list(seen["seconds"]) == ["layer"], seen
+    assert json.load(open(out)) == seen  # nothing after the interrupt, the earlier section kept
+
+
+def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
+    """The memory section saves after each setting: a kill during the second leaves the first on disk."""
+    out, measure, calls = str(tmp_path / "suite.json"), bench.measure, []
+
+    def killed_on_the_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(*args)
+    monkeypatch.setattr(bench, "measure", killed_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_suite("tiny", torch.device("cpu"), ["memory"], out=out)
+    saved = json.load(open(out))["memory"]["tiny"]
+    assert list(saved["settings"]) == ["full/adamw"] and saved["settings"]["full/adamw"]["gb"] > 0, saved
+    assert saved["reduction"] is None  # the SLTrain row was not measured yet
+    bench.report_memory({"memory": {"tiny": saved}})  # a partial section still prints
 
 
 def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
