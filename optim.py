@@ -27,12 +27,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in cache (6x faster than unchunked)
-# device types whose 8-bit step goes chunk by chunk. Elsewhere (GPUs) every operation is a kernel launch, so a tensor
-# is updated whole: a fixed number of operations (70, views included) whatever its size, not thousands of chunks.
+# device types whose 8-bit step goes chunk by chunk. Elsewhere (GPUs) every operation is a kernel launch, so the
+# step works in pieces of up to PIECE entries: a tensor of up to that size in a fixed number of operations (70,
+# views included), a larger one in a few pieces, so that its float32 temporaries (~31 bytes per entry) stay ~32 MB
+# (a 7b embedding whole would take 4 GB), and consecutive smaller tensors together, one launch per operation for all
+# of them (_update_8bit_together)
 CHUNKED_DEVICES = {"cpu"}
-# elsewhere, consecutive 8-bit tensors of up to this many entries in all are updated as one (_update_8bit_together):
-# each operation is then one launch for all of them, while their temporaries stay far below the embedding's
-TOGETHER = 1 << 22
+PIECE = 1 << 20
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -210,7 +211,7 @@ class Adam8bit(torch.optim.Optimizer):
     instead of 8. Storing √v rather than v (as Dettmers et al. do) halves the decades a block must span: where one
     block mixes gradients 1000x apart, v spans 10^6 and its small entries fall between the map's sparse lowest codes.
 
-    A step works through chunks of blocks (on CPU; on other devices the whole tensor at once): dequantize m and v,
+    A step works through chunks of blocks (optim.CHUNK entries on CPU, optim.PIECE elsewhere): dequantize m and v,
     update them in float32, move the parameter with these float32 moments, take the new absmax of each block and
     requantize to the nearest code, except that a positive v never rounds to 0. Tensors under `min_8bit_size`
     entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
@@ -263,15 +264,15 @@ class Adam8bit(torch.optim.Optimizer):
         return loss
 
     def _runs(self, params):
-        """params in runs to update as one: consecutive, of one dtype and step count, TOGETHER entries at most;
-        one by one on CPU, whose chunks keep the temporaries in cache."""
+        """params in runs to update as one: consecutive, of one dtype and step count, PIECE entries at most; one
+        by one on CPU, whose chunks keep the temporaries in cache."""
         if not params or params[0].device.type in CHUNKED_DEVICES:
             return [[p] for p in params]
         runs, total = [], 0
         for p in params:
             size = self.state[p]["exp_avg_codes"].numel()
             run = runs[-1] if runs else []
-            if run and total + size <= TOGETHER and p.dtype == run[0].dtype \
+            if run and total + size <= PIECE and p.dtype == run[0].dtype \
                     and self.state[p]["step"] == self.state[run[0]]["step"]:
                 run.append(p)
                 total += size
@@ -322,7 +323,7 @@ class Adam8bit(torch.optim.Optimizer):
             _adam8bit_compiled()(param, grad, m_codes, m_absmax, v_codes, v_absmax, *tables, block_size, lr, beta1,
                                  beta2, eps, weight_decay, *corrections)
             return
-        chunk = block_size * (max(1, CHUNK // block_size) if p.device.type in CHUNKED_DEVICES else m_absmax.numel())
+        chunk = block_size * max(1, (CHUNK if p.device.type in CHUNKED_DEVICES else PIECE) // block_size)
         for start in range(0, param.numel(), chunk):
             stop = min(start + chunk, param.numel())
             blocks = slice(start // block_size, -(-stop // block_size))

@@ -346,6 +346,49 @@ def test_adam8bit_compiled_step_agrees_with_eager_and_compiles_once():
     assert graphs == 2, f"{graphs} graphs compiled for 2-D and 1-D tensors: a size, lr or step count recompiled"
 
 
+def test_adam8bit_gpu_path_keeps_temporaries_to_a_piece(monkeypatch):
+    """Off CPU (forced here) a tensor larger than optim.PIECE is updated piece by piece: no temporary of its size
+    (~31 bytes per entry: 4 GB for a 7b embedding whole), and to the bit the same as in one piece."""
+    import optim
+    monkeypatch.setattr(optim, "CHUNKED_DEVICES", set())
+
+    def step(piece):
+        monkeypatch.setattr(optim, "PIECE", piece)
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(300, 1000).to(torch.bfloat16))
+        opt = Adam8bit([p], weight_decay=0.1)
+        largest = 0
+        for i in range(3):
+            p.grad = (torch.randn(300, 1000) * 1e-2).to(torch.bfloat16)
+            largest = largest_new_tensor(opt.step) if i else opt.step()  # the first allocates the state
+        return p, opt.state[p], largest
+
+    (p_pieces, s_pieces, largest), (p_whole, s_whole, whole) = step(32768), step(1 << 20)
+    assert largest <= 32768 < 300 * 1000 <= whole, (largest, whole)
+    assert torch.equal(p_pieces, p_whole) and same_state(s_pieces, s_whole)
+
+
+def largest_new_tensor(fn):
+    """The most entries of a tensor that fn() allocates (views, aliases and in-place results aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if torch.is_tensor(a)}
+            fresh = [t for t in (out if isinstance(out, (list, tuple)) else [out])
+                     if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs]  # not views or aliases
+            Largest.n = max([Largest.n] + [t.numel() for t in fresh])
+            return out
+
+    with Largest():
+        fn()
+    return Largest.n
+
+
 def same_state(a, b):
     """Two (nested) optimizer states hold equal values, tensors to the bit."""
     if isinstance(a, dict):
@@ -365,7 +408,8 @@ def test_adam8bit_small_tensors_together_match_one_by_one(monkeypatch, per_layer
     monkeypatch.setattr(optim, "CHUNKED_DEVICES", set())
 
     def train(together, steps=3):
-        monkeypatch.setattr(optim, "TOGETHER", 1 << 22 if together else 0)
+        if not together:
+            monkeypatch.setattr(optim.Adam8bit, "_runs", lambda self, params: [[p] for p in params])
         torch.manual_seed(0)
         model = LLaMA(config_for("tiny", method="sltrain", vocab_size=VOCAB)).to(dtype)
         make = lambda ps: Adam8bit(ps, lr=1e-3, weight_decay=0.1, min_8bit_size=65, compile=compile)  # noqa: E731
