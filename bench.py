@@ -24,11 +24,12 @@ Sections (--only picks some):
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
 
 --suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16), with the parts of SLTrain's
-extra work timed alone; 350m train steps of the four methods with AdamW and 8-bit per-layer, eager and compiled; amp
-(train.py --amp beside pure bf16 at 350m); the memory section; the 8-bit step against fused AdamW on the 7b shapes;
-inference; and, with --data_dir, program: train.py itself (a 60m 8-bit per-layer run, SIGTERM + --resume, --compile,
---sync_debug, torchrun). --suite tiny runs the same code at toy sizes on CPU (test_bench.py). The sections amp and
-program exist only in a suite. A suite runs its sections one by one: after each, its table prints and --out is
+extra work timed alone; model: 350m train steps of the four methods with AdamW and 8-bit per-layer; model_compiled:
+the same, compiled as train.py --compile, for full, lowrank and sltrain; amp (train.py --amp beside pure bf16 at
+350m); the memory section; the 8-bit step, eager and compiled, against fused AdamW on the 7b shapes, and the host
+time of per-layer updates; inference; and, with --data_dir, program: train.py itself (a 60m 8-bit per-layer run,
+SIGTERM + --resume, --compile, --sync_debug, torchrun). --suite tiny runs the same code at toy sizes on CPU
+(test_bench.py). The sections model_compiled, amp and program exist only in a suite. A suite runs its sections one by one: after each, its table prints and --out is
 rewritten, with the section's seconds under "seconds"; a section that raises is recorded under "errors" and the
 next one runs; the command exits non-zero if any failed. The GPU suite has never run; BENCHMARKS.md splits it with
 --only into three shorter commands (how long each takes is an estimate).
@@ -267,29 +268,21 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     return step
 
 
-def suite_model(s, device, dtype, progress=lambda partial: None):
-    """Train-step tokens/s of the four methods with AdamW and with 8-bit Adam per-layer, ÷ full AdamW; eager and
-    compiled (model and 8-bit step, as train.py --compile) variants are measured in two groups (all eight models of
-    a group are alive at once). progress gets the result so far after the eager group."""
-    groups = {}
-    result = dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], groups=groups)
-    for compiled in (False, True):
-        backend = s["backend"] if compiled else None
-        variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
-                    train_step(s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype, backend,
-                               s.get("vocab"))
-                    for o, pl in (("adamw", False), ("adam8bit", True)) for m in METHODS}
-        times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1)  # compiling is warm-up
-        v = summary(times, "full/adamw", invert=True)
-        for row in v.values():
-            row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
-        groups["compiled" if compiled else "eager"] = v
-        del variants
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        progress(result)
-    return result
+def suite_model(s, device, dtype, compiled):
+    """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
+    eager, the four methods; compiled (the model and the 8-bit step, as train.py --compile), the three the issue's
+    targets name (each method's model compiles anew: minutes)."""
+    methods = ("full", "lowrank", "sltrain") if compiled else METHODS
+    variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
+                train_step(s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype,
+                           s["backend"] if compiled else None, s.get("vocab"))
+                for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
+    times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1)  # compiling is warm-up
+    v = summary(times, "full/adamw", invert=True)
+    for row in v.values():
+        row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
+    return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], compiled=compiled,
+                variants=v)
 
 
 def suite_amp(s, device, dtype):
@@ -448,7 +441,8 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
         return rows
 
     # each takes progress(partial): the long ones pass it what they have finished, which is saved before they go on
-    run = dict(layer=lambda _: suite_layer(s, device, dtype), model=lambda p: suite_model(s, device, dtype, p),
+    run = dict(layer=lambda _: suite_layer(s, device, dtype), model=lambda _: suite_model(s, device, dtype, False),
+               model_compiled=lambda _: suite_model(s, device, dtype, True),
                amp=lambda _: suite_amp(s, device, dtype), memory=lambda p: suite_memory(s, device, p),
                optimizer=lambda _: suite_optimizer(s, device, dtype),
                program=lambda _: suite_program(s, data_dir, tokenizer, out_dir), inference=inference)
@@ -521,12 +515,12 @@ def report_layer(r):
               f"({L['accounted_ms'] / v['sltrain']['ms']:.0%})")
 
 
-def report_model(r):
-    M = r["model"]
-    for group, v in M["groups"].items():
-        print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {group}: tokens/s, ratio to full/adamw")
-        for name, row in v.items():
-            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
+def report_model(r, key="model"):
+    M = r[key]
+    print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {'compiled' if M['compiled'] else 'eager'}: "
+          "tokens/s, ratio to full/adamw")
+    for name, row in M["variants"].items():
+        print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
 
 
 def report_amp(r):
@@ -573,7 +567,8 @@ def report_suite_optimizer(r):
 
 
 # each suite section's table, printed as the section ends and again, from the JSON alone, by report_suite
-SUITE_REPORTS = dict(layer=report_layer, model=report_model, amp=report_amp, memory=report_memory,
+SUITE_REPORTS = dict(layer=report_layer, model=report_model,
+                     model_compiled=lambda r: report_model(r, "model_compiled"), amp=report_amp, memory=report_memory,
                      inference=report_inference, program=report_program, optimizer=report_suite_optimizer)
 
 
@@ -677,7 +672,8 @@ def main():
     parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
     parser.add_argument("--only", nargs="+",
-                        choices=["layer", "model", "amp", "optimizer", "memory", "inference", "program"],
+                        choices=["layer", "model", "model_compiled", "amp", "optimizer", "memory", "inference",
+                                 "program"],
                         help="run only these sections (default: all that apply to the device; program: --suite only)")
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
@@ -706,8 +702,9 @@ def main():
         raise ValueError("--batch_size, --max_length and --rounds must be >= 1")
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
 
-    if not args.suite and set(sections) & {"amp", "program"}:
-        raise ValueError("--only amp and program are sections of a suite: add --suite gpu (or --suite tiny on CPU)")
+    if not args.suite and set(sections) & {"amp", "program", "model_compiled"}:
+        raise ValueError("--only amp, program and model_compiled are sections of a suite: add --suite gpu (or --suite "
+                         "tiny on CPU)")
     if args.suite == "gpu" and not cuda:
         raise ValueError("--suite gpu measures bf16 on a GPU; run it on a CUDA machine, or use --suite tiny on CPU")
     result = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),

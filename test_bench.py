@@ -17,7 +17,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
     out = str(tmp_path / "tiny.json")
     r = bench.run_suite("tiny", torch.device("cpu"), out=out)
     s = bench.SUITES["tiny"]
-    sections = ["layer", "model", "amp", "memory", "optimizer", "inference"]
+    sections = ["layer", "model", "model_compiled", "amp", "memory", "optimizer", "inference"]
     assert list(r["seconds"]) == sections and "errors" not in r
     assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
     for L in r["layer"]:
@@ -27,9 +27,10 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
         assert all(row["ms"] > 0 for row in v.values()) and v["sltrain"]["ratio"] > 0
         parts = v["form"]["ms"] + v["scatter"]["ms"]
         assert L["accounted_ms"] == v["dense"]["ms"] + 2 * parts + v["factor_grads"]["ms"] + v["gather"]["ms"]
-    for group in ("eager", "compiled"):
-        v = r["model"]["groups"][group]
-        assert len(v) == 2 * len(bench.METHODS) and v["full/adamw"]["ratio"] == 1.0
+    for key, methods in (("model", bench.METHODS), ("model_compiled", ("full", "lowrank", "sltrain"))):
+        v = r[key]["variants"]
+        assert r[key]["compiled"] is (key == "model_compiled") and v["full/adamw"]["ratio"] == 1.0
+        assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")}
         assert all(x["tok_s"] > 0 for x in v.values())
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
@@ -122,7 +123,7 @@ def test_gpu_suite_refused_without_cuda(monkeypatch):
 
 
 def test_suite_sections_without_a_suite_are_refused(monkeypatch):
-    for section in ("amp", "program"):
+    for section in ("amp", "program", "model_compiled"):
         monkeypatch.setattr("sys.argv", ["bench.py", "--only", section])
         with pytest.raises(ValueError, match="add --suite gpu"):
             bench.main()
