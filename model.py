@@ -248,6 +248,15 @@ class LLaMA(nn.Module):
                                    ignore_index=-1, reduction="sum") / (targets != -1).sum().clamp(min=1)
         return logits, loss
 
+    def compile_blocks(self, **options):
+        """torch.compile each transformer block in place (regional compilation; options go to torch.compile). The
+        blocks are alike, so one graph serves them all and compiling takes one block's time; and each block's
+        backward stays its own, so per-layer updates free a block's gradients before the next block's exist, where
+        a whole-model graph would return every gradient at once. The embedding, the head and the loss stay eager."""
+        for block in self.layers:
+            block.compile(**options)
+        return self
+
     def num_params(self):
         """Parameter counts by kind: dense (embeddings, norms, head, full-rank projections), lowrank (B, A),
         sparse (values), and total. Works on the meta device."""

@@ -73,8 +73,9 @@ def make_parser():
     a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU)")
     a("--amp", action="store_true", help="mixed precision: float32 parameters and optimizer state, bf16 autocast "
       "for forward and backward (the default on GPU is the paper's pure bf16)")
-    a("--compile", action="store_true", help="torch.compile the model, and 8-bit Adam's step (fused kernels "
-      "per tensor instead of ~35; for GPUs: on a CPU inductor's code for it is slower than eager)")
+    a("--compile", action="store_true", help="torch.compile each transformer block (model.compile_blocks: one "
+      "graph for all, per-layer memory kept) and 8-bit Adam's step (fused kernels; for GPUs: on a CPU inductor's "
+      "code for it is slower than eager)")
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
       "should be none; hostsync.py) and print them at the end")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
@@ -537,7 +538,7 @@ def build(args, config, device, dtype, ddp, ckpt):
     prepare_for_training(raw_model, args, resuming=bool(ckpt))  # --support_seed, --init_from, --freeze (analyze.py)
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
-    model = torch.compile(raw_model) if args.compile else raw_model
+    model = raw_model.compile_blocks() if args.compile else raw_model  # in place: checkpoints keep their names
     if ddp:
         with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers, on every rank; its replacement
             # (forward_sync_buffers) is missing from older torch and would sync at init, which we do not need
