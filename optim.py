@@ -219,7 +219,7 @@ class Adam8bit(torch.optim.Optimizer):
 
     Off CPU, runs of consecutive small 8-bit tensors (a layer's, under per-layer updates) are updated as one, to
     the bit the same: one launch per operation for all of them (_update_8bit_together). compile=True runs the update
-    through torch.compile: a few fused kernels instead of ~35, one call from the host instead of ~60 operations
+    through torch.compile: a few fused kernels instead of ~35, one call from the host instead of ~65 operations
     (what bounds a GPU step whose many small tensors each launch their own). Its results agree with the eager step
     to float32 rounding, not bit for bit; the state format is the same."""
 
