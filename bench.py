@@ -318,7 +318,10 @@ def suite_amp(s, device, dtype):
 
 def suite_memory(s, device, progress=lambda partial: None):
     """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the counted bytes) of each
-    setting, beside estimate_memory's estimate of the same setting. progress gets the result after each setting."""
+    setting, beside estimate_memory's estimate of the same setting and the bytes counted in the same run (parameters,
+    optimizer state, the most gradients alive, saved activations): on CUDA the peak less these is what the step's
+    temporaries (logits in float32, W in backward, the optimizer's pieces) and the allocator add. progress gets the
+    result after each setting."""
     result = {}
     for size in s["memory_sizes"]:
         rows = {}
@@ -331,9 +334,10 @@ def suite_memory(s, device, progress=lambda partial: None):
                                      s["memory_steps"], device)
                 gb = counted.get("cuda_peak", counted["train"]) / 1e9
             except torch.cuda.OutOfMemoryError:
-                gb = None
+                counted, gb = {}, None
             rows[name] = dict(gb=gb, estimate_gb=est["train_gb"],
-                              vs_estimate=None if gb is None else gb / est["train_gb"] - 1)
+                              vs_estimate=None if gb is None else gb / est["train_gb"] - 1,
+                              counted_gb={k: v / 1e9 for k, v in counted.items() if k != "cuda_peak"})
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -541,7 +545,10 @@ def report_memory(r):
         print(f"memory {size}, batch 1: sltrain 8-bit per-layer vs full AdamW {red}{paper}")
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else f"{row['gb']:.3f} GB ({row['vs_estimate']:+.1%} vs estimate)"
-            print(f"  {name:<28} {gb} | estimate {row['estimate_gb']:.3f} GB")
+            counted = row.get("counted_gb", {})
+            parts = "" if not counted else " | counted " + ", ".join(
+                f"{k} {counted[k]:.3f}" for k in ("param", "optim", "grad", "act", "train"))
+            print(f"  {name:<28} {gb} | estimate {row['estimate_gb']:.3f} GB{parts}")
 
 
 def report_inference(r):

@@ -37,6 +37,9 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
                                     "galore/adam8bit/per_layer", "sltrain/adam8bit/per_layer"}
     for name, row in mem["settings"].items():  # on CPU the counted bytes: they must agree with the estimate
         assert abs(row["vs_estimate"]) < 0.05, (name, row)
+        parts = row["counted_gb"]  # the counted parts of the same run, which add up to the (CPU) figure
+        assert parts["train"] == pytest.approx(row["gb"]) == pytest.approx(sum(parts[k] for k in
+                                                                              ("param", "optim", "grad", "act")))
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
     for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops
