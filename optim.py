@@ -315,21 +315,20 @@ class Adam8bit(torch.optim.Optimizer):
     @staticmethod
     def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
         tables = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
-        corrections = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+        hyper = (lr, beta1, beta2, eps, weight_decay, 1 - beta1 ** state["step"], 1 - beta2 ** state["step"])
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
         v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
         if compile:  # the whole tensor in one call of fused kernels
-            _adam8bit_compiled()(param, grad, m_codes, m_absmax, v_codes, v_absmax, *tables, block_size, lr, beta1,
-                                 beta2, eps, weight_decay, *corrections)
+            _adam8bit_compiled()(param, grad, (m_codes, m_absmax), (v_codes, v_absmax), tables, block_size, hyper)
             return
         chunk = block_size * max(1, (CHUNK if p.device.type in CHUNKED_DEVICES else PIECE) // block_size)
         for start in range(0, param.numel(), chunk):
             stop = min(start + chunk, param.numel())
             blocks = slice(start // block_size, -(-stop // block_size))
             padded = slice(blocks.start * block_size, blocks.stop * block_size)
-            _adam8bit_(param[start:stop], grad[start:stop], m_codes[padded], m_absmax[blocks], v_codes[padded],
-                       v_absmax[blocks], *tables, block_size, lr, beta1, beta2, eps, weight_decay, *corrections)
+            _adam8bit_(param[start:stop], grad[start:stop], (m_codes[padded], m_absmax[blocks]),
+                       (v_codes[padded], v_absmax[blocks]), tables, block_size, hyper)
 
 
 def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
@@ -348,19 +347,21 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     whole = [torch.cat([state[key] for state in states]) for key in keys]
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
     step = states[0]["step"]
+    hyper = (lr, beta1, beta2, eps, weight_decay, 1 - beta1**step, 1 - beta2**step)
     update = _adam8bit_compiled() if compile else _adam8bit_
-    update(param, grad, *whole, *tables, block_size, lr, beta1, beta2, eps, weight_decay, 1 - beta1**step,
-           1 - beta2**step)
+    update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
     torch._foreach_copy_([p.view(-1) for p in params], unpadded(param))
     for key, flat in zip(keys, whole):
         per_tensor = [size // (1 if key.endswith("codes") else block_size) for size in sizes]
         torch._foreach_copy_([state[key] for state in states], list(flat.split(per_tensor)))
 
 
-def _adam8bit_(param, grad, m_codes, m_absmax, v_codes, v_absmax, signed, unsigned, block_size, lr, beta1, beta2, eps,
-               weight_decay, bias_correction1, bias_correction2):
-    """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat, the codes (nb·bs,)
-    and absmax (nb,) of m and √v, the lookup tables of the signed and unsigned maps; the last block may be padded."""
+def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
+    """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat; m and v the (codes
+    (nb·bs,), absmax (nb,)) of m and √v; the lookup tables of the signed and unsigned maps; hyper = (lr, β1, β2, ε,
+    weight decay, and the two bias corrections). The last block may be padded."""
+    (m_codes, m_absmax), (v_codes, v_absmax), (signed, unsigned) = m, v, tables
+    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2 = hyper
     m = _dequantize(m_codes, m_absmax, signed[0], block_size)  # (nb, bs)
     v = _dequantize(v_codes, v_absmax, unsigned[0], block_size).square_()  # (nb, bs) from √v
     g = _finite(grad)
