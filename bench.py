@@ -29,10 +29,10 @@ the same, compiled as train.py --compile, for full, lowrank and sltrain; amp (tr
 350m); the memory section; the 8-bit step, eager and compiled, against fused AdamW on the 7b shapes, and the host
 time of per-layer updates; inference; and, with --data_dir, program: train.py itself (a 60m 8-bit per-layer run,
 SIGTERM + --resume, --compile, --sync_debug, torchrun). --suite tiny runs the same code at toy sizes on CPU
-(test_bench.py). The sections model_compiled, amp and program exist only in a suite. A suite runs its sections one by one: after each, its table prints and --out is
-rewritten, with the section's seconds under "seconds"; a section that raises is recorded under "errors" and the
-next one runs; the command exits non-zero if any failed. The GPU suite has never run; BENCHMARKS.md splits it with
---only into three shorter commands (how long each takes is an estimate).
+(test_bench.py). The sections model_compiled, amp and program exist only in a suite. A suite runs its sections one by
+one: after each, its table prints and --out is rewritten, with the section's seconds under "seconds"; a section that
+raises is recorded under "errors" and the next one runs; the command exits non-zero if any failed. The GPU suite has
+never run; BENCHMARKS.md splits it with --only into four shorter commands (how long each takes is an estimate).
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is

@@ -357,9 +357,9 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
 
 
 def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
-    """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat; m and v the (codes
-    (nb·bs,), absmax (nb,)) of m and √v; the lookup tables of the signed and unsigned maps; hyper = (lr, β1, β2, ε,
-    weight decay, and the two bias corrections). The last block may be padded."""
+    """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat; m and v the
+    (codes (nb·bs,), absmax (nb,)) of m and √v; the lookup tables of the signed and unsigned maps; hyper = (lr, β1,
+    β2, ε, weight decay, and the two bias corrections). The last block may be padded."""
     (m_codes, m_absmax), (v_codes, v_absmax), (signed, unsigned) = m, v, tables
     lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2 = hyper
     m = _dequantize(m_codes, m_absmax, signed[0], block_size)  # (nb, bs)
