@@ -13,7 +13,7 @@ once (LOMO, GaLore). With SLTrain's W = s·BA + S these give the paper's memory 
 Run the tests:   python -m pytest -q test_optim.py test_galore.py
 Time a step:     python optim.py bench      (CPU, 4096x4096 tensor, as ratios to torch.optim.AdamW(foreach=True))
 Heavy tails:     python optim.py heavy      (Adam8bit beside float32 AdamW on gradients whose rows differ 1000x)
-Host time:       python optim.py host       (per-layer updates: the host's time per parameter; --device cuda)
+Host time:       python optim.py host       (per-layer updates: the host's time per update; --device cuda)
 """
 
 import argparse
