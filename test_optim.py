@@ -335,7 +335,7 @@ def test_adam8bit_compiled_step_agrees_with_eager_and_compiles_once():
                 p.grad = g.clone()
                 opt.step()
         diff = (params[0] - params[1]).abs()
-        assert diff.max() < 0.25 * lr and diff.mean() < 1e-3 * lr, (shape, diff.max().item(), diff.mean().item())
+        assert diff.max() < 0.25 * lr and diff.mean() < 1e-4 * lr, (shape, diff.max().item(), diff.mean().item())
         s_eager, s_compiled = eager.state[params[0]], compiled.state[params[1]]
         assert {k: (v.dtype, v.shape) for k, v in s_eager.items() if torch.is_tensor(v)} == \
             {k: (v.dtype, v.shape) for k, v in s_compiled.items() if torch.is_tensor(v)}
