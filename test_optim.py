@@ -497,6 +497,32 @@ def test_per_layer_steps_each_layer_once_and_keeps_the_per_parameter_format():
     assert all(s["param_groups"][0]["params"] == [0] and set(s["state"]) == {0} for s in saved.values())
 
 
+def test_per_layer_loads_a_state_saved_with_one_optimizer_per_parameter():
+    """Checkpoints written when per-layer mode kept one optimizer per parameter load into the per-layer grouping and
+    continue exactly as if it had run all along."""
+    make = OPTIMIZERS["Adam8bit"]
+    x, y = bigram_batches(5, batch=2, T=16)
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, make)
+    for i in range(5):
+        model(x[i], y[i])[1].backward()
+    old = tiny_llama()  # the former layout: make([p]) for every parameter, each stepped after backward
+    opts = {name: make([p]) for name, p in old.named_parameters()}
+    for i in range(3):
+        old(x[i], y[i])[1].backward()
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for opt in opts.values():
+        opt.param_groups[0]["initial_lr"] = opt.param_groups[0]["lr"]
+    saved = {"steps": 3, "optimizers": {name: opt.state_dict() for name, opt in opts.items()}}
+    resumed = attach_per_layer(old, make)
+    resumed.load_state_dict(saved)
+    for i in range(3, 5):
+        old(x[i], y[i])[1].backward()
+    assert_same_params(old, model, "resumed from per-parameter state vs grouped all along")
+
+
 def test_per_layer_updates_a_layer_whose_other_parameter_got_no_gradient():
     torch.manual_seed(0)
     layer = torch.nn.Module()
