@@ -341,7 +341,8 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     device, n = params[0].device, sum(sizes)
     param, grad = torch.zeros(n, dtype=params[0].dtype, device=device), torch.zeros(n, device=device)
     unpadded = lambda flat: [part[: p.numel()] for part, p in zip(flat.split(sizes), params)]  # noqa: E731
-    torch._foreach_copy_(unpadded(param), [p.view(-1) for p in params])
+    flat_params, param_parts = [p.view(-1) for p in params], unpadded(param)  # views, used going in and out
+    torch._foreach_copy_(param_parts, flat_params)
     torch._foreach_copy_(unpadded(grad), [p.grad.reshape(-1) for p in params])  # to float32, as _finite does
     keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
     whole = [torch.cat([state[key] for state in states]) for key in keys]
@@ -350,7 +351,7 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     hyper = (lr, beta1, beta2, eps, weight_decay, 1 - beta1**step, 1 - beta2**step)
     update = _adam8bit_compiled() if compile else _adam8bit_
     update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
-    torch._foreach_copy_([p.view(-1) for p in params], unpadded(param))
+    torch._foreach_copy_(flat_params, param_parts)
     for key, flat in zip(keys, whole):
         per_tensor = [size // (1 if key.endswith("codes") else block_size) for size in sizes]
         torch._foreach_copy_([state[key] for state in states], list(flat.split(per_tensor)))
@@ -912,6 +913,8 @@ if __name__ == "__main__":
                              "parameter of per-layer updates")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="host: cpu or cuda")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no usable CUDA GPU here; pass --device cpu")
     if args.command == "bench":
         bench()
     elif args.command == "heavy":

@@ -357,10 +357,12 @@ def test_adam8bit_gpu_path_keeps_temporaries_to_a_piece(monkeypatch):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(300, 1000).to(torch.bfloat16))
         opt = Adam8bit([p], weight_decay=0.1)
-        largest = 0
         for i in range(3):
             p.grad = (torch.randn(300, 1000) * 1e-2).to(torch.bfloat16)
-            largest = largest_new_tensor(opt.step) if i else opt.step()  # the first allocates the state
+            if i == 0:
+                opt.step()  # the first step allocates the state
+            else:
+                largest = largest_new_tensor(opt.step)
         return p, opt.state[p], largest
 
     (p_pieces, s_pieces, largest), (p_whole, s_whole, whole) = step(32768), step(1 << 20)
