@@ -266,7 +266,7 @@ class Adam8bit(torch.optim.Optimizer):
     def _runs(self, params):
         """params in runs to update as one: consecutive, of one dtype and step count, PIECE entries at most; one
         by one on CPU, whose chunks keep the temporaries in cache."""
-        if not params or params[0].device.type in CHUNKED_DEVICES:
+        if len(params) < 2 or params[0].device.type in CHUNKED_DEVICES:
             return [[p] for p in params]
         runs, total = [], 0
         for p in params:
