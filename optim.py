@@ -177,7 +177,7 @@ def _quantize_(x, absmax_out, codes_out, tables):
     flat = x.view(-1)
     bucket = (flat.view(torch.int32) >> 16) & 0xFFFF  # the top 16 bits of each float32
     torch.index_select(first, 0, bucket, out=codes_out)
-    codes_out.add_((flat > threshold.index_select(0, bucket)).view(torch.uint8))
+    codes_out.add_(flat > threshold.index_select(0, bucket))  # uint8 += bool: the code one above, where x is past it
 
 
 def quantize_blockwise(x, signed, block_size=256):
@@ -315,7 +315,7 @@ class Adam8bit(torch.optim.Optimizer):
     @staticmethod
     def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
         tables = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
-        hyper = (lr, beta1, beta2, eps, weight_decay, 1 - beta1 ** state["step"], 1 - beta2 ** state["step"])
+        hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, state["step"])
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
         v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
@@ -347,8 +347,7 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
     whole = [torch.cat([state[key] for state in states]) for key in keys]
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
-    step = states[0]["step"]
-    hyper = (lr, beta1, beta2, eps, weight_decay, 1 - beta1**step, 1 - beta2**step)
+    hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, states[0]["step"])
     update = _adam8bit_compiled() if compile else _adam8bit_
     update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
     torch._foreach_copy_(flat_params, param_parts)
@@ -357,27 +356,35 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
         torch._foreach_copy_([state[key] for state in states], list(flat.split(per_tensor)))
 
 
+def _step_scalars(lr, beta1, beta2, eps, weight_decay, step):
+    """The numbers _adam8bit_ uses, each computed here once, in Python: the compiled update takes them as graph
+    inputs, and torch 2.11's compiler recompiles for every new value of a float it has to do arithmetic on (every
+    step's bias correction, every lr of a schedule). Eagerly the same values as computing them in place."""
+    decay = 1 - lr * weight_decay if weight_decay != 0 else None
+    return -(lr / (1 - beta1**step)), 1 - beta1, beta2, 1 - beta2, eps, decay, (1 - beta2**step) ** 0.5
+
+
 def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
     """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat; m and v the
-    (codes (nb·bs,), absmax (nb,)) of m and √v; the lookup tables of the signed and unsigned maps; hyper = (lr, β1,
-    β2, ε, weight decay, and the two bias corrections). The last block may be padded."""
+    (codes (nb·bs,), absmax (nb,)) of m and √v; the lookup tables of the signed and unsigned maps; hyper =
+    _step_scalars(...). The last block may be padded."""
     (m_codes, m_absmax), (v_codes, v_absmax), (signed, unsigned) = m, v, tables
-    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2 = hyper
+    step_size, one_minus_beta1, beta2, one_minus_beta2, eps, decay, sqrt_bias_correction2 = hyper
     m = _dequantize(m_codes, m_absmax, signed[0], block_size)  # (nb, bs)
     v = _dequantize(v_codes, v_absmax, unsigned[0], block_size).square_()  # (nb, bs) from √v
     g = _finite(grad)
     m_, v_ = m.view(-1)[: param.numel()], v.view(-1)[: param.numel()]  # without the padding of the last block
-    m_.lerp_(g, 1 - beta1)  # m = β1·m + (1-β1)·g
-    v_.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = β2·v + (1-β2)·g²
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
+    m_.lerp_(g, one_minus_beta1)  # m = β1·m + (1-β1)·g
+    v_.mul_(beta2).addcmul_(g, g, value=one_minus_beta2)  # v = β2·v + (1-β2)·g²
+    if decay is not None:
+        param.mul_(decay)  # 1 - lr·weight decay
     # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
     v.sqrt_()  # √v: what is stored, and the denominator's
-    denom = v_.div(bias_correction2**0.5).add_(eps)
-    if torch.compiler.is_compiling():  # the same arithmetic (bit for bit in eager) with lr as a tensor operand: a
-        param.add_(m_ * -(lr / bias_correction1) / denom)  # Python-number argument would recompile for every lr
+    denom = v_.div(sqrt_bias_correction2).add_(eps)
+    if torch.compiler.is_compiling():  # the same arithmetic (bit for bit in eager) with the step size as a tensor
+        param.add_(m_ * step_size / denom)  # operand: a Python-number argument would recompile for every lr
     else:
-        param.addcdiv_(m_, denom, value=-(lr / bias_correction1))
+        param.addcdiv_(m_, denom, value=step_size)  # step_size = -lr / (1 - β1^t)
     _quantize_(m, m_absmax, m_codes, signed)
     _quantize_(v, v_absmax, v_codes, unsigned)
 

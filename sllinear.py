@@ -86,7 +86,9 @@ class SLLinearFunction(torch.autograd.Function):
 def sl_linear(x, B, A, values, indices, scale):
     """Functional form: x (s·BA ⊕_I V)ᵀ. For a sparse-only layer pass B (out, 0) and A (0, in)."""
     device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    # meta has no autocast state. (Not torch.amp.is_autocast_available: torch 2.11's compiler cannot trace it and
+    # would break each compiled block's graph at every SLTrain layer.)
+    if device != "meta" and torch.is_autocast_enabled(device):
         # mixed precision: autocast does not reach inside an autograd.Function, so do what it does for nn.Linear:
         # cast the (float32) weights to the autocast dtype on the way in. The casts are recorded by autograd, so
         # the gradients of B, A and V come back in float32, and W is formed and multiplied in bf16 alone.
