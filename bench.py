@@ -142,7 +142,7 @@ def bench_model(size, batch_size, max_length, device, dtype, rounds):
         idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
         def step(model=model, opt=opt, idx=idx):
-            _, loss = model(idx[:, :-1], idx[:, 1:].contiguous())
+            loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -262,7 +262,7 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
     def step():
-        _, loss = model(idx[:, :-1], idx[:, 1:].contiguous())
+        loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
         loss.backward()
         if opt is not None:
             opt.step()
@@ -317,11 +317,11 @@ def suite_amp(s, device, dtype):
 
 
 def suite_memory(s, device, progress=lambda partial: None):
-    """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the counted bytes) of each
-    setting, beside estimate_memory's estimate of the same setting and the bytes counted in the same run (parameters,
-    optimizer state, the most gradients alive, saved activations): on CUDA the peak less these is what the step's
-    temporaries (logits in float32, W in backward, the optimizer's pieces) and the allocator add. progress gets the
-    result after each setting."""
+    """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the profiler's memory
+    events, estimate_memory.cpu_peak) of each setting, beside estimate_memory's estimate of the same setting and the
+    bytes counted in the same run (parameters, optimizer state, the most gradients alive, saved activations): the
+    peak less what these add up to (train) is what the step's temporaries (the logits' gradient, W in backward, the
+    optimizer's pieces) add. progress gets the result after each setting."""
     result = {}
     for size in s["memory_sizes"]:
         rows = {}
@@ -332,12 +332,12 @@ def suite_memory(s, device, progress=lambda partial: None):
             try:
                 counted, _ = measure(size, method, None, None, optimizer, per_layer, 1, s["max_length"],
                                      s["memory_steps"], device)
-                gb = counted.get("cuda_peak", counted["train"]) / 1e9
+                gb = counted["peak"] / 1e9
             except torch.cuda.OutOfMemoryError:
                 counted, gb = {}, None
             rows[name] = dict(gb=gb, estimate_gb=est["train_gb"],
                               vs_estimate=None if gb is None else gb / est["train_gb"] - 1,
-                              counted_gb={k: v / 1e9 for k, v in counted.items() if k != "cuda_peak"})
+                              counted_gb={k: v / 1e9 for k, v in counted.items() if k != "peak"})
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

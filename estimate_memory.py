@@ -21,8 +21,11 @@ print them beside it, and `train` adds them. Per method:
 """
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import tempfile
 import textwrap
 
 import torch
@@ -122,6 +125,15 @@ def layer_grad_numel(model, trainable):
     return max(sum(p.numel() for p in m.parameters(recurse=False) if trainable(p)) for m in model.modules())
 
 
+def at_most(grad, act, layer_grad):
+    """The most of gradients and activations alive at once, beside the parameters and optimizer state. Backward
+    starts with every activation saved and makes the first layer's gradient (the head's, the largest); without
+    per-layer updates it ends with every gradient and few activations left. In between, each block frees its
+    activations as its gradients appear, so the larger end bounds it. With per-layer updates grad is one layer's
+    and the first term is the larger. The step's temporaries come on top (estimate_memory.py --measure)."""
+    return max(act + layer_grad, grad)
+
+
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
              batch_size=0, max_length=256):
     """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
@@ -145,7 +157,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     param_bytes = BF16 * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
     optim_bytes = sum(moment_bytes(p.numel(), optimizer) for p in model.parameters())
     state_numel = 2 * n["total"]
-    grad_numel = layer_grad_numel(model, lambda p: True) if per_layer else n["total"]
+    layer_numel = layer_grad_numel(model, lambda p: True)
+    grad_numel = layer_numel if per_layer else n["total"]
 
     if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
         full = LLaMA(config_for(size, method="full"), device="meta")
@@ -165,11 +178,11 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         row["projection_m"] = projection_numel / 1e6
 
     row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
-               grad_gb=BF16 * grad_numel / GB, act_gb=0.0)
+               grad_gb=BF16 * grad_numel / GB, layer_grad_gb=BF16 * layer_numel / GB, act_gb=0.0)
     if batch_size:
         row["act_gb"] = activation_bytes(size, ours, rank, delta, batch_size, max_length) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
-    row["train_gb"] = row["total_gb"] + row["grad_gb"] + row["act_gb"]
+    row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["layer_grad_gb"])
     row["footnote"] = slip(size, method, rank, delta) if (optimizer, index_dtype) == ("adamw", "int64") else None
     return row
 
@@ -197,11 +210,12 @@ def print_table(rows):
             notes.append(r["footnote"])
             mark = f"[{len(notes)}]"
         grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
-        train = float(total) + grads + act  # added as printed, like the paper's total
+        train = float(total) + at_most(grads, act, round(r["layer_grad_gb"], 2))  # added as printed, as the paper
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
               f"  {grads:6.2f} {act_cell} {train:6.2f}")
-    print("total = param + optim, the paper's Mem column; train adds gradients (and activations with --batch_size)")
+    print("total = param + optim, the paper's Mem column; train adds the most gradients and activations alive at once:\n"
+          "grads, or with --batch_size the larger of grads and acts + the largest layer's gradient")
     for i, note in enumerate(notes, 1):
         print(textwrap.fill(note, 118, initial_indent=f"[{i}] ", subsequent_indent="    "))
 
@@ -236,8 +250,10 @@ def print_breakdown(r):
         line("activations", r["act_gb"], "G", "saved for backward by one bf16 forward, counted on the meta device")
     total = float(printed(r)[2])  # added as printed, like the paper's total
     line("total", total, "G", "param + optim, the paper's convention" + (" (see the note)" if r["footnote"] else ""))
-    line("train", total + round(r["grad_gb"], 2) + round(r["act_gb"], 2), "G", "total + grads"
-         + (" + activations" if r["batch_size"] else "") + "; temporaries of backward come on top")
+    train = total + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["layer_grad_gb"], 2))
+    line("train", train, "G", "total + " + ("the larger of grads and activations + the largest layer's gradient "
+                                            "(at_most)" if r["batch_size"] else "grads")
+         + "; the step's temporaries come on top")
     if r["footnote"]:
         print(textwrap.fill(r["footnote"], 118, initial_indent="  note: ", subsequent_indent="        "))
 
@@ -248,10 +264,53 @@ def fmt_bytes(b):
     return f"{b / GB:.2f}G" if b >= GB else f"{b / 1e6:.1f}M"
 
 
+STEPS_RANGE = "estimate_memory.measure: the training steps"  # the profiler's name for the measured window
+
+
+def cpu_peak(prof):
+    """The most bytes of CPU memory allocated at once during STEPS_RANGE by what ran since the profiler started: its
+    memory events, one per allocation and free, added up in time order (a free of memory allocated before it
+    started is not counted, so start it before anything the window frees is made). Read from the profiler's
+    exported trace, its public form; not from the events' running total, which carries over between profilers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    window = next(e for e in events if e.get("name") == STEPS_RANGE and e.get("ph") == "X")
+    start, end = window["ts"], window["ts"] + window["dur"]
+    alive, total, peak = {}, 0, 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                    key=lambda e: e["ts"]):
+        address, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
+        if nbytes > 0:
+            alive[address] = nbytes
+            total += nbytes
+        else:
+            total -= alive.pop(address, 0)
+        if start <= e["ts"] <= end:
+            peak = max(peak, total)
+    return peak
+
+
 def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
     """A few real bf16 training steps of our model. Returns the bytes of parameters, gradients (the most alive at
-    once), optimizer state and saved activations (the most of one forward), counted; on CUDA also the allocator's
-    peak; and the index dtype the model stores."""
+    once), optimizer state and saved activations (the most of one forward), counted; the real peak of the steps
+    (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the profiler's memory events); and the index
+    dtype the model stores."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--measure runs on cpu or cuda, not {device.type}")
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
+        if device.type == "cpu" else contextlib.nullcontext()
+    with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
+        counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
+                                        steps, device)
+    if device.type == "cpu":
+        counted["peak"] = cpu_peak(profiler)
+    return counted, index_dtype
+
+
+def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
     model = LLaMA(config, device=device).to(torch.bfloat16)
@@ -276,39 +335,44 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(steps):
-        idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
-        with SavedTensors(model) as saved:
-            _, loss = model(idx[:, :-1], idx[:, 1:].contiguous())
-        peak["acts"] = max(peak["acts"], saved.nbytes)
-        loss.backward()  # with per-layer updates each parameter steps here and drops its gradient
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    with torch.profiler.record_function(STEPS_RANGE):
+        for _ in range(steps):
+            idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
+            with SavedTensors(model) as saved:
+                loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
+            peak["acts"] = max(peak["acts"], saved.nbytes)
+            loss.backward()  # with per-layer updates each parameter steps here and drops its gradient
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del idx, loss
     optimizers = [opt] if opt is not None else per.optimizers.values()
     state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
     counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
-    counted["train"] = sum(counted.values())
+    layer_grad = max(sum(p.nbytes for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules())
+    counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], layer_grad)
     if device.type == "cuda":
-        counted["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+        counted["peak"] = torch.cuda.max_memory_allocated(device)
     index_dtype = next((str(m.indices.dtype).removeprefix("torch.") for m in model.modules()
                         if isinstance(m, SLLinear) and m.indices is not None), "int64")  # int32 below 2³¹ entries
     return counted, index_dtype
 
 
 def print_measured(results, device, args):
+    peak_name = "CUDA max_memory_allocated" if device.type == "cuda" else "CPU peak (profiler)"
     print(f"measured on {device}: {args.size}, bf16, batch {args.batch_size} x {args.max_length}, {args.steps} steps, "
-          f"{args.optimizer}{', per-layer' if args.per_layer else ''} -- estimate / counted"
-          + (" / CUDA max_memory_allocated" if device.type == "cuda" else ""))
-    print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train")))
+          f"{args.optimizer}{', per-layer' if args.per_layer else ''} -- estimate / counted; {peak_name}")
+    print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train"))
+          + "    peak   peak/est")
     for method, (est, counted) in results.items():
         cells = [f"{fmt_bytes(est[k + '_gb'] * GB):>8}/{fmt_bytes(counted[k]):<8}"
                  for k in ("param", "optim", "grad", "act", "train")]
-        peak = f" / {fmt_bytes(counted['cuda_peak'])}" if "cuda_peak" in counted else ""
+        peak = f"{fmt_bytes(counted['peak']):>8} {counted['peak'] / (est['train_gb'] * GB):8.3f}"
         print(f"{method:<8} " + " ".join(cells) + peak)
     print("counted: bytes of parameters and buffers, optimizer state, the most gradient bytes alive at once and the\n"
-          "saved activations of one forward; a real peak (CUDA's allocator) adds the temporaries of backward")
+          "saved activations of one forward; train = param + optim + at_most(grads, acts, the largest layer's\n"
+          "gradient); the peak is what was alive at the step's worst moment, temporaries included")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -403,6 +403,16 @@ def _adam8bit_compiled():
 # -----------------------------------------------------------------------------
 # Per-layer updates: step each layer inside backward
 
+def _norm32(t):
+    """The 2-norm of t accumulated in float32. CUDA reduces bf16 in float32 as it reads; the CPU kernel first copies
+    the whole tensor to float32 (65 MB for a 60m embedding's gradient, the peak of a step), so there it goes by
+    pieces."""
+    if t.device.type != "cpu" or t.dtype == torch.float32 or t.numel() <= PIECE:
+        return torch.linalg.vector_norm(t, dtype=torch.float32)
+    parts = [torch.linalg.vector_norm(part, dtype=torch.float32) for part in t.reshape(-1).split(PIECE)]
+    return torch.linalg.vector_norm(torch.stack(parts))
+
+
 def _at_end_of_backward(fn):
     # the autograd engine's hook for "once this backward is done", which DDP itself and torch's
     # optimizer-in-backward use; callbacks run in the order they were queued
@@ -480,7 +490,7 @@ class PerLayer:
     @torch.no_grad()
     def _update(self, opt, params):
         for p in params:
-            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            norm = _norm32(p.grad)
             self._norms.append(norm)  # summed once the update is done: one op per parameter here, not four
             if self.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ applied to this one tensor
                 p.grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))

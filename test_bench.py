@@ -35,11 +35,14 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
                                     "galore/adam8bit/per_layer", "sltrain/adam8bit/per_layer"}
-    for name, row in mem["settings"].items():  # on CPU the counted bytes: they must agree with the estimate
-        assert abs(row["vs_estimate"]) < 0.05, (name, row)
-        parts = row["counted_gb"]  # the counted parts of the same run, which add up to the (CPU) figure
-        assert parts["train"] == pytest.approx(row["gb"]) == pytest.approx(sum(parts[k] for k in
-                                                                              ("param", "optim", "grad", "act")))
+    for name, row in mem["settings"].items():
+        parts = row["counted_gb"]  # the counted parts of the same run agree with the estimate to the byte's rounding
+        assert parts["train"] == pytest.approx(row["estimate_gb"], rel=1e-3), (name, row)
+        # the real peak (here the CPU profiler's): at the end of forward the activations are all alive, and without
+        # per-layer updates the gradients at the end of backward, each beside the parameters and optimizer state
+        alive = parts["param"] + parts["optim"] + max(parts["act"], parts["grad"])
+        assert alive <= parts["train"] <= alive + parts["grad"] and alive <= row["gb"], (name, row)
+        assert row["vs_estimate"] == pytest.approx(row["gb"] / row["estimate_gb"] - 1)
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
     for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops

@@ -179,3 +179,36 @@ def test_measure_relora_counts_w0_once():
     full = em.estimate("tiny", "full", None, None, "int32", "adamw", False, 2, 32)
     w0 = full["params_m"] - (lowrank["params_m"] - lowrank["lowrank_m"])  # the dense projections
     assert counted["param"] == pytest.approx(2 * 1e6 * (lowrank["params_m"] + w0), rel=1e-9), (counted, w0)
+
+
+def test_cpu_peak_is_the_most_allocated_at_once_inside_the_window():
+    """cpu_peak reads the profiler's memory events: bytes allocated since it started, at their most inside the
+    measured window. Known allocations, one of them made (and freed) outside the window."""
+    mb = 1 << 20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = torch.empty(mb, dtype=torch.uint8)  # alive all through the window
+        before = torch.empty(8 * mb, dtype=torch.uint8)  # the largest, but freed before the window
+        del before
+        with torch.profiler.record_function(em.STEPS_RANGE):
+            a = torch.empty(2 * mb, dtype=torch.uint8)
+            b = torch.empty(3 * mb, dtype=torch.uint8)  # the peak: kept + a + b
+            del a, b
+            c = torch.empty(4 * mb, dtype=torch.uint8)  # kept + c < kept + a + b
+            del c
+        after = torch.empty(16 * mb, dtype=torch.uint8)  # after the window: not counted
+        del after, kept
+    assert em.cpu_peak(prof) == 6 * mb
+
+
+def test_train_is_the_most_gradients_and_activations_alive_at_once():
+    """train = param + optim + at_most(...): with per-layer updates every activation and one layer's gradient;
+    without, every gradient at the end of backward, unless the activations with the first layer's gradient are
+    more (a large batch)."""
+    per_layer = em.estimate("350m", "sltrain", optimizer="adam8bit", per_layer=True, batch_size=1)
+    assert per_layer["train_gb"] == pytest.approx(per_layer["total_gb"] + per_layer["act_gb"] + per_layer["grad_gb"])
+    small = em.estimate("350m", "full", batch_size=1)  # 0.74 G of gradients, 0.30 G of activations
+    assert small["train_gb"] == pytest.approx(small["total_gb"] + small["grad_gb"])
+    large = em.estimate("350m", "full", batch_size=16)
+    assert large["act_gb"] > large["grad_gb"]
+    assert large["train_gb"] == pytest.approx(large["total_gb"] + large["act_gb"] + large["layer_grad_gb"])
+    assert large["layer_grad_gb"] == pytest.approx(2 * 32000 * 1024 / 1e9)  # the head (as large as the embedding)
