@@ -202,6 +202,52 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+# The loss goes through the logits a chunk of rows at a time: chunks of LOSS_CHUNK logits (16 MB in float32) and at
+# most LOSS_CHUNKS of them, so a large batch takes a few large chunks rather than many launches of small ones.
+LOSS_CHUNK, LOSS_CHUNKS = 1 << 22, 16
+
+
+def _loss_chunks(n, vocab):
+    """Rows per chunk of the loss for n rows of vocab logits."""
+    return max(1, LOSS_CHUNK // vocab, -(-n // LOSS_CHUNKS))
+
+
+def _logsumexp32(x):
+    """torch.logsumexp(x.float(), dim=1) with one float32 temporary of x's size instead of two."""
+    top = x.amax(dim=1, keepdim=True).float()
+    return x.to(torch.float32, copy=True).sub_(top).exp_().sum(dim=1).log_().add_(top.squeeze(1))
+
+
+class CrossEntropySum(torch.autograd.Function):
+    """Σ over the rows whose target is not -1 of -log softmax(logits)[target], in float32, for logits (N, vocab) of
+    any dtype. F.cross_entropy(logits.float()) saves the float32 log-probabilities for backward, twice the bytes of
+    bf16 logits, and its backward holds two more float32 tensors of their size at once: ~100 MB at the peak of a
+    350m step at batch 1 × 256, ~6 GB at batch 64. This saves the logits themselves and one log-sum-exp per row,
+    and forms the gradient (softmax - one-hot)·grad in backward, chunk by chunk (_loss_chunks)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        lse = torch.cat([_logsumexp32(chunk) for chunk in logits.split(_loss_chunks(*logits.shape))])  # (N,)
+        counted = targets != -1
+        picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()  # the targets' logits
+        ctx.save_for_backward(logits, targets, lse)
+        return torch.where(counted, lse - picked, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, targets, lse = ctx.saved_tensors
+        rows = _loss_chunks(*logits.shape)
+        scale = (targets != -1).float().mul_(grad_loss)  # (N,): rows not counted get no gradient
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.size(0), rows):
+            part = slice(start, start + rows)
+            p = logits[part].to(torch.float32, copy=True).sub_(lse[part].unsqueeze(1)).exp_()  # softmax
+            p.scatter_add_(1, targets[part].clamp(min=0).unsqueeze(1), p.new_full((p.size(0), 1), -1.0))
+            grad[part] = p.mul_(scale[part].unsqueeze(1))
+            del p  # before the next chunk's is made
+        return grad, None
+
+
 class LLaMA(nn.Module):
     def __init__(self, config, device=None):
         super().__init__()
@@ -224,7 +270,9 @@ class LLaMA(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None):
-        """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets != -1, or None)."""
+        """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets != -1, or None). To train, keep only
+        the loss (model(x, y)[1]): the loss saves what its backward needs, and logits held by the caller would stay
+        alive through backward beside it."""
         if self.autocast is None:
             return self._forward(idx, targets)
         # matmuls in self.autocast, norms and the loss in float32; backward follows the dtypes of the forward
@@ -244,8 +292,8 @@ class LLaMA(nn.Module):
         loss = None
         if targets is not None:
             # a mean over the counted targets; a batch with none counted gives 0, not 0/0
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1, reduction="sum") / (targets != -1).sum().clamp(min=1)
+            loss = CrossEntropySum.apply(logits.view(-1, logits.size(-1)), targets.reshape(-1)) \
+                / (targets != -1).sum().clamp(min=1)
         return logits, loss
 
     def compile_blocks(self, **options):

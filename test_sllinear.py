@@ -366,3 +366,65 @@ def test_ignore_index_and_activation_checkpointing():
     model(x, y)[1].backward()
     diff = max(max_diff(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert diff < 1e-6, f"activation checkpointing changed a gradient by {diff}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1 << 22, 1000], ids=["one-chunk", "chunks"])
+def test_loss_matches_cross_entropy(monkeypatch, dtype, chunk):
+    """model.CrossEntropySum, the model's loss, against F.cross_entropy with ignored targets: the value, and the
+    gradient, which it forms in backward a chunk of rows at a time from the saved logits. The loss is float32
+    whatever the logits' dtype, as F.cross_entropy(logits.float()) was."""
+    import model
+    monkeypatch.setattr(model, "LOSS_CHUNK", chunk)
+    torch.manual_seed(0)
+    logits = (torch.randn(300, 500, dtype=torch.float64) * 4).to(dtype)
+    targets = torch.randint(500, (300,))
+    targets[::7] = -1
+    x, ref = logits.clone().requires_grad_(), logits.double().requires_grad_()
+    loss = model.CrossEntropySum.apply(x, targets)
+    expected = torch.nn.functional.cross_entropy(ref, targets, ignore_index=-1, reduction="sum")
+    (0.37 * loss).backward()
+    (0.37 * expected).backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - expected.item()) < 1e-6 * expected.item()
+    assert torch.equal(x, logits), "the logits were changed in place"
+    assert x.grad.dtype == dtype and torch.all(x.grad[::7] == 0), "an ignored row got a gradient"
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-8}[dtype]  # one rounding of the float32 gradient
+    assert torch.allclose(x.grad.double(), ref.grad, rtol=ulp, atol=ulp * 1e-2 * ref.grad.abs().max().item())
+
+
+def test_loss_without_counted_targets_is_zero():
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="sltrain", vocab_size=256))
+    x = torch.randint(0, 256, (2, 16))
+    loss = model(x, torch.full_like(x, -1))[1]
+    loss.backward()
+    assert loss.item() == 0 and all(torch.all(p.grad == 0) for p in model.parameters() if p.grad is not None)
+
+
+def test_loss_saves_the_logits_not_float32_log_probabilities():
+    """The memory of the loss: what it saves for backward is the logits themselves (here bf16) and a float32
+    log-sum-exp per row, not F.cross_entropy(logits.float())'s float32 log-probabilities (twice the logits), and
+    the most it holds at once, measured from the CPU profiler's memory events, is well under the old way's."""
+    import estimate_memory as em
+    import model
+    n, vocab = 1024, 8192  # 8M logits: 16 MB in bf16, two chunks of model.LOSS_CHUNK (4M) in float32
+    logits = torch.randn(n, vocab).to(torch.bfloat16)
+    targets = torch.randint(vocab, (n,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model.CrossEntropySum.apply(logits.clone().requires_grad_(), targets)
+    assert sorted(t.nbytes for t in saved) == sorted([logits.nbytes, targets.nbytes, 4 * n])
+
+    def peak(loss_fn):
+        x = logits.clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with torch.profiler.record_function(em.STEPS_RANGE):  # no .grad: it may copy the gradient
+                torch.autograd.grad(loss_fn(x), x)
+        return em.cpu_peak(prof)
+
+    ours = peak(lambda x: model.CrossEntropySum.apply(x, targets))
+    before = peak(lambda x: torch.nn.functional.cross_entropy(x.float(), targets, reduction="sum"))
+    bf16 = logits.nbytes
+    # ours at its most: the gradient (bf16) and one float32 chunk (as many bytes: half the logits); the old way
+    # holds the float32 log-probabilities, their gradient and the float32 gradient of the logits at once
+    assert ours <= 2.2 * bf16 and before >= 6 * bf16, (ours / bf16, before / bf16)

@@ -396,7 +396,7 @@ def all_finite(model, batch, device):
     """Whether every parameter and the loss on one fixed batch are finite (as an int tensor). The parameters alone
     can be finite yet ruined: one update at --lr 1e9 leaves them near 1e9, and the next forward gives NaN."""
     model.eval()
-    _, loss = model(*(t.to(device) for t in batch))
+    loss = model(*(t.to(device) for t in batch))[1]
     model.train()
     params = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
     return (params & loss.isfinite()).int()
@@ -417,7 +417,7 @@ def evaluate(model, batches, device, rank, world, stop):
         if i + rank >= len(batches):
             continue
         x, y = (t.to(device) for t in batches[i + rank])
-        _, loss = model(x, y)
+        loss = model(x, y)[1]
         n = (y != -1).sum()
         total += torch.stack([loss.double() * n, n.double()])
     if world > 1:
@@ -769,7 +769,7 @@ def train_step(args, model, raw_model, optimizer, scheduler, per_layer, micro_ba
         hold = per_layer.accumulating() if per_layer and not last else nullcontext()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with sync, hold:
-            _, loss = model(x, y)
+            loss = model(x, y)[1]  # not the logits: held here, they would stay alive through backward
             weight = counts[i].to(device) / n_total
             (loss * (weight * world)).backward()  # DDP averages over ranks; * world makes it a sum
         step_loss += loss.detach().double() * weight
