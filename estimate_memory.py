@@ -214,8 +214,8 @@ def print_table(rows):
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
               f"  {grads:6.2f} {act_cell} {train:6.2f}")
-    print("total = param + optim, the paper's Mem column; train adds the most gradients and activations alive at once:\n"
-          "grads, or with --batch_size the larger of grads and acts + the largest layer's gradient")
+    print("total = param + optim, the paper's Mem column; train adds the most gradients and activations alive at\n"
+          "once: grads, or with --batch_size the larger of grads and acts + the largest layer's gradient")
     for i, note in enumerate(notes, 1):
         print(textwrap.fill(note, 118, initial_indent=f"[{i}] ", subsequent_indent="    "))
 
