@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import optim
-from model import LLaMA, SIZES, config_for, is_projection
+from model import LLaMA, SIZES, loss_chunk_rows, config_for, is_projection
 from sllinear import SLLinear
 
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")
@@ -125,13 +125,21 @@ def layer_grad_numel(model, trainable):
     return max(sum(p.numel() for p in m.parameters(recurse=False) if trainable(p)) for m in model.modules())
 
 
-def at_most(grad, act, layer_grad):
+def loss_backward_bytes(batch_size, max_length, vocab_size):
+    """What the loss's backward holds beside every activation: the logits' gradient (bf16) and one float32 chunk
+    (model.CrossEntropySum)."""
+    n = batch_size * max_length
+    return n * vocab_size * BF16 + min(n, loss_chunk_rows(n, vocab_size)) * vocab_size * 4
+
+
+def at_most(grad, act, start):
     """The most of gradients and activations alive at once, beside the parameters and optimizer state. Backward
-    starts with every activation saved and makes the first layer's gradient (the head's, the largest); without
-    per-layer updates it ends with every gradient and few activations left. In between, each block frees its
-    activations as its gradients appear, so the larger end bounds it. With per-layer updates grad is one layer's
-    and the first term is the larger. The step's temporaries come on top (estimate_memory.py --measure)."""
-    return max(act + layer_grad, grad)
+    starts with every activation saved and adds `start`, the larger of the loss's backward (loss_backward_bytes)
+    and the first layer's gradient (the head's, the largest layer); without per-layer updates it ends with every
+    gradient and few activations left. In between, each block frees its activations as its gradients appear, so
+    the larger end bounds it. With per-layer updates grad is one layer's and the first term is the larger. The
+    step's other temporaries come on top (estimate_memory.py --measure)."""
+    return max(act + start, grad)
 
 
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
@@ -178,11 +186,12 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         row["projection_m"] = projection_numel / 1e6
 
     row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
-               grad_gb=BF16 * grad_numel / GB, layer_grad_gb=BF16 * layer_numel / GB, act_gb=0.0)
+               grad_gb=BF16 * grad_numel / GB, act_gb=0.0, start_gb=BF16 * layer_numel / GB)
     if batch_size:
         row["act_gb"] = activation_bytes(size, ours, rank, delta, batch_size, max_length) / GB
+        row["start_gb"] = max(row["start_gb"], loss_backward_bytes(batch_size, max_length, config.vocab_size) / GB)
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
-    row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["layer_grad_gb"])
+    row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
     row["footnote"] = slip(size, method, rank, delta) if (optimizer, index_dtype) == ("adamw", "int64") else None
     return row
 
@@ -210,12 +219,13 @@ def print_table(rows):
             notes.append(r["footnote"])
             mark = f"[{len(notes)}]"
         grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
-        train = float(total) + at_most(grads, act, round(r["layer_grad_gb"], 2))  # added as printed, as the paper
+        train = float(total) + at_most(grads, act, round(r["start_gb"], 2))  # added as printed, as the paper
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
               f"  {grads:6.2f} {act_cell} {train:6.2f}")
     print("total = param + optim, the paper's Mem column; train adds the most gradients and activations alive at\n"
-          "once: grads, or with --batch_size the larger of grads and acts + the largest layer's gradient")
+          "once: grads, or with --batch_size the larger of grads and acts + backward's start (the largest layer's\n"
+          "gradient, or the loss's backward if more)")
     for i, note in enumerate(notes, 1):
         print(textwrap.fill(note, 118, initial_indent=f"[{i}] ", subsequent_indent="    "))
 
@@ -250,9 +260,10 @@ def print_breakdown(r):
         line("activations", r["act_gb"], "G", "saved for backward by one bf16 forward, counted on the meta device")
     total = float(printed(r)[2])  # added as printed, like the paper's total
     line("total", total, "G", "param + optim, the paper's convention" + (" (see the note)" if r["footnote"] else ""))
-    train = total + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["layer_grad_gb"], 2))
-    line("train", train, "G", "total + " + ("the larger of grads and activations + the largest layer's gradient "
-                                            "(at_most)" if r["batch_size"] else "grads")
+    train = total + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
+    line("train", train, "G", "total + " + ("the larger of grads and activations + the larger of the largest "
+                                            "layer's gradient and the loss's backward (at_most)" if r["batch_size"]
+                                            else "grads")
          + "; the step's temporaries come on top")
     if r["footnote"]:
         print(textwrap.fill(r["footnote"], 118, initial_indent="  note: ", subsequent_indent="        "))
@@ -350,8 +361,9 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
     counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
-    layer_grad = max(sum(p.nbytes for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules())
-    counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], layer_grad)
+    start = max(max(sum(p.nbytes for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()),
+                loss_backward_bytes(batch_size, max_length, config.vocab_size))
+    counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start)
     if device.type == "cuda":
         counted["peak"] = torch.cuda.max_memory_allocated(device)
     index_dtype = next((str(m.indices.dtype).removeprefix("torch.") for m in model.modules()
@@ -371,8 +383,8 @@ def print_measured(results, device, args):
         peak = f"{fmt_bytes(counted['peak']):>8} {counted['peak'] / (est['train_gb'] * GB):8.3f}"
         print(f"{method:<8} " + " ".join(cells) + peak)
     print("counted: bytes of parameters and buffers, optimizer state, the most gradient bytes alive at once and the\n"
-          "saved activations of one forward; train = param + optim + at_most(grads, acts, the largest layer's\n"
-          "gradient); the peak is what was alive at the step's worst moment, temporaries included")
+          "saved activations of one forward; train = param + optim + at_most(grads, acts, the larger of the\n"
+          "largest layer's gradient and the loss's backward); the peak is what was alive at the step's worst moment")
 
 
 # ----------------------------------------------------------------------------- command line

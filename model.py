@@ -207,7 +207,7 @@ class Block(nn.Module):
 LOSS_CHUNK, LOSS_CHUNKS = 1 << 22, 16
 
 
-def _loss_chunks(n, vocab):
+def loss_chunk_rows(n, vocab):
     """Rows per chunk of the loss for n rows of vocab logits."""
     return max(1, LOSS_CHUNK // vocab, -(-n // LOSS_CHUNKS))
 
@@ -223,11 +223,11 @@ class CrossEntropySum(torch.autograd.Function):
     any dtype. F.cross_entropy(logits.float()) saves the float32 log-probabilities for backward, twice the bytes of
     bf16 logits, and its backward holds two more float32 tensors of their size at once: ~100 MB at the peak of a
     350m step at batch 1 × 256, ~6 GB at batch 64. This saves the logits themselves and one log-sum-exp per row,
-    and forms the gradient (softmax - one-hot)·grad in backward, chunk by chunk (_loss_chunks)."""
+    and forms the gradient (softmax - one-hot)·grad in backward, chunk by chunk (loss_chunk_rows)."""
 
     @staticmethod
     def forward(ctx, logits, targets):
-        lse = torch.cat([_logsumexp32(chunk) for chunk in logits.split(_loss_chunks(*logits.shape))])  # (N,)
+        lse = torch.cat([_logsumexp32(chunk) for chunk in logits.split(loss_chunk_rows(*logits.shape))])  # (N,)
         counted = targets != -1
         picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()  # the targets' logits
         ctx.save_for_backward(logits, targets, lse)
@@ -236,7 +236,7 @@ class CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, targets, lse = ctx.saved_tensors
-        rows = _loss_chunks(*logits.shape)
+        rows = loss_chunk_rows(*logits.shape)
         scale = (targets != -1).float().mul_(grad_loss)  # (N,): rows not counted get no gradient
         grad = torch.empty_like(logits)
         for start in range(0, logits.size(0), rows):

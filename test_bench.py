@@ -41,7 +41,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
         # the real peak (here the CPU profiler's): at the end of forward the activations are all alive, and without
         # per-layer updates the gradients at the end of backward, each beside the parameters and optimizer state
         alive = parts["param"] + parts["optim"] + max(parts["act"], parts["grad"])
-        assert alive <= parts["train"] <= alive + parts["grad"] and alive <= row["gb"], (name, row)
+        assert alive <= parts["train"] and alive <= row["gb"], (name, row)
         assert row["vs_estimate"] == pytest.approx(row["gb"] / row["estimate_gb"] - 1)
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}

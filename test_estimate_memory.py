@@ -201,14 +201,27 @@ def test_cpu_peak_is_the_most_allocated_at_once_inside_the_window():
 
 
 def test_train_is_the_most_gradients_and_activations_alive_at_once():
-    """train = param + optim + at_most(...): with per-layer updates every activation and one layer's gradient;
-    without, every gradient at the end of backward, unless the activations with the first layer's gradient are
-    more (a large batch)."""
+    """train = param + optim + at_most(...): with per-layer updates every activation and one layer's gradient (or
+    the loss's backward, if more); without, every gradient at the end of backward, unless the activations with
+    backward's start are more (a large batch)."""
     per_layer = em.estimate("350m", "sltrain", optimizer="adam8bit", per_layer=True, batch_size=1)
     assert per_layer["train_gb"] == pytest.approx(per_layer["total_gb"] + per_layer["act_gb"] + per_layer["grad_gb"])
+    head = 2 * 32000 * 1024 / 1e9  # the head's gradient, as large as the embedding's: 350m's largest layer
+    assert per_layer["start_gb"] == pytest.approx(head) == pytest.approx(per_layer["grad_gb"])
     small = em.estimate("350m", "full", batch_size=1)  # 0.74 G of gradients, 0.30 G of activations
     assert small["train_gb"] == pytest.approx(small["total_gb"] + small["grad_gb"])
     large = em.estimate("350m", "full", batch_size=16)
     assert large["act_gb"] > large["grad_gb"]
-    assert large["train_gb"] == pytest.approx(large["total_gb"] + large["act_gb"] + large["layer_grad_gb"])
-    assert large["layer_grad_gb"] == pytest.approx(2 * 32000 * 1024 / 1e9)  # the head (as large as the embedding)
+    # 4096 rows: the logits' gradient in bf16 and a float32 chunk of 4096 / 16 rows, more than the head's gradient
+    loss = (4096 * 32000 * 2 + 256 * 32000 * 4) / 1e9
+    assert large["start_gb"] == pytest.approx(loss) and loss > head
+    assert large["train_gb"] == pytest.approx(large["total_gb"] + large["act_gb"] + loss)
+
+
+def test_train_follows_the_real_peak_at_a_large_batch():
+    """At a batch where the logits outweigh the head, the loss's backward sets the peak: the estimate follows the
+    CPU profiler's peak of real steps (tiny: 32000 logits per token on a 64-wide model)."""
+    est = em.estimate("tiny", "sltrain", None, None, "int32", "adam8bit", True, 8, 64)
+    counted, _ = em.measure("tiny", "sltrain", None, None, "adam8bit", True, 8, 64, 2, torch.device("cpu"))
+    assert counted["train"] == pytest.approx(est["train_gb"] * 1e9, rel=1e-3)
+    assert counted["peak"] == pytest.approx(counted["train"], rel=0.05), (counted, est)
