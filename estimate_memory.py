@@ -361,8 +361,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
     counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
-    start = max(max(sum(p.nbytes for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()),
-                loss_backward_bytes(batch_size, max_length, config.vocab_size))
+    layer_grad = layer_grad_numel(model, lambda p: p.requires_grad) * params[0].element_size()  # bf16 gradients
+    start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size))
     counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start)
     if device.type == "cuda":
         counted["peak"] = torch.cuda.max_memory_allocated(device)
