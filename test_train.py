@@ -282,6 +282,33 @@ def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, 
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("device,env,expected", [
+    ("cuda", {}, "cuda:0"), ("auto", {}, "cuda:0"), ("cuda:1", {}, "cuda:1"),
+    ("auto", dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2"), "cuda:1"),
+    ("cuda", dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), "cuda:1"),
+    ("cuda:2", {}, "this machine has 2 CUDA GPU(s), cuda:0 to cuda:1; pass one of those"),
+    ("cuda:0", dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), "pass --device cuda (or auto)"),
+    ("auto", dict(RANK="3", LOCAL_RANK="3", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4"), "pass --nproc_per_node=2"),
+])
+def test_a_gpu_is_always_named_with_its_index(monkeypatch, capsys, device, env, expected):
+    """On a machine with 2 GPUs (faked: this test runs without one): torch.cuda.set_device and DDP's device_ids take
+    the resolved device, and a GPU that is not there or is shared by the processes of one machine is refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = ["--size", "60m", "--device", device]
+    if expected.startswith("cuda:"):
+        args = train.get_args(argv)
+        assert args.device == expected
+        assert torch.cuda._utils._get_device_index(torch.device(args.device)) == int(expected[-1])  # set_device's
+        return
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+
+
 def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, capsys):
     pages = {"SC_PHYS_PAGES": 24 * 2**30 // 4096, "SC_PAGE_SIZE": 4096}  # a 24 GB machine, whatever runs the test
     monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])

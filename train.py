@@ -205,7 +205,7 @@ def resolve_device_and_batch(p, args):
     """The device, then the batch arithmetic (total = batch_size x accumulation x world, exactly), then memory."""
     local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "auto":
-        args.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -214,6 +214,8 @@ def resolve_device_and_batch(p, args):
         p.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu (or auto)")
     if device.type not in ("cpu", "cuda"):
         p.error(f"--device {args.device}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        device = cuda_device(p, args, device, local_rank)
     if args.batch_size is None:
         args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
         if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
@@ -229,6 +231,26 @@ def resolve_device_and_batch(p, args):
                 f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
     args.gradient_accumulation = accum
     check_memory(p, args, device, world)
+
+
+def cuda_device(p, args, device, local_rank):
+    """The GPU this process trains on, always with its index: torch.cuda.set_device and DDP's device_ids need one.
+    Plain --device cuda means the local rank's GPU (cuda:0 without torchrun); an index that is not there, or one
+    GPU named for several processes of one machine, is refused."""
+    count, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.index is None:
+        if local_rank >= count:
+            p.error(f"torchrun started {local_world} processes on this machine, which has {count} CUDA GPU(s): "
+                    f"pass --nproc_per_node={count}")
+        device = torch.device("cuda", local_rank)
+    elif local_world > 1:
+        p.error(f"--device {args.device}: under torchrun each of this machine's {local_world} processes takes the GPU "
+                f"of its local rank; pass --device cuda (or auto)")
+    elif device.index >= count:
+        p.error(f"--device {args.device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; "
+                f"pass one of those")
+    args.device = str(device)
+    return device
 
 
 def check_memory(p, args, device, world):
