@@ -97,7 +97,9 @@ class SavedTensors:
         storage = t.untyped_storage()
         if storage._cdata not in self.skip:
             self.seen[storage._cdata] = storage.nbytes()
-        return t
+        # detached: an operation's output, packed as itself, would hold its own grad_fn, a cycle through C++ that
+        # keeps a forward's whole graph alive until a backward runs (and forever when none does)
+        return t.detach()
 
     @property
     def nbytes(self):

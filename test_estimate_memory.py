@@ -5,8 +5,10 @@ its options and its measurement run.
     python -m pytest -q test_estimate_memory.py
 """
 
+import gc
 import json
 import sys
+import weakref
 
 import pytest
 import torch
@@ -225,3 +227,22 @@ def test_train_follows_the_real_peak_at_a_large_batch():
     counted, _ = em.measure("tiny", "sltrain", None, None, "adam8bit", True, 8, 64, 2, torch.device("cpu"))
     assert counted["train"] == pytest.approx(est["train_gb"] * 1e9, rel=1e-3)
     assert counted["peak"] == pytest.approx(counted["train"], rel=0.05), (counted, est)
+
+
+def test_saved_tensors_leave_no_graph_alive_without_a_backward():
+    """Counting a forward that no backward follows (the meta estimate, measure's forward without checkpointing) must
+    not keep its activations: an output saved as itself would hold its own grad_fn, a cycle gc cannot see."""
+    kept = []
+
+    class Watched(em.SavedTensors):
+        def pack(self, t):
+            kept.append(weakref.ref(t))
+            return super().pack(t)
+    model = em.LLaMA(em.config_for("tiny", method="sltrain"))
+    skip = {p.untyped_storage()._cdata for p in [*model.parameters(), *model.buffers()]}
+    idx = torch.randint(100, (2, 16))
+    with Watched(model) as saved:
+        model(idx, idx)
+    gc.collect()
+    alive = [r() for r in kept if r() is not None]
+    assert saved.nbytes and not [t for t in alive if t is not idx and t.untyped_storage()._cdata not in skip]
