@@ -113,13 +113,22 @@ class SavedTensors:
         self.hooks.__exit__(*exc)
 
 
-def activation_bytes(size, method, rank, delta, batch_size, max_length):
-    """Saved activations of one bf16 forward of the model, counted on the meta device (free at any size)."""
+def activation_bytes(size, method, rank, delta, batch_size, max_length, activation_checkpointing=False):
+    """Saved activations of one bf16 forward of the model, counted on the meta device (free at any size). With
+    activation checkpointing a block saves only its input, for the recomputation in backward."""
     model = LLaMA(config_for(size, method=method, rank=rank, delta=delta), device="meta").to(torch.bfloat16)
+    model.activation_checkpointing = activation_checkpointing
     idx, targets = (torch.zeros(batch_size, max_length, dtype=torch.long, device="meta") for _ in range(2))
     with SavedTensors(model) as saved, _FlashAttentionOnMeta():
         model(idx, targets)
     return saved.nbytes
+
+
+def recomputed_block(whole, checkpointed, n_layers):
+    """What a checkpointed backward adds while it recomputes a block: the block's activations less its input, which
+    the forward saved. From the bytes a forward saves without checkpointing (whole) and with it: a block saves
+    (whole - checkpointed) / n_layers more than its input, the blocks being alike."""
+    return (whole - checkpointed) // n_layers
 
 
 def layer_grad_numel(model, trainable):
@@ -136,16 +145,17 @@ def loss_backward_bytes(batch_size, max_length, vocab_size):
 
 def at_most(grad, act, start):
     """The most of gradients and activations alive at once, beside the parameters and optimizer state. Backward
-    starts with every activation saved and adds `start`, the larger of the loss's backward (loss_backward_bytes)
-    and the first layer's gradient (the head's, the largest layer); without per-layer updates it ends with every
-    gradient and few activations left. In between, each block frees its activations as its gradients appear, so
-    the larger end bounds it. With per-layer updates grad is one layer's and the first term is the larger. The
-    step's other temporaries come on top (estimate_memory.py --measure)."""
+    starts with every activation saved and adds `start`: the largest of the loss's backward (loss_backward_bytes),
+    the first layer's gradient (the head's, the largest layer) and, with activation checkpointing, a recomputed
+    block (recomputed_block; it comes later, with less saved, so this bounds it). Without per-layer updates backward
+    ends with every gradient and few activations left. In between, each block frees its activations as its
+    gradients appear, so the larger end bounds it. With per-layer updates grad is one layer's and the first term is
+    the larger. The step's other temporaries come on top (estimate_memory.py --measure)."""
     return max(act + start, grad)
 
 
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
-             batch_size=0, max_length=256):
+             batch_size=0, max_length=256, activation_checkpointing=False):
     """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
     gradients and activations of one method at one size."""
     if method not in ALL_METHODS:
@@ -161,8 +171,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     n = model.num_params()
     row = dict(size=size, method=method, rank=rank, delta=delta, optimizer=optimizer, index_dtype=index_dtype,
                per_layer=per_layer, batch_size=batch_size, max_length=max_length,
-               params_m=n["total"] / 1e6, dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6,
-               sparse_m=n["sparse"] / 1e6)
+               activation_checkpointing=activation_checkpointing, params_m=n["total"] / 1e6,
+               dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
     stored = n["total"]
     param_bytes = BF16 * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
     optim_bytes = sum(moment_bytes(p.numel(), optimizer) for p in model.parameters())
@@ -190,8 +200,13 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
                grad_gb=BF16 * grad_numel / GB, act_gb=0.0, start_gb=BF16 * layer_numel / GB)
     if batch_size:
-        row["act_gb"] = activation_bytes(size, ours, rank, delta, batch_size, max_length) / GB
-        row["start_gb"] = max(row["start_gb"], loss_backward_bytes(batch_size, max_length, config.vocab_size) / GB)
+        shape = (size, ours, rank, delta, batch_size, max_length)
+        act = whole = activation_bytes(*shape)
+        adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size)]
+        if activation_checkpointing:
+            act = activation_bytes(*shape, activation_checkpointing=True)
+            adds.append(recomputed_block(whole, act, config.n_layers))
+        row["act_gb"], row["start_gb"] = act / GB, max(adds) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
     row["footnote"] = slip(size, method, rank, delta) if (optimizer, index_dtype) == ("adamw", "int64") else None
@@ -210,7 +225,8 @@ def print_table(rows):
     print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): bf16 parameters and gradients, {r0['index_dtype']} indices, "
                         + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else "AdamW (2 bf16 moments)")
                         + (", gradients of one layer (per-layer updates)" if r0["per_layer"] else "")
-                        + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else ""), 118))
+                        + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else "")
+                        + (" (activation checkpointing)" if acts and r0["activation_checkpointing"] else ""), 118))
     print(f"{'size':>5} {'method':<8} {'params':>9}   {'param':>5} + {'optim':>5} = {'total':>5}      "
           f"{'grads':>6} {'acts':>6} {'train':>6}")
     notes = []
@@ -238,7 +254,8 @@ def print_breakdown(r):
     print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m == "sltrain" else "")
           + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
           + (", per-layer updates" if r["per_layer"] else "")
-          + (f", batch {r['batch_size']} x {r['max_length']} tokens" if r["batch_size"] else ""))
+          + (f", batch {r['batch_size']} x {r['max_length']} tokens" if r["batch_size"] else "")
+          + (", activation checkpointing" if r["batch_size"] and r["activation_checkpointing"] else ""))
 
     def line(name, value, unit, why):
         print(textwrap.fill(why, 118, initial_indent=f"  {name:<12} {value:8.2f}{unit}  ", subsequent_indent=" " * 26))
@@ -259,13 +276,15 @@ def print_breakdown(r):
     line("grads", r["grad_gb"], "G", "bf16, " + ("the largest layer only (per-layer updates)" if r["per_layer"] else
                                                  "every parameter's" if m == "galore" else "every trained parameter's"))
     if r["batch_size"]:
-        line("activations", r["act_gb"], "G", "saved for backward by one bf16 forward, counted on the meta device")
+        line("activations", r["act_gb"], "G", "saved for backward by one bf16 forward, counted on the meta device"
+             + ("; a block saves only its input" if r["activation_checkpointing"] else ""))
     total = float(printed(r)[2])  # added as printed, like the paper's total
     line("total", total, "G", "param + optim, the paper's convention" + (" (see the note)" if r["footnote"] else ""))
     train = total + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
-    line("train", train, "G", "total + " + ("the larger of grads and activations + the larger of the largest "
-                                            "layer's gradient and the loss's backward (at_most)" if r["batch_size"]
-                                            else "grads")
+    start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
+                                                                   if r["activation_checkpointing"] else "")
+    line("train", train, "G", "total + " + (f"the larger of grads and activations + backward's start (the most of "
+                                            f"{start}: at_most)" if r["batch_size"] else "grads")
          + "; the step's temporaries come on top")
     if r["footnote"]:
         print(textwrap.fill(r["footnote"], 118, initial_indent="  note: ", subsequent_indent="        "))
@@ -306,7 +325,8 @@ def cpu_peak(prof):
     return peak
 
 
-def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
+            activation_checkpointing=False):
     """A few real bf16 training steps of our model. Returns the bytes of parameters, gradients (the most alive at
     once), optimizer state and saved activations (the most of one forward), counted; the real peak of the steps
     (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the profiler's memory events); and the index
@@ -317,13 +337,14 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
         if device.type == "cpu" else contextlib.nullcontext()
     with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
         counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
-                                        steps, device)
+                                        steps, device, activation_checkpointing)
     if device.type == "cpu":
         counted["peak"] = cpu_peak(profiler)
     return counted, index_dtype
 
 
-def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
+             activation_checkpointing):
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
     model = LLaMA(config, device=device).to(torch.bfloat16)
@@ -345,6 +366,14 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
         p.register_post_accumulate_grad_hook(track_grads)
     per = optim.attach_per_layer(model, make) if per_layer else None
     opt = None if per_layer else make(params)
+    whole = None
+    if activation_checkpointing:  # one forward without, before the steps: what a block saves when recomputed
+        idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
+        with SavedTensors(model) as saved:
+            model(idx[:, :-1], idx[:, 1:].contiguous())
+        whole = saved.nbytes
+        del idx, saved
+        model.activation_checkpointing = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -364,7 +393,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
     layer_grad = layer_grad_numel(model, lambda p: p.requires_grad) * params[0].element_size()  # bf16 gradients
-    start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size))
+    start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size),
+                0 if whole is None else recomputed_block(whole, peak["acts"], config.n_layers))
     counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start)
     if device.type == "cuda":
         counted["peak"] = torch.cuda.max_memory_allocated(device)
@@ -376,7 +406,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
 def print_measured(results, device, args):
     peak_name = "CUDA max_memory_allocated" if device.type == "cuda" else "CPU peak (profiler)"
     print(f"measured on {device}: {args.size}, bf16, batch {args.batch_size} x {args.max_length}, {args.steps} steps, "
-          f"{args.optimizer}{', per-layer' if args.per_layer else ''} -- estimate / counted; {peak_name}")
+          f"{args.optimizer}{', per-layer' if args.per_layer else ''}"
+          f"{', activation checkpointing' if args.activation_checkpointing else ''} -- estimate / counted; {peak_name}")
     print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train"))
           + "    peak   peak/est")
     for method, (est, counted) in results.items():
@@ -409,6 +440,9 @@ def main():
                         help="sequences per step for the activation estimate; 0 leaves activations out "
                              "(--measure: default 2)")
     parser.add_argument("--max_length", type=int, default=256, help="tokens per sequence (the paper's 256)")
+    parser.add_argument("--activation_checkpointing", action="store_true",
+                        help="activations as train.py --activation_checkpointing keeps them: each block's input, "
+                             "one block recomputed")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--measure", action="store_true",
                         help="run a few training steps of each method; print measured beside estimated")
@@ -427,9 +461,10 @@ def main():
         results = {}
         for method in methods:
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
-                                           args.batch_size, args.max_length, args.steps, device)
+                                           args.batch_size, args.max_length, args.steps, device,
+                                           args.activation_checkpointing)
             est = estimate(args.size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer,
-                           args.batch_size, args.max_length)
+                           args.batch_size, args.max_length, args.activation_checkpointing)
             results[method] = (est, counted)
         if args.json:
             print(json.dumps([dict(est, measured=counted, device=str(device)) for est, counted in results.values()],
@@ -441,7 +476,8 @@ def main():
     sizes = PAPER_SIZES if args.size == "all" else (args.size,)
     methods = ALL_METHODS if args.method == "all" else (args.method,)
     rows = [estimate(size, method, args.rank, args.delta, args.index_dtype, args.optimizer, args.per_layer,
-                     args.batch_size, args.max_length) for size in sizes for method in methods]
+                     args.batch_size, args.max_length, args.activation_checkpointing)
+            for size in sizes for method in methods]
     if args.json:
         print(json.dumps(rows, indent=1))
     elif len(rows) == 1:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -295,6 +296,7 @@ def test_a_gpu_is_always_named_with_its_index(monkeypatch, capsys, device, env, 
     the resolved device, and a GPU that is not there or is shared by the processes of one machine is refused."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     argv = ["--size", "60m", "--device", device]
@@ -318,6 +320,28 @@ def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, cap
                      capsys.readouterr().err.strip())
     args = train.get_args(["--size", "60m", "--device", "cpu"])
     assert args.batch_size == train.CPU_MICRO  # not the GPU micro-batch of 128
+
+
+@pytest.mark.parametrize("extra", [[], ["--amp"], ["--optimizer", "adam8bit", "--per_layer"]])
+def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypatch, capsys, extra):
+    """On a 24 GB GPU (faked) 1b's micro-batch of 32 does not fit: refused before anything is built, naming a
+    --batch_size and, where it is enough, --activation_checkpointing; each fix named is then accepted."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=24e9))
+    argv = ["--size", "1b", "--method", "full", "--device", "cuda", *extra]
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    found = re.search(r"--batch_size 32 needs about (\d+\.\d) GB per process, more than 95% of cuda:0's 24\.0 GB; "
+                      r"pass --batch_size (\d+)( or add --activation_checkpointing)?$", err)
+    assert found, err
+    assert float(found[1]) > 0.95 * 24 and (found[3] or extra)  # bf16 1b full at batch 32 fits when checkpointed
+    assert train.get_args(argv + ["--batch_size", found[2]]).batch_size == int(found[2])
+    if found[3]:
+        assert train.get_args(argv + ["--activation_checkpointing"]).batch_size == 32
+    with pytest.raises(SystemExit):  # the next batch size up, a divisor of 512, does not fit
+        train.get_args(argv + ["--batch_size", str(2 * int(found[2]))])
 
 
 def test_help_shows_every_default(capsys):

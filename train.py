@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from analyze import prepare_for_training
 import checkpoint
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
-from estimate_memory import estimate
+from estimate_memory import at_most, estimate
 from hostsync import HostSyncs
 from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
 from optim import AdamW, Adam8bit, GaLore, attach_per_layer, galore_param_groups, prune_state_
@@ -254,28 +254,42 @@ def cuda_device(p, args, device, local_rank):
 
 
 def check_memory(p, args, device, world):
-    """Refuse, before anything is built, a CPU run whose estimated peak exceeds the machine's memory (the kernel
-    would kill it with one word, 'Killed'), naming a --batch_size that fits. CUDA runs report their own OOM."""
-    if device.type != "cpu" or not hasattr(os, "sysconf") or "SC_PHYS_PAGES" not in os.sysconf_names:
+    """Refuse, before anything is built, a run whose estimated peak (estimate_memory.py at this run's settings) exceeds
+    the memory it has, naming a --batch_size that fits. On CPU: 80% of the machine's memory, shared by the ranks;
+    beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of its memory, leaving the rest to
+    CUDA's context and the allocator; beyond it CUDA would run out of memory once the model is built."""
+    if device.type == "cuda":
+        available, share, whose = torch.cuda.get_device_properties(device).total_memory, 0.95, f"{device}'s"
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
+        share, whose = 0.8, "this machine's"
+    else:
         return
-    available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
+    galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
+    # float32 values are twice the estimate's bf16; under --amp the activations count at their bf16 size, which
+    # autocast's float32 parts and bf16 copies of the weights only add to: a lower bound, so no refusal is wrong
+    wide = 1 if dtype == "bfloat16" else 2
+    wide_acts = 1 if args.amp else wide
 
-    # activations grow linearly with the batch: estimate once per sequence; float32 on CPU doubles the bf16 figures
-    galore = args.optimizer.startswith("galore")
-    row = estimate(args.size, "galore" if galore else args.method, args.rank, args.delta,
-                   optimizer="adam8bit" if args.optimizer.endswith("adam8bit") else "adamw",
-                   per_layer=args.per_layer, batch_size=1, max_length=args.max_length)
-    scale = (2 if args.dtype == "bfloat16" else 4) / 2
-
-    def need(batch):
-        return scale * (row["train_gb"] + (batch - 1) * row["act_gb"]) * 1e9
-    if need(args.batch_size) <= 0.8 * available:
+    def need(batch, checkpointing=args.activation_checkpointing):
+        row = estimate(args.size, "galore" if galore else args.method, args.rank, args.delta, index_dtype="int32",
+                       optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
+                       max_length=args.max_length, activation_checkpointing=checkpointing)
+        values = 2 * row["stored_m"] / 1e3  # bf16, G
+        param = wide * values + row["param_gb"] - values  # and the int32 indices (sllinear's below 2^31 entries)
+        state = row["optim_gb"] * (1 if eight_bit else wide)  # 8-bit moments are 8-bit whatever the parameters
+        return (param + state + at_most(wide * row["grad_gb"], wide_acts * row["act_gb"],
+                                        wide_acts * row["start_gb"])) * 1e9
+    if need(args.batch_size) <= share * available:
         return
-    fits = [b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0
-            and need(b) <= 0.8 * available]
-    fix = f"pass --batch_size {fits[0]}" if fits else "pick a smaller --size or more memory"
+    fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0
+                 and need(b) <= share * available), None)
+    fix = f"pass --batch_size {fits}" if fits else "pick a smaller --size or more memory"
+    if not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
+        fix += " or add --activation_checkpointing"
     p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {need(args.batch_size) / 1e9:.1f} GB "
-            f"per process, more than 80% of this machine's {available / 1e9:.1f} GB; {fix}")
+            f"per process, more than {share:.0%} of {whose} {available / 1e9:.1f} GB; {fix}")
 
 
 def lr_lambda_for(args):
