@@ -3,8 +3,9 @@ Find where a training loop makes the host wait for the device (train.py --sync_d
 
 A GPU runs ahead of Python only while nothing asks for a value it has not computed yet. Reading a tensor's value
 (.item(), float(t), `if t:`), copying it to the host, or an op whose output size depends on values (nonzero,
-boolean-mask indexing, unique) stalls the queue until every kernel before it has finished. HostSyncs counts those
-ops, by name, while a block runs:
+boolean-mask indexing, unique) stalls the queue until every kernel before it has finished. So may a copy to the
+device from pageable (not pinned) host memory: CUDA may wait for the stream before it stages such a copy, and its
+own sync check does not see that. HostSyncs counts those ops, by name, while a block runs:
 
     syncs = HostSyncs()
     with syncs.watch():
@@ -49,6 +50,16 @@ def to_host(func, args, kwargs):
     return False
 
 
+def from_pageable(func, args, kwargs):
+    """Whether the op copies pageable host memory to a device (pin it first: tensor.pin_memory())."""
+    if func is aten._to_copy.default:
+        device = kwargs.get("device")
+        return device is not None and not _is_host(device) and _is_host(args[0].device) and not args[0].is_pinned()
+    if func is aten.copy_.default:
+        return not _is_host(args[0].device) and _is_host(args[1].device) and not args[1].is_pinned()
+    return False
+
+
 def masked(func, args):
     return func in INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
 
@@ -63,6 +74,8 @@ class HostSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in VALUE_DEPENDENT or to_host(func, args, kwargs) or masked(func, args):
             self.counts[func.name()] += 1
+        elif from_pageable(func, args, kwargs):
+            self.counts[func.name() + " from pageable memory"] += 1
         return func(*args, **kwargs)
 
     @contextmanager

@@ -49,3 +49,27 @@ def test_other_warnings_pass_through_once_per_place():
             with syncs.watch():
                 warnings.warn("not a sync", UserWarning)
     assert [str(w.message) for w in seen] == ["not a sync"] and syncs.summary() == "none"
+
+
+def test_copies_from_pageable_host_memory_to_a_device_are_counted(monkeypatch):
+    """CUDA may wait for the stream before it stages a copy from pageable memory (meta stands in for the device
+    here). Pinned memory, device-side fills and host-side conversions are not counted."""
+    pinned = set()
+
+    def pin(t):  # pinning needs a GPU: on this CPU, marked instead
+        t = t.clone()
+        pinned.add(id(t))
+        return t
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
+    host, device = torch.ones(4), torch.device("meta")
+    syncs = HostSyncs()
+    with syncs.watch():
+        host.to(device, non_blocking=True)
+        torch.empty(4, device=device).copy_(host)
+        host.pin_memory().to(device, non_blocking=True)
+        torch.full((), 3.0, device=device)
+        host.to(torch.float64)  # on the host
+        torch.empty(4, device=device).to(device, torch.float64)
+    assert syncs.counts == {"aten::_to_copy from pageable memory": 1, "aten::copy_ from pageable memory": 1}, \
+        syncs.counts

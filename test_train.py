@@ -21,6 +21,7 @@ import torch
 
 import data
 import train
+from hostsync import HostSyncs
 from model import LLaMA, config_for
 
 HERE = Path(__file__).resolve().parent
@@ -544,3 +545,36 @@ def test_compiled_blocks_share_one_graph_and_keep_per_layer_updates():
 def test_no_host_sync_between_log_steps(corpus, tmp_path, capsys, extra):
     train.main(base_args(corpus, tmp_path, 8, "--log_every", "4", "--eval_every", "8", "--sync_debug", *extra))
     assert "sync_debug: 6 updates between log steps watched; host syncs: none" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method,optimizer,per_layer", [("sltrain", "adam8bit", True), ("full", "adamw", False),
+                                                        ("sltrain", "adamw", False)])
+def test_no_pageable_copy_to_the_device_in_a_step(monkeypatch, method, optimizer, per_layer):
+    """On a device (meta stands in for the GPU: a step runs there, without data) the micro-batches arrive pinned
+    and the step fills its scalars on the device: no copy from pageable memory, which CUDA may make wait."""
+    pinned = set()
+
+    def pin(t):  # pinning needs a GPU: on this CPU, marked instead
+        t = t.clone()
+        pinned.add(id(t))
+        return t
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
+    device = torch.device("meta")
+    model = LLaMA(config_for("tiny", method=method), device=device)
+    make = {"adamw": lambda ps: train.AdamW(ps, lr=1e-3), "adam8bit": lambda ps: train.Adam8bit(ps, lr=1e-3)}[optimizer]
+    if per_layer:
+        per, opt, scheduler = train.attach_per_layer(model, make, lr_lambda=lambda k: 1.0), None, None
+    else:
+        per, opt = None, make(list(model.parameters()))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    batches = iter([(torch.randint(96, (2, 16)), torch.randint(-1, 96, (2, 16))) for _ in range(6)])
+    syncs = HostSyncs()
+    for _ in range(3):
+        micro_batches, bad_line = train.read_update(batches, 2, device, 1)
+        assert bad_line is None and all(x.is_pinned() and y.is_pinned() for x, y, _ in micro_batches)
+        with syncs.watch():
+            loss, norm, n_total = train.train_step(SimpleNamespace(grad_clipping=1.0), model, model, opt, scheduler,
+                                                   per, micro_batches, device, 1)
+        assert loss.device == norm.device == n_total.device == device
+    assert syncs.summary() == "none" and syncs.blocks == 3

@@ -773,10 +773,11 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
 
 
 def read_update(batches, accum, device, world):
-    """This update's micro-batches, or None and the file:line message of a bad shard line. Under DDP the ranks agree
-    on it (one flag per update): a rank that stopped alone would leave the others waiting in a collective forever."""
+    """This update's micro-batches (x, y, counted targets), or None and the file:line message of a bad shard line.
+    Under DDP the ranks agree on it (one flag per update): a rank that stopped alone would leave the others waiting
+    in a collective forever."""
     try:
-        micro_batches, bad_line = [next(batches) for _ in range(accum)], None
+        micro_batches, bad_line = [on_host(*next(batches), device) for _ in range(accum)], None
     except ValueError as e:
         micro_batches, bad_line = None, one_line(e)
     if world > 1:
@@ -789,24 +790,33 @@ def read_update(batches, accum, device, world):
     return micro_batches, bad_line
 
 
+def on_host(x, y, device):
+    """A micro-batch as train_step takes it: (x, y, the count of its targets), counted here, on the host. For a GPU,
+    x and y in pinned memory: a copy from pageable memory may wait for the GPU to drain (hostsync.py)."""
+    if device.type != "cpu":
+        x, y = x.pin_memory(), y.pin_memory()
+    return x, y, int((y != -1).sum())
+
+
 def train_step(args, model, raw_model, optimizer, scheduler, per_layer, micro_batches, device, world):
-    """One update over the micro-batches; returns the update's loss, gradient norm and trained tokens (on device)."""
+    """One update over the micro-batches (from on_host); returns the update's loss, gradient norm and trained tokens
+    (on device). Nothing in it makes the host wait for the device."""
     ddp, accum = world > 1, len(micro_batches)
     # weight each micro-batch by its counted targets over the whole update's, so the gradient is the
     # token-weighted mean over the global batch, whatever the padding, the accumulation or the device count
-    counts = [(y != -1).sum() for _, y in micro_batches]
-    n_total = torch.stack(counts).sum().to(device, torch.float64)
+    counts = [n for _, _, n in micro_batches]
+    n_total = torch.full((), float(sum(counts)), device=device, dtype=torch.float64)  # a fill, not a copy
     if ddp:
         dist.all_reduce(n_total)
     step_loss = torch.zeros((), device=device, dtype=torch.float64)
-    for i, (x, y) in enumerate(micro_batches):
+    for i, (x, y, _) in enumerate(micro_batches):
         last = i == accum - 1
         sync = model.no_sync() if ddp and not last else nullcontext()
         hold = per_layer.accumulating() if per_layer and not last else nullcontext()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with sync, hold:
             loss = model(x, y)[1]  # not the logits: held here, they would stay alive through backward
-            weight = counts[i].to(device) / n_total
+            weight = torch.full_like(n_total, counts[i]) / n_total
             (loss * (weight * world)).backward()  # DDP averages over ranks; * world makes it a sum
         step_loss += loss.detach().double() * weight
     if per_layer:
