@@ -452,10 +452,9 @@ def evaluate(model, batches, device, rank, world, stop):
             return None
         if i + rank >= len(batches):
             continue
-        x, y = (t.to(device) for t in batches[i + rank])
-        loss = model(x, y)[1]
-        n = (y != -1).sum()
-        total += torch.stack([loss.double() * n, n.double()])
+        x, y, n = on_host(*batches[i + rank], device)
+        loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))[1]
+        total += torch.stack([loss.double() * n, torch.full_like(total[1], n)])
     if world > 1:
         dist.all_reduce(total)
     model.train()
