@@ -51,17 +51,22 @@ def test_other_warnings_pass_through_once_per_place():
     assert [str(w.message) for w in seen] == ["not a sync"] and syncs.summary() == "none"
 
 
-def test_copies_from_pageable_host_memory_to_a_device_are_counted(monkeypatch):
-    """CUDA may wait for the stream before it stages a copy from pageable memory (meta stands in for the device
-    here). Pinned memory, device-side fills and host-side conversions are not counted."""
+def mark_pinning(monkeypatch):
+    """Pinning needs a GPU: on a CPU, tensor.pin_memory() returns a copy marked as pinned instead."""
     pinned = set()
 
-    def pin(t):  # pinning needs a GPU: on this CPU, marked instead
+    def pin(t):
         t = t.clone()
         pinned.add(id(t))
         return t
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
+
+
+def test_copies_from_pageable_host_memory_to_a_device_are_counted(monkeypatch):
+    """CUDA may wait for the stream before it stages a copy from pageable memory (meta stands in for the device
+    here). Pinned memory, device-side fills and host-side conversions are not counted."""
+    mark_pinning(monkeypatch)
     host, device = torch.ones(4), torch.device("meta")
     syncs = HostSyncs()
     with syncs.watch():

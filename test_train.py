@@ -22,6 +22,7 @@ import torch
 import data
 import train
 from hostsync import HostSyncs
+from test_hostsync import mark_pinning
 from model import LLaMA, config_for
 
 HERE = Path(__file__).resolve().parent
@@ -552,14 +553,7 @@ def test_no_host_sync_between_log_steps(corpus, tmp_path, capsys, extra):
 def test_no_pageable_copy_to_the_device_in_a_step(monkeypatch, method, optimizer, per_layer):
     """On a device (meta stands in for the GPU: a step runs there, without data) the micro-batches arrive pinned
     and the step fills its scalars on the device: no copy from pageable memory, which CUDA may make wait."""
-    pinned = set()
-
-    def pin(t):  # pinning needs a GPU: on this CPU, marked instead
-        t = t.clone()
-        pinned.add(id(t))
-        return t
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
+    mark_pinning(monkeypatch)
     device = torch.device("meta")
     model = LLaMA(config_for("tiny", method=method), device=device)
     make = {"adamw": lambda ps: train.AdamW(ps, lr=1e-3), "adam8bit": lambda ps: train.Adam8bit(ps, lr=1e-3)}[optimizer]
