@@ -78,7 +78,7 @@ def make_parser():
       "code for it is slower than eager)")
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
       "should be none; hostsync.py) and print them at the end")
-    a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
+    a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
       f"at most {CPU_MICRO} on CPU)")
