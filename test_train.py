@@ -298,7 +298,7 @@ def test_a_gpu_is_always_named_with_its_index(monkeypatch, capsys, device, env, 
     the resolved device, and a GPU that is not there or is shared by the processes of one machine is refused."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80e9, 80e9))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     argv = ["--size", "60m", "--device", device]
@@ -326,16 +326,16 @@ def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, cap
 
 @pytest.mark.parametrize("extra", [[], ["--amp"], ["--optimizer", "adam8bit", "--per_layer"]])
 def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypatch, capsys, extra):
-    """On a 24 GB GPU (faked) 1b's micro-batch of 32 does not fit: refused before anything is built, naming a
+    """On a GPU with 24 GB free (faked) 1b's micro-batch of 32 does not fit: refused before anything is built, naming a
     --batch_size and, where it is enough, --activation_checkpointing; each fix named is then accepted."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=24e9))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24e9, 80e9))  # 56 GB in use elsewhere
     argv = ["--size", "1b", "--method", "full", "--device", "cuda", *extra]
     with pytest.raises(SystemExit):
         train.get_args(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    found = re.search(r"--batch_size 32 needs about (\d+\.\d) GB per process, more than 95% of cuda:0's 24\.0 GB; "
+    found = re.search(r"--batch_size 32 needs about (\d+\.\d) GB per process, more than 95% of the 24\.0 GB free on cuda:0; "
                       r"pass --batch_size (\d+)( or add --activation_checkpointing)?$", err)
     assert found, err
     assert float(found[1]) > 0.95 * 24 and (found[3] or extra)  # bf16 1b full at batch 32 fits when checkpointed

@@ -256,13 +256,15 @@ def cuda_device(p, args, device, local_rank):
 def check_memory(p, args, device, world):
     """Refuse, before anything is built, a run whose estimated peak (estimate_memory.py at this run's settings) exceeds
     the memory it has, naming a --batch_size that fits. On CPU: 80% of the machine's memory, shared by the ranks;
-    beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of its memory, leaving the rest to
-    CUDA's context and the allocator; beyond it CUDA would run out of memory once the model is built."""
+    beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of its free memory (other
+    processes' and CUDA's own context already taken out), the rest left to the allocator; beyond it CUDA would run
+    out of memory once the model is built."""
     if device.type == "cuda":
-        available, share, whose = torch.cuda.get_device_properties(device).total_memory, 0.95, f"{device}'s"
+        available, share = torch.cuda.mem_get_info(device)[0], 0.95
+        where = f"the {available / 1e9:.1f} GB free on {device}"
     elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
-        share, whose = 0.8, "this machine's"
+        share, where = 0.8, f"this machine's {available / 1e9:.1f} GB"
     else:
         return
     galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
@@ -289,7 +291,7 @@ def check_memory(p, args, device, world):
     if not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
         fix += " or add --activation_checkpointing"
     p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {need(args.batch_size) / 1e9:.1f} GB "
-            f"per process, more than {share:.0%} of {whose} {available / 1e9:.1f} GB; {fix}")
+            f"per process, more than {share:.0%} of {where}; {fix}")
 
 
 def lr_lambda_for(args):
