@@ -299,13 +299,14 @@ def test_a_gpu_is_always_named_with_its_index(monkeypatch, capsys, device, env, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80e9, 80e9))
+    chosen = []  # torch.cuda.set_device's argument check, without its CUDA call
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.cuda._utils._get_device_index(d)))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     argv = ["--size", "60m", "--device", device]
     if expected.startswith("cuda:"):
         args = train.get_args(argv)
-        assert args.device == expected
-        assert torch.cuda._utils._get_device_index(torch.device(args.device)) == int(expected[-1])  # set_device's
+        assert args.device == expected and chosen == [int(expected[-1])]
         return
     with pytest.raises(SystemExit):
         train.get_args(argv)
@@ -331,6 +332,7 @@ def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24e9, 80e9))  # 56 GB in use elsewhere
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     argv = ["--size", "1b", "--method", "full", "--device", "cuda", *extra]
     with pytest.raises(SystemExit):
         train.get_args(argv)

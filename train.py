@@ -250,6 +250,7 @@ def cuda_device(p, args, device, local_rank):
         p.error(f"--device {args.device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; "
                 f"pass one of those")
     args.device = str(device)
+    torch.cuda.set_device(device)  # before any other CUDA call, which would otherwise make a context on cuda:0 too
     return device
 
 
