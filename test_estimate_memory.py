@@ -7,6 +7,7 @@ its options and its measurement run.
 
 import gc
 import json
+import re
 import sys
 import weakref
 
@@ -151,6 +152,12 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
                    "--per_layer", "--batch_size", "1", "--max_length", "128")
     for part in ("param", "optim", "grads", "activations", "total", "train"):
         assert f"  {part} " in out, out
+    out = run_main(monkeypatch, capsys, "--size", "7b", "--method", "sltrain", "--optimizer", "adam8bit",
+                   "--per_layer", "--batch_size", "8", "--activation_checkpointing")
+    assert "batch 8 x 256 tokens, activation checkpointing" in out and "a recomputed block" in out, out
+    assert re.search(r"activations +0\.74G", out) and re.search(r"train +16\.38G", out), out  # 12.42G, 27.95G without
+    out = run_main(monkeypatch, capsys, "--size", "60m", "--batch_size", "4", "--activation_checkpointing")
+    assert "activations of 4 x 256 tokens (activation checkpointing)" in " ".join(out.split()), out
 
 
 def test_bad_method_names_the_choices():
