@@ -5,6 +5,7 @@ its options and its measurement run.
     python -m pytest -q test_estimate_memory.py
 """
 
+import contextlib
 import gc
 import json
 import re
@@ -287,3 +288,16 @@ def test_train_follows_the_real_peak_with_activation_checkpointing(monkeypatch, 
     assert counted["act"] == pytest.approx(est["act_gb"] * 1e9, rel=1e-3)
     assert counted["train"] == pytest.approx(est["train_gb"] * 1e9, rel=1e-3)
     assert counted["peak"] == pytest.approx(counted["train"], rel=0.05), (counted, est)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_counting_saved_tensors_changes_no_gradient(checkpointing):
+    model = em.LLaMA(em.config_for("tiny", method="sltrain"))
+    model.activation_checkpointing = checkpointing
+    idx, targets = torch.randint(100, (2, 16)), torch.randint(100, (2, 16))
+    grads = []
+    for counted in (False, True):
+        with em.SavedTensors(model) if counted else contextlib.nullcontext():
+            loss = model(idx, targets)[1]
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
