@@ -5,6 +5,8 @@ from the models of model.py on the meta device, and measured on a few real train
     python estimate_memory.py                                              # Table 1 + Appendix F, all sizes
     python estimate_memory.py --size 60m --method sltrain --rank 128 --delta 0.01   # an ablation (Table 4): 43.02M
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1
+    python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 8 \
+        --activation_checkpointing                                         # as train.py --activation_checkpointing
     python estimate_memory.py --json                                       # machine-readable rows
     python estimate_memory.py --size tiny --measure                        # estimate beside measurement
 
