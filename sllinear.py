@@ -31,7 +31,8 @@ import torch.nn as nn
 def merge(B, A, values, indices, scale):
     """The dense weight s·BA ⊕_I V of shape (out, in). A zero-rank B (out, 0), A (0, in) gives the sparse part
     alone; empty values/indices give the low-rank part alone."""
-    W = torch.mm(B * scale, A)  # (out, r) @ (r, in) -> (out, in); scaling B is cheaper than scaling W
+    # (out, r) @ (r, in) -> (out, in), s applied by the GEMM itself (alpha): no scaled copy of B, no pass over W
+    W = B.new_empty(B.shape[0], A.shape[1]).addmm_(B, A, beta=0, alpha=scale)
     W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place on the fresh temporary
     return W
 
@@ -68,13 +69,13 @@ class SLLinearFunction(torch.autograd.Function):
         if need_B or need_A or need_V:
             G = torch.mm(g.t(), x.reshape(-1, in_features), out=W)  # (N, out)ᵀ @ (N, in) -> (out, in)
 
-        # ∂L/∂B = s · G Aᵀ
+        # ∂L/∂B = s · G Aᵀ, s applied by the GEMM (alpha), as in merge
         if need_B:
-            grad_B = (G @ A.t()).mul_(s)  # (out, in) @ (in, r) -> (out, r)
+            grad_B = G.new_empty(B.shape).addmm_(G, A.t(), beta=0, alpha=s)  # (out, in) @ (in, r) -> (out, r)
 
         # ∂L/∂A = s · Bᵀ G
         if need_A:
-            grad_A = (B.t() @ G).mul_(s)  # (r, out) @ (out, in) -> (r, in)
+            grad_A = G.new_empty(A.shape).addmm_(B.t(), G, beta=0, alpha=s)  # (r, out) @ (out, in) -> (r, in)
 
         # ∂L/∂V = G gathered at the support I
         if need_V:
@@ -171,7 +172,7 @@ class SLLinear(nn.Module):
 
     def forward(self, x):
         if self.values is None:  # low-rank only: never form W
-            return ((x @ self.A.t()) * self.scale) @ self.B.t()  # (N, in) -> (N, r) -> (N, out)
+            return (x @ self.A.t()) @ (self.B * self.scale).t()  # (N, in) -> (N, r) -> (N, out); s on B, not (N, r)
         B, A = self._factors(self.values)
         return sl_linear(x, B, A, self.values, self.indices, self.scale)  # <-- SLTrain: W = s·BA + S
 

@@ -64,6 +64,23 @@ def test_forward_and_gradients_match_dense_reference(index_dtype):
         torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("rank,nnz", [(5, 90), (0, 90)], ids=["sl", "sparse-only"])
+def test_fresh_buffers_are_written_not_read(monkeypatch, rank, nnz):
+    """W and the factor gradients are written by GEMMs into fresh, unset memory (beta = 0): whatever that memory
+    holds, NaN here, must not reach the result."""
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *size, **kw: new_empty(t, *size, **kw).fill_(math.nan))
+    B, A, values, indices = random_factors(24, 40, rank, nnz)
+    x = torch.randn(2, 9, 40, dtype=torch.float64, requires_grad=True)
+    grad_y = torch.randn(2, 9, 24, dtype=torch.float64)
+    y = sl_linear(x, B, A, values, indices, 0.5)
+    grads = torch.autograd.grad(y, (x, B, A, values), grad_y)
+    y_ref = x @ dense_reference(B, A, values, indices, 0.5).t()
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(grads, torch.autograd.grad(y_ref, (x, B, A, values), grad_y)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
 def test_grad_values_is_dense_gradient_at_support():
     # eq. (1): ∇_V L = (∇_z L xᵀ)_I, the dense weight gradient gathered at the support
     B, A, values, indices = random_factors(8, 6, 2, 15)
