@@ -321,7 +321,9 @@ def suite_memory(s, device, progress=lambda partial: None):
     events, estimate_memory.cpu_peak) of each setting, beside estimate_memory's estimate of the same setting and the
     bytes counted in the same run (parameters, optimizer state, the most gradients alive, saved activations): the
     peak less what these add up to (train) is what the step's temporaries (the logits' gradient, W in backward, the
-    optimizer's pieces) add. progress gets the result after each setting."""
+    optimizer's pieces) add. On CUDA the peak includes what the process held before the model (the BLAS
+    workspaces: estimate_memory.measure), reported as base: the estimate is compared with the peak less the base,
+    the reduction against full AdamW is of the whole peaks. progress gets the result after each setting."""
     result = {}
     for size in s["memory_sizes"]:
         rows = {}
@@ -332,12 +334,13 @@ def suite_memory(s, device, progress=lambda partial: None):
             try:
                 counted, _ = measure(size, method, None, None, optimizer, per_layer, 1, s["max_length"],
                                      s["memory_steps"], device)
-                gb = counted["peak"] / 1e9
+                gb, base_gb = counted["peak"] / 1e9, counted["base"] / 1e9
             except torch.cuda.OutOfMemoryError:
-                counted, gb = {}, None
-            rows[name] = dict(gb=gb, estimate_gb=est["train_gb"],
-                              vs_estimate=None if gb is None else gb / est["train_gb"] - 1,
-                              counted_gb={k: v / 1e9 for k, v in counted.items() if k != "peak"})
+                counted, gb, base_gb = {}, None, None
+            # the estimate is of the step's own memory: the peak less what the process held before the model
+            rows[name] = dict(gb=gb, base_gb=base_gb, estimate_gb=est["train_gb"],
+                              vs_estimate=None if gb is None else (gb - base_gb) / est["train_gb"] - 1,
+                              counted_gb={k: v / 1e9 for k, v in counted.items() if k not in ("peak", "base")})
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -544,7 +547,8 @@ def report_memory(r):
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
         print(f"memory {size}, batch 1: sltrain 8-bit per-layer vs full AdamW {red}{paper}")
         for name, row in P["settings"].items():
-            gb = "OOM" if row["gb"] is None else f"{row['gb']:.3f} GB ({row['vs_estimate']:+.1%} vs estimate)"
+            gb = "OOM" if row["gb"] is None else (f"{row['gb']:.3f} GB, base {row['base_gb']:.3f} "
+                                                  f"({row['vs_estimate']:+.1%} vs estimate)")
             counted = row.get("counted_gb", {})
             parts = "" if not counted else " | counted " + ", ".join(
                 f"{k} {counted[k]:.3f}" for k in ("param", "optim", "grad", "act", "train"))

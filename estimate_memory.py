@@ -24,6 +24,7 @@ print them beside it, and `train` adds them. Per method:
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -331,10 +332,20 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
             activation_checkpointing=False):
     """A few real bf16 training steps of our model. Returns the bytes of parameters, gradients (the most alive at
     once), optimizer state and saved activations (the most of one forward), counted; the real peak of the steps
-    (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the profiler's memory events); and the index
-    dtype the model stores."""
+    (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the profiler's memory events); "base", what
+    the process held before the model was built, which the peak includes; and the index dtype the model stores.
+
+    On CUDA the base is chiefly the BLAS libraries' workspaces: cuBLAS and cuBLASLt each take one per thread and
+    stream (32 MiB on Hopper, through the caching allocator), and backward runs on a thread of its own, so a first
+    step would allocate up to four inside its peak. One tiny step of the same kind allocates them before the base
+    is read. On CPU the base is 0: the profiler counts from its start."""
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--measure runs on cpu or cuda, not {device.type}")
+    base = 0
+    if device.type == "cuda":
+        _measure("tiny", method, None, None, optimizer, per_layer, 1, 8, 1, device, activation_checkpointing)
+        gc.collect()
+        base = torch.cuda.memory_allocated(device)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
         if device.type == "cpu" else contextlib.nullcontext()
     with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
@@ -342,6 +353,7 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
                                         steps, device, activation_checkpointing)
     if device.type == "cpu":
         counted["peak"] = cpu_peak(profiler)
+    counted["base"] = base
     return counted, index_dtype
 
 
@@ -411,15 +423,17 @@ def print_measured(results, device, args):
           f"{args.optimizer}{', per-layer' if args.per_layer else ''}"
           f"{', activation checkpointing' if args.activation_checkpointing else ''} -- estimate / counted; {peak_name}")
     print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train"))
-          + "    peak   peak/est")
+          + "    peak    base  (peak-base)/est")
     for method, (est, counted) in results.items():
         cells = [f"{fmt_bytes(est[k + '_gb'] * GB):>8}/{fmt_bytes(counted[k]):<8}"
                  for k in ("param", "optim", "grad", "act", "train")]
-        peak = f"{fmt_bytes(counted['peak']):>8} {counted['peak'] / (est['train_gb'] * GB):8.3f}"
-        print(f"{method:<8} " + " ".join(cells) + peak)
+        own = (counted["peak"] - counted["base"]) / (est["train_gb"] * GB)
+        print(f"{method:<8} " + " ".join(cells) + f"{fmt_bytes(counted['peak']):>8}{fmt_bytes(counted['base']):>8}"
+              f"{own:10.3f}")
     print("counted: bytes of parameters and buffers, optimizer state, the most gradient bytes alive at once and the\n"
           "saved activations of one forward; train = param + optim + at_most(grads, acts, the larger of the\n"
-          "largest layer's gradient and the loss's backward); the peak is what was alive at the step's worst moment")
+          "largest layer's gradient and the loss's backward); the peak is what was alive at the step's worst moment,\n"
+          "base what the process held before the model (on CUDA the BLAS workspaces; see measure)")
 
 
 # ----------------------------------------------------------------------------- command line

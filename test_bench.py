@@ -42,7 +42,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
         # per-layer updates the gradients at the end of backward, each beside the parameters and optimizer state
         alive = parts["param"] + parts["optim"] + max(parts["act"], parts["grad"])
         assert alive <= parts["train"] and alive <= row["gb"], (name, row)
-        assert row["vs_estimate"] == pytest.approx(row["gb"] / row["estimate_gb"] - 1)
+        assert row["base_gb"] == 0  # on CPU the profiler counts from its start; on CUDA the BLAS workspaces
+        assert row["vs_estimate"] == pytest.approx((row["gb"] - row["base_gb"]) / row["estimate_gb"] - 1)
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
     for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops
