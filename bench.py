@@ -58,7 +58,7 @@ import optim
 from estimate_memory import estimate, measure
 from export import dense_state
 from model import LLaMA, METHODS, config_for, is_projection
-from sllinear import SLLinear
+from sllinear import SLLinear, scaled_mm
 
 
 # ----------------------------------------------------------------------------- timing
@@ -225,9 +225,10 @@ def suite_layer(s, device, dtype):
             W = torch.zeros(out_f * in_f, **kw)  # (out·in,): the scatter's target
             G = torch.randn(out_f, in_f, **kw)  # (out, in): a weight gradient
             fwd_bwd = lambda layer: lambda: torch.autograd.grad(layer(x), [x, *layer.parameters()], g)
-            parts = {"form": lambda: torch.mm(B * scale, A),  # (out, r) @ (r, in) -> (out, in)
+            parts = {"form": lambda: scaled_mm(B, A, scale),  # (out, r) @ (r, in) -> (out, in)
                      "scatter": lambda: W.index_add_(0, I, V),  # (nnz,) into (out·in,)
-                     "factor_grads": lambda: ((G @ A.t()).mul_(scale), (B.t() @ G).mul_(scale)),  # (out, r), (r, in)
+                     # the factor gradients: (out, r) and (r, in)
+                     "factor_grads": lambda: (scaled_mm(G, A.t(), scale), scaled_mm(B.t(), G, scale)),
                      "gather": lambda: G.view(-1).index_select(0, I)}  # (out·in,)[I] -> (nnz,)
             times = interleave({"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl), "merge": lambda: sl.merged_weight(),
                                 **parts}, s["rounds"], device)

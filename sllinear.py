@@ -28,11 +28,16 @@ import torch
 import torch.nn as nn
 
 
+def scaled_mm(a, b, scale):
+    """scale · a @ b, the scale applied by the GEMM itself (alpha; beta = 0 into fresh memory, which is written,
+    never read): no scaled copy of an input and no pass over the product."""
+    return a.new_empty(a.shape[0], b.shape[1]).addmm_(a, b, beta=0, alpha=scale)
+
+
 def merge(B, A, values, indices, scale):
     """The dense weight s·BA ⊕_I V of shape (out, in). A zero-rank B (out, 0), A (0, in) gives the sparse part
     alone; empty values/indices give the low-rank part alone."""
-    # (out, r) @ (r, in) -> (out, in), s applied by the GEMM itself (alpha): no scaled copy of B, no pass over W
-    W = B.new_empty(B.shape[0], A.shape[1]).addmm_(B, A, beta=0, alpha=scale)
+    W = scaled_mm(B, A, scale)  # (out, r) @ (r, in) -> (out, in)
     W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place on the fresh temporary
     return W
 
@@ -69,13 +74,13 @@ class SLLinearFunction(torch.autograd.Function):
         if need_B or need_A or need_V:
             G = torch.mm(g.t(), x.reshape(-1, in_features), out=W)  # (N, out)ᵀ @ (N, in) -> (out, in)
 
-        # ∂L/∂B = s · G Aᵀ, s applied by the GEMM (alpha), as in merge
+        # ∂L/∂B = s · G Aᵀ
         if need_B:
-            grad_B = G.new_empty(B.shape).addmm_(G, A.t(), beta=0, alpha=s)  # (out, in) @ (in, r) -> (out, r)
+            grad_B = scaled_mm(G, A.t(), s)  # (out, in) @ (in, r) -> (out, r)
 
         # ∂L/∂A = s · Bᵀ G
         if need_A:
-            grad_A = G.new_empty(A.shape).addmm_(B.t(), G, beta=0, alpha=s)  # (r, out) @ (out, in) -> (r, in)
+            grad_A = scaled_mm(B.t(), G, s)  # (r, out) @ (out, in) -> (r, in)
 
         # ∂L/∂V = G gathered at the support I
         if need_V:
