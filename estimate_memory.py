@@ -438,6 +438,29 @@ def print_measured(results, device, args):
 
 # ----------------------------------------------------------------------------- command line
 
+def check_args(parser, args):
+    """Every flag honored or refused, in one line that names the fix; then the defaults that depend on --measure."""
+    if args.batch_size < 0 or args.max_length < 1 or (args.steps is not None and args.steps < 1):
+        parser.error("--batch_size must be >= 0, --max_length and --steps >= 1")
+    if not args.measure and (args.steps is not None or args.device is not None):
+        parser.error("--steps and --device say how --measure runs: add --measure or drop them")
+    if args.measure and args.index_dtype is not None:
+        parser.error("--measure counts the indices the model stores (int32 below 2^31 entries): drop --index_dtype")
+    if args.activation_checkpointing and not (args.batch_size or args.measure):
+        parser.error("--activation_checkpointing changes the activations, which --batch_size 0 leaves out: "
+                     "pass --batch_size")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: --measure runs on cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu")
+    args.index_dtype, args.steps = args.index_dtype or "int64", args.steps or 3
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
@@ -446,8 +469,9 @@ def main():
     parser.add_argument("--method", default="all", choices=["all", *ALL_METHODS], help="training method")
     parser.add_argument("--rank", type=int, default=None, help="r of the low-rank factors (default: the size's)")
     parser.add_argument("--delta", type=float, default=None, help="sltrain's sparse fraction (default: the size's)")
-    parser.add_argument("--index_dtype", default="int64", choices=list(INDEX_BYTES),
-                        help="bytes per sparse index: the paper counts int64; sllinear.py stores int32")
+    parser.add_argument("--index_dtype", default=None, choices=list(INDEX_BYTES),
+                        help="bytes per sparse index: the paper counts int64 (the default); sllinear.py stores int32, "
+                             "which --measure counts")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
                         help="adamw: 2 bf16 moments; adam8bit: 8-bit moments, ~2.03 bytes per parameter")
     parser.add_argument("--per_layer", action="store_true",
@@ -462,11 +486,10 @@ def main():
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--measure", action="store_true",
                         help="run a few training steps of each method; print measured beside estimated")
-    parser.add_argument("--steps", type=int, default=3, help="--measure: training steps")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--measure: device")
+    parser.add_argument("--steps", type=int, default=None, help="--measure: training steps (default 3)")
+    parser.add_argument("--device", default=None, help="--measure: cpu or cuda (default: cuda if present)")
     args = parser.parse_args()
-    if args.batch_size < 0 or args.max_length < 1 or args.steps < 1:
-        raise ValueError("--batch_size must be >= 0, --max_length and --steps >= 1")
+    check_args(parser, args)
 
     if args.measure:
         if args.size == "all":

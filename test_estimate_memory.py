@@ -161,6 +161,23 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     assert "activations of 4 x 256 tokens (activation checkpointing)" in " ".join(out.split()), out
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "5"], "--steps and --device say how --measure runs: add --measure or drop them"),
+    (["--device", "cpu"], "--steps and --device say how --measure runs"),
+    (["--measure", "--index_dtype", "int64"], "--measure counts the indices the model stores"),
+    (["--activation_checkpointing"], "which --batch_size 0 leaves out: pass --batch_size"),
+    (["--measure", "--steps", "0"], "--max_length and --steps >= 1"),
+    (["--measure", "--device", "tpu"], "--measure runs on cpu, cuda or cuda:N"),
+    (["--measure", "--device", "cuda:x"], "--measure runs on cpu, cuda or cuda:N"),
+])
+def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", *argv])
+    with pytest.raises(SystemExit):
+        em.main()
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_bad_method_names_the_choices():
     with pytest.raises(ValueError, match="full, lowrank, relora, galore, sltrain"):
         em.estimate("60m", "lora")
