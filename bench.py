@@ -57,7 +57,7 @@ import torch.nn as nn
 import optim
 from estimate_memory import estimate, measure
 from export import dense_state
-from model import LLaMA, METHODS, config_for, is_projection
+from model import LLaMA, METHODS, SIZES, config_for, is_projection
 from sllinear import SLLinear, scaled_mm
 
 
@@ -676,6 +676,50 @@ def report(r):
     print("x: median over rounds of the per-round ratio [lowest-highest round]")
 
 
+def check_args(parser, args):
+    """Every flag honored or refused, in one line that names the fix, before any work; returns the device. A suite
+    has its own sizes and rounds (SUITES), so the flags that set them for the single sections are refused with it."""
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu")
+    only = set(args.only or ())
+    if args.suite:
+        flags = {"--size": args.size, "--batch_size": args.batch_size, "--max_length": args.max_length,
+                 "--rounds": args.rounds, "--quick": args.quick or None}
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: a suite has its own sizes and rounds (SUITES in bench.py); drop "
+                         f"{'them' if len(given) > 1 else 'it'}, or drop --suite")
+        if args.suite == "gpu" and not cuda:
+            parser.error("--suite gpu measures bf16 on a GPU; run it on a CUDA machine, or use --suite tiny on CPU")
+        if (args.tokenizer or "program" in only) and not args.data_dir:
+            parser.error("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
+    else:
+        if args.data_dir or args.tokenizer:
+            parser.error("--data_dir and --tokenizer are for a suite's program section: add --suite or drop them")
+        if only & {"amp", "program", "model_compiled"}:
+            parser.error("--only amp, program and model_compiled are sections of a suite: add --suite gpu (or --suite "
+                         "tiny on CPU)")
+        if "memory" in only and not cuda:
+            parser.error("the memory section measures CUDA's peak allocation; run on a GPU or drop it from --only (on "
+                         "CPU, python estimate_memory.py --measure counts memory instead)")
+        unknown = [size for size in args.size or () if size not in SIZES]
+        if unknown:
+            parser.error(f"--size {' '.join(unknown)}: choose from {', '.join(SIZES)}")
+        if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
+            parser.error("--batch_size, --max_length and --rounds must be >= 1")
+    args.tokenizer = args.tokenizer or "data/t5_spiece.model"
+    args.max_length, args.rounds = args.max_length or 256, args.rounds or 7
+    return device
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
@@ -683,7 +727,8 @@ def main():
                         help="gpu: every GPU figure of the paper in one run (one H100); tiny: the same at toy sizes (a "
                              "CPU check of the suite's code)")
     parser.add_argument("--data_dir", help="--suite: C4 shards for the train.py section (skipped without them)")
-    parser.add_argument("--tokenizer", default="data/t5_spiece.model", help="--suite: the tokenizer for train.py")
+    parser.add_argument("--tokenizer", default=None,
+                        help="--suite: the tokenizer for train.py (default: data/t5_spiece.model)")
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
     parser.add_argument("--only", nargs="+",
                         choices=["layer", "model", "model_compiled", "amp", "optimizer", "memory", "inference",
@@ -692,35 +737,22 @@ def main():
     parser.add_argument("--size", nargs="+", default=None,
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
     parser.add_argument("--batch_size", type=int, default=None, help="sequences per train step (default: 4, CUDA 16)")
-    parser.add_argument("--max_length", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per section")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: 256)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per section (default: 7)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (torch.set_num_threads); 1 gives steadier ratios on a shared machine")
     parser.add_argument("--json", action="store_true", help="print the results as JSON after the table")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = check_args(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
     sections = args.only or ["layer", "model", "optimizer", "inference"] + (["memory"] if cuda else [])
-    if "memory" in sections and not cuda:
-        raise ValueError("the memory section measures CUDA's peak allocation; run on a GPU or drop it from --only "
-                         "(on CPU, python estimate_memory.py --measure counts memory instead)")
     sizes = args.size or (["350m", "1b"] if cuda else ["tiny"] if args.quick else ["60m"])
-    for size in sizes:
-        config_for(size)  # an unknown size fails now, naming the valid ones, not after minutes of benchmarks
     batch_size = args.batch_size or (16 if cuda else 8 if args.quick else 4)
-    if batch_size < 1 or args.max_length < 1 or args.rounds < 1:
-        raise ValueError("--batch_size, --max_length and --rounds must be >= 1")
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
-
-    if not args.suite and set(sections) & {"amp", "program", "model_compiled"}:
-        raise ValueError("--only amp, program and model_compiled are sections of a suite: add --suite gpu (or --suite "
-                         "tiny on CPU)")
-    if args.suite == "gpu" and not cuda:
-        raise ValueError("--suite gpu measures bf16 on a GPU; run it on a CUDA machine, or use --suite tiny on CPU")
     result = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=str(device), machine=machine(device))
     print(f"{result['command']} | {result['date']} | {device} | {torch.get_num_threads()} threads | "
