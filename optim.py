@@ -928,8 +928,11 @@ if __name__ == "__main__":
                         help="bench: time a step of each optimizer on a 4096x4096 tensor (the default); heavy: "
                              "Adam8bit beside float32 AdamW on heavy-tailed gradients; host: the host time per "
                              "parameter of per-layer updates")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="host: cpu or cuda")
+    parser.add_argument("--device", default=None, help="host: cpu or cuda (default: cuda if present)")
     args = parser.parse_args()
+    if args.device is not None and args.command != "host":
+        parser.error(f"--device is for the host command; {args.command} runs on CPU: drop --device")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no usable CUDA GPU here; pass --device cpu")
     if args.command == "bench":

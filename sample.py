@@ -75,6 +75,13 @@ def main(argv=None):
     if args.temperature < 0 or args.top_k < 0:
         p.error(f"--temperature and --top_k must be >= 0, got {args.temperature} and {args.top_k}")
     try:
+        kind = torch.device(args.device).type
+    except RuntimeError:  # not a device name
+        kind = None
+    cuda = torch.cuda.is_available()
+    if kind not in ("cpu", "cuda") or kind == "cuda" and not cuda:
+        p.error(f"--device {args.device}: pass cpu" + (", cuda or cuda:N" if cuda else " (no usable CUDA GPU here)"))
+    try:
         texts = sample(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
                        args.top_k or None, args.seed, args.device, args.tokenizer)
     except (OSError, ValueError) as e:

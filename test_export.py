@@ -49,6 +49,16 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
         sample.main([str(tmp_path / "cut.pt")])
 
 
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda"])
+def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit):
+        sample.main([str(sl_ckpt), "--device", device])
+    err = capsys.readouterr().err
+    assert f"--device {device}: pass cpu" in err and "Traceback" not in err, err
+
+
 def test_safetensors_round_trip(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2, 2, 2).half()}
     export.save_safetensors(tensors, tmp_path / "t.safetensors")
