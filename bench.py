@@ -710,9 +710,6 @@ def check_args(parser, args):
         if "memory" in only and not cuda:
             parser.error("the memory section measures CUDA's peak allocation; run on a GPU or drop it from --only (on "
                          "CPU, python estimate_memory.py --measure counts memory instead)")
-        unknown = [size for size in args.size or () if size not in SIZES]
-        if unknown:
-            parser.error(f"--size {' '.join(unknown)}: choose from {', '.join(SIZES)}")
         if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
             parser.error("--batch_size, --max_length and --rounds must be >= 1")
     args.tokenizer = args.tokenizer or "data/t5_spiece.model"
@@ -734,7 +731,7 @@ def main():
                         choices=["layer", "model", "model_compiled", "amp", "optimizer", "memory", "inference",
                                  "program"],
                         help="run only these sections (default: all that apply to the device; program: --suite only)")
-    parser.add_argument("--size", nargs="+", default=None,
+    parser.add_argument("--size", nargs="+", default=None, choices=list(SIZES),
                         help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
     parser.add_argument("--batch_size", type=int, default=None, help="sequences per train step (default: 4, CUDA 16)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: 256)")

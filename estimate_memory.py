@@ -431,9 +431,9 @@ def print_measured(results, device, args):
         print(f"{method:<8} " + " ".join(cells) + f"{fmt_bytes(counted['peak']):>8}{fmt_bytes(counted['base']):>8}"
               f"{own:10.3f}")
     print("counted: bytes of parameters and buffers, optimizer state, the most gradient bytes alive at once and the\n"
-          "saved activations of one forward; train = param + optim + at_most(grads, acts, the larger of the\n"
-          "largest layer's gradient and the loss's backward); the peak is what was alive at the step's worst moment,\n"
-          "base what the process held before the model (on CUDA the BLAS workspaces; see measure)")
+          "saved activations of one forward; train = param + optim + at_most(grads, acts, backward's start: the\n"
+          "largest layer's gradient, the loss's backward or a recomputed block); the peak is what was alive at the\n"
+          "step's worst moment, base what the process held before the model (on CUDA the BLAS workspaces)")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -5,7 +5,8 @@ A GPU runs ahead of Python only while nothing asks for a value it has not comput
 (.item(), float(t), `if t:`), copying it to the host, or an op whose output size depends on values (nonzero,
 boolean-mask indexing, unique) stalls the queue until every kernel before it has finished. So may a copy to the
 device from pageable (not pinned) host memory: CUDA may wait for the stream before it stages such a copy (the CUDA
-documentation, "API synchronization behavior"), and torch's own sync check does not see that. HostSyncs counts those ops, by name, while a block runs:
+documentation, "API synchronization behavior"), and torch's own sync check does not see that. HostSyncs counts
+those ops, by name, while a block runs:
 
     syncs = HostSyncs()
     with syncs.watch():

@@ -188,7 +188,7 @@ class SLLinear(nn.Module):
         device = (self.values if self.values is not None else self.A).device.type
         with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
             if self.values is None:
-                return (self.B * self.scale) @ self.A
+                return scaled_mm(self.B, self.A, self.scale)
             B, A = self._factors(self.values)
             return merge(B, A, self.values, self.indices, self.scale)
 

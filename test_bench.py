@@ -130,7 +130,7 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     (["--suite", "tiny", "--batch_size", "0"], "--batch_size: a suite has its own"),
     (["--suite", "tiny", "--only", "program"], "pass --data_dir"),
     (["--data_dir", "data/c4"], "add --suite or drop them"),
-    (["--size", "61m"], "choose from tiny, 60m"),
+    (["--size", "61m"], "invalid choice: '61m' (choose from"),
     (["--rounds", "0"], "must be >= 1"),
     (["--device", "tpu"], "expected cpu, cuda or cuda:N"),
 ])

@@ -337,8 +337,8 @@ def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypa
     with pytest.raises(SystemExit):
         train.get_args(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    found = re.search(r"--batch_size 32 needs about (\d+\.\d) GB per process, more than 95% of the 24\.0 GB free on cuda:0; "
-                      r"pass --batch_size (\d+)( or add --activation_checkpointing)?$", err)
+    found = re.search(r"--batch_size 32 needs about (\d+\.\d) GB per process, more than 95% of the 24\.0 GB free on "
+                      r"cuda:0; pass --batch_size (\d+)( or add --activation_checkpointing)?$", err)
     assert found, err
     assert float(found[1]) > 0.95 * 24 and (found[3] or extra)  # bf16 1b full at batch 32 fits when checkpointed
     assert train.get_args(argv + ["--batch_size", found[2]]).batch_size == int(found[2])

@@ -284,14 +284,15 @@ def check_memory(p, args, device, world):
         state = row["optim_gb"] * (1 if eight_bit else wide)  # 8-bit moments are 8-bit whatever the parameters
         return (param + state + at_most(wide * row["grad_gb"], wide_acts * row["act_gb"],
                                         wide_acts * row["start_gb"])) * 1e9
-    if need(args.batch_size) <= share * available:
+    needed = need(args.batch_size)
+    if needed <= share * available:
         return
     fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0
                  and need(b) <= share * available), None)
     fix = f"pass --batch_size {fits}" if fits else "pick a smaller --size or more memory"
     if not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
         fix += " or add --activation_checkpointing"
-    p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {need(args.batch_size) / 1e9:.1f} GB "
+    p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB "
             f"per process, more than {share:.0%} of {where}; {fix}")
 
 
