@@ -550,6 +550,40 @@ def test_no_host_sync_between_log_steps(corpus, tmp_path, capsys, extra):
     assert "sync_debug: 6 updates between log steps watched; host syncs: none" in capsys.readouterr().out
 
 
+def test_ranks_agree_on_a_signal_and_a_bad_line_on_the_host(monkeypatch, corpus):
+    """Under torchrun the ranks agree each update on a signal and on a bad shard line. The flags are host tensors, and
+    on GPUs the process group sends host tensors through gloo (beside NCCL for the gradients), so reading a flag never
+    waits for a GPU. Faked here: a second rank, which is signalled and has a bad line."""
+    mark_pinning(monkeypatch)
+    reduced = []
+
+    def all_reduce(t, op=None, group=None):
+        reduced.append(t.device)
+        t += 1  # the other rank's flag is set
+
+    monkeypatch.setattr(train.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(train.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj, "x:3"]))
+    stop = {"signal": None}
+    assert train.stopping(stop, 2) and stop["signal"] == "a signal on another rank"
+    batches = iter([(torch.randint(96, (2, 16)), torch.randint(-1, 96, (2, 16)))])
+    micro_batches, bad_line = train.read_update(batches, 1, torch.device("meta"), 2)
+    assert bad_line == "rank 1: x:3" and micro_batches[0][0].is_pinned()
+    assert reduced == [torch.device("cpu")] * 2
+    # the process group: gloo for host tensors and NCCL for the GPU's, a form this torch knows (a GPU is faked)
+    backends = []
+    monkeypatch.setattr(train.dist, "init_process_group", lambda backend: backends.append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80e9, 80e9))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(k, v)
+    train.setup(train.get_args(["--size", "tiny", "--device", "cuda", "--data_dir", corpus[0], "--tokenizer",
+                                corpus[1]]))
+    config = torch.distributed.distributed_c10d.BackendConfig(backends[0])
+    assert config.get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+
+
 @pytest.mark.parametrize("method,optimizer,per_layer", [("sltrain", "adam8bit", True), ("full", "adamw", False),
                                                         ("sltrain", "adamw", False)])
 def test_no_pageable_copy_to_the_device_in_a_step(monkeypatch, method, optimizer, per_layer):

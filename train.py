@@ -451,7 +451,7 @@ def evaluate(model, batches, device, rank, world, stop):
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of losses, targets)
     for i in range(0, len(batches), world):  # the same number of rounds on every rank, for the stop flag's all-reduce
-        if stopping(stop, device, world):
+        if stopping(stop, world):
             model.train()
             return None
         if i + rank >= len(batches):
@@ -466,13 +466,19 @@ def evaluate(model, batches, device, rank, world, stop):
     return val_loss, math.exp(min(val_loss, 50.0)), int(total[1].item())
 
 
-def stopping(stop, device, world):
+def stopping(stop, world):
     """Whether any rank was signalled: every rank must stop at the same point, or the others would wait forever."""
-    if world > 1:
-        flag = torch.tensor(1 if stop["signal"] else 0, device=device)
-        dist.all_reduce(flag)
-        stop["signal"] = stop["signal"] or ("a signal on another rank" if flag.item() else None)
+    if world > 1 and any_rank(stop["signal"] is not None):
+        stop["signal"] = stop["signal"] or "a signal on another rank"
     return stop["signal"] is not None
+
+
+def any_rank(flag):
+    """Whether flag is true on some rank: a one-number all-reduce of a host tensor (gloo, also beside NCCL), which
+    waits for the other ranks' processes to get here, never for a device."""
+    count = torch.tensor(int(flag))
+    dist.all_reduce(count)
+    return bool(count.item())
 
 
 class Meter:
@@ -563,8 +569,9 @@ def setup(args):
     args.data_dir = os.path.abspath(args.data_dir)
     with open(args.tokenizer, "rb") as f:
         args.tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()  # same vocabulary size is not same tokenizer
-    if ddp:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if ddp:  # on GPUs the gradients go through NCCL and the ranks' one-number flags (a signal, a bad shard line)
+        # through gloo, on the host: reading a flag then never waits for a GPU to finish its queue
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     return ddp, rank, world, device, dtype, vocab_size
 
 
@@ -734,9 +741,9 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             if args.stop_after and done - start >= args.stop_after and done < total:
                 stop["signal"] = "--stop_after"
 
-            # ---- log (with the stop flag, the only host syncs of the loop), evaluate, save, stop
+            # ---- log (the only host syncs of the loop), evaluate, save, stop
             # stop only where all ranks agree (here, or in evaluation): a later signal waits for the next update
-            stop_now = stopping(stop, device, world) if ddp else stop["signal"] is not None
+            stop_now = stopping(stop, world)
             if done % args.log_every == 0 or done == total:
                 check_finite()
                 lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
@@ -777,19 +784,16 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
 
 def read_update(batches, accum, device, world):
     """This update's micro-batches (x, y, counted targets), or None and the file:line message of a bad shard line.
-    Under DDP the ranks agree on it (one flag per update): a rank that stopped alone would leave the others waiting
+    Under DDP the ranks agree on it (one flag per update, on the host): a rank that stopped alone would leave the others waiting
     in a collective forever."""
     try:
         micro_batches, bad_line = [on_host(*next(batches), device) for _ in range(accum)], None
     except ValueError as e:
         micro_batches, bad_line = None, one_line(e)
-    if world > 1:
-        flag = torch.tensor(int(bad_line is not None), device=device)
-        dist.all_reduce(flag)
-        if flag.item():
-            lines = [None] * world
-            dist.all_gather_object(lines, bad_line)
-            bad_line = "\n".join(f"rank {r}: {line}" for r, line in enumerate(lines) if line)
+    if world > 1 and any_rank(bad_line is not None):
+        lines = [None] * world
+        dist.all_gather_object(lines, bad_line)  # pickled through gloo, on the host
+        bad_line = "\n".join(f"rank {r}: {line}" for r, line in enumerate(lines) if line)
     return micro_batches, bad_line
 
 
