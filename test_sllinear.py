@@ -367,6 +367,27 @@ def test_tiny_model_overfits_one_batch(method):
     assert losses[-1] < 0.3 * losses[0], f"{method}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
 
 
+@pytest.mark.parametrize("method", ["full", "lowrank", "relora", "sltrain"])
+def test_every_parameter_learns_from_the_start(method):
+    """After one update every trained tensor has a non-zero gradient. A low-rank-only model started with B = 0 (LoRA's
+    start, right where S or W0 is there) has W = 0 in every projection, and all their gradients stay 0 for good; the
+    embeddings and head alone would still fit a batch, so the loss falling does not show it."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method=method, vocab_size=256))
+    x = torch.randint(0, 256, (4, 32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):  # LoRA's A has a zero gradient while B = 0: one update moves B
+        optimizer.zero_grad(set_to_none=True)
+        model(x, torch.roll(x, -1, dims=1))[1].backward()
+        optimizer.step()
+    still = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.any()]
+    assert not still, f"{method}: no gradient for {still}"
+    if method == "lowrank":  # B and A both Kaiming-uniform, as ReLoRA's low-rank-only baseline
+        B = LLaMA(config_for("tiny", method=method, vocab_size=256)).layers[0].mlp.down_proj.B  # (out, r)
+        bound = 1 / math.sqrt(B.shape[1])
+        assert B.abs().max() <= bound and abs(B.std().item() - bound / math.sqrt(3)) < 0.1 * bound
+
+
 def test_ignore_index_and_activation_checkpointing():
     torch.manual_seed(0)
     model = LLaMA(config_for("tiny", method="sltrain", vocab_size=256))
