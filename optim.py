@@ -105,6 +105,12 @@ class AdamW(torch.optim.Optimizer):
                             group["weight_decay"])
         return loss
 
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch.optim.AdamW's state keeps its step as a tensor; ours, an int
+            if torch.is_tensor(state.get("step")):
+                state["step"] = int(state["step"].item())
+
 
 # -----------------------------------------------------------------------------
 # 8-bit Adam: block-wise dynamic quantization of both moments
@@ -502,6 +508,11 @@ class PerLayer:
                 p.grad = None  # the memory saving: these gradients die before most others exist
 
     def _finish(self):
+        if self.ddp is None:  # gradients of earlier micro-batches whose parameter got none in the last: update them too
+            pending = {p for params in self._arrived.values() for p in params}
+            for p, opt in self.optimizer_of.items():
+                if p.grad is not None and p not in pending:
+                    self._arrived.setdefault(opt, []).append(p)
         for opt, params in self._arrived.items():  # layers some of whose parameters got no gradient this time
             self._update(opt, params)
         self._arrived = {}
@@ -720,12 +731,15 @@ class GaLore(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        # torch casts state tensors to the parameter's dtype; the 8-bit codes and float32 absmax keep theirs
+        # torch casts state tensors to the parameter's dtype: right for the projector and AdamW's moments, which are
+        # kept in it; 8-bit Adam's codes, float32 absmax and float32 moments keep theirs, whatever the parameter's
+        if self.inner != "adam8bit":
+            return
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(ids, params):
             for key, value in state_dict["state"].get(i, {}).items():
-                if torch.is_tensor(value):
+                if torch.is_tensor(value) and key != "projector":
                     self.state[p][key] = value.to(p.device, copy=True)
 
 

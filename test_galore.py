@@ -136,6 +136,34 @@ def test_resume_is_exact_across_a_refresh():
         assert torch.equal(p, q), f"{name} differs by {(p - q).abs().max()}"
 
 
+@pytest.mark.parametrize("inner", ["adamw", "adam8bit"])
+def test_state_saved_in_bf16_loads_into_float32_parameters(inner):
+    """As torch.optim and our AdamW: loaded moments and projectors take the parameters' dtype, while 8-bit Adam's
+    codes and float32 absmax keep theirs. (bf16 moments beside float32 parameters failed the next step.)"""
+    torch.manual_seed(0)
+
+    def stepped(dtype):
+        params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in ((96, 64), (64,))]
+        opt = GaLore(galore_param_groups(list(zip("Wb", params)), 4), inner=inner, min_8bit_size=16)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return params, opt
+
+    _, saved = stepped(torch.bfloat16)
+    params, opt = stepped(torch.float32)
+    opt.load_state_dict(saved.state_dict())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in params:
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value):
+                expected = torch.uint8 if key.endswith("codes") else torch.float32
+                assert value.dtype == expected, f"{tuple(p.shape)} {key}: {value.dtype}"
+        assert p.isfinite().all()
+
+
 def test_train_resume_is_bit_exact_across_a_refresh(corpus, tmp_path):  # noqa: F811
     # 8-bit GaLore with per-layer updates, Figure 3's baseline; the other variants resume through the same state
     extra = ["--method", "full", "--galore_update_gap", "2", "--galore_rank", "8", "--optimizer",

@@ -7,6 +7,7 @@ per-layer updates (gradient accumulation, schedule, clipping, resume, and DDP un
 """
 
 import contextlib
+import copy
 import gc
 import os
 import subprocess
@@ -87,6 +88,28 @@ def test_adamw_matches_torch(weight_decay, foreach):
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, msg=lambda m: f"AdamW vs torch after 100 steps: max diff "
                                                        f"{max_diff(a, b):.3e}\n{m}")
+
+
+def test_adamw_continues_from_torch_adamw_state():
+    """A state saved by torch.optim.AdamW (its step a tensor) loads into ours, which then steps as torch's would."""
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in [(32, 16), (16,)]]
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    grads = [[torch.randn_like(p) for p in ref] for _ in range(6)]
+    for step in range(6):
+        if step == 3:
+            ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+            opt = AdamW(ours, lr=1e-2, weight_decay=0.1)
+            opt.load_state_dict(copy.deepcopy(opt_ref.state_dict()))
+        for i, p in enumerate(ref):
+            p.grad = grads[step][i].clone()
+        opt_ref.step()
+        if step >= 3:
+            for i, p in enumerate(ours):
+                p.grad = grads[step][i].clone()
+            opt.step()
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a)
 
 
 @pytest.mark.parametrize("make", [
@@ -534,6 +557,36 @@ def test_per_layer_updates_a_layer_whose_other_parameter_got_no_gradient():
     (layer.used ** 2).sum().backward()  # the layer's last gradient never comes: updated once backward ends
     assert not torch.equal(layer.used, before[0]) and torch.equal(layer.unused, before[1])
     assert layer.used.grad is None and per_layer.steps == 1 and per_layer.grad_norm() > 0
+
+
+def test_per_layer_accumulation_updates_what_only_earlier_micro_batches_reached():
+    """A parameter with a gradient from an earlier micro-batch and none from the last (a whole layer, b; or one of a
+    layer's tensors, u beside w) is updated with it, counted in the norm and freed, as one optimizer step after
+    ordinary accumulation does: the gradient is neither lost nor left to add into the next update."""
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.a, m.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        m.u, m.w = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))  # one layer: the root's
+        return m
+    x = torch.randn(2, 4)
+    first = lambda m: m.a(x).sum() + m.b(x).sum() + (2 * m.u).sum() + (3 * m.w).sum()  # noqa: E731
+    last = lambda m: m.a(x).pow(2).sum() + m.w.pow(2).sum()  # noqa: E731  (b and u: no gradient)
+    ref, model = build(), build()
+    opt = AdamW(ref.parameters(), lr=1e-2)
+    per_layer = attach_per_layer(model, lambda ps: AdamW(ps, lr=1e-2))
+    for _ in range(3):
+        first(ref).backward()
+        last(ref).backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with per_layer.accumulating():
+            first(model).backward()
+        last(model).backward()
+        assert all(p.grad is None for p in model.parameters()), "a gradient was left for the next update"
+        assert abs(per_layer.grad_norm().item() / norm.item() - 1) < 1e-6
+    assert_same_params(model, ref, "accumulated gradients that the last micro-batch did not reach")
 
 
 def test_per_layer_grad_norm_and_clipping():
