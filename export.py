@@ -1,10 +1,11 @@
 """
-Export a trained model (full, lowrank or sltrain) as dense weights: a Hugging Face LLaMA folder, or our own format.
+Export a trained model (full, lowrank, sltrain or relora) as dense weights: a Hugging Face LLaMA folder, or our own format.
 
     python export.py out/ckpt.pt --out hf_model          # config.json, model.safetensors, tokenizer files
     python export.py out/ckpt.pt --merged out/dense.pt   # a full-rank checkpoint that analyze.py and sample.py read
 
-Every SLTrain and low-rank weight is merged into its dense (out, in) matrix W = s·BA + S. The folder loads with
+Every SLTrain, low-rank and ReLoRA weight is merged into its dense (out, in) matrix (W = s·BA + S, or W0 + s·BA), in
+float32 and rounded once to the weights' dtype. The folder loads with
 transformers.LlamaForCausalLM.from_pretrained(folder) and gives our logits: model.py already follows HF's LLaMA
 (rotary embeddings in the half-split layout with rotate_half, RMSNorm in float32 with eps inside the root, SwiGLU
 MLP, no biases, untied head), so only the names change, and no weight is permuted. test_export.py checks the logits.
@@ -14,6 +15,7 @@ tensor's dtype, shape and byte range [begin, end) in the data that follows, then
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -23,7 +25,7 @@ from dataclasses import asdict
 import torch
 
 from checkpoint import load_model, save
-from model import LLaMA
+from model import LLaMA, ReLoRALinear
 from sllinear import SLLinear
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -69,17 +71,24 @@ def load_safetensors(path):
 
 # ----------------------------------------------------------------------------- dense weights
 
+MERGED = (SLLinear, ReLoRALinear)  # the re-parameterized projections, each exported as one dense weight
+
+
 @torch.no_grad()
-def dense_state(model):
-    """Our parameter names -> dense tensors, every SLLinear merged (its B, A, values and indices become one weight)."""
+def dense_state(model, dtype=None):
+    """Our parameter names -> dense tensors in dtype (default: the model's), every SLLinear and ReLoRALinear merged
+    (B, A and values/indices, or W0, B and A, become one weight). The merge runs in float32 and is rounded once:
+    bf16 factors multiplied in bf16, or float32 ones cast to bf16 before the product, would round twice."""
+    dtype = dtype or model.embed.weight.dtype
     state = {}
     for name, module in model.named_modules():
-        if isinstance(module, SLLinear):
-            state[f"{name}.weight"] = module.merged_weight()  # <-- SLTrain: W = s·BA + S, merged once
+        if isinstance(module, MERGED):
+            # <-- SLTrain: W = s·BA + S, merged once, on a float32 copy of the layer
+            state[f"{name}.weight"] = copy.deepcopy(module).float().merged_weight().to(dtype)
     for name, t in model.state_dict().items():
         owner = name.rsplit(".", 1)[0]
-        if not isinstance(model.get_submodule(owner), SLLinear):
-            state[name] = t
+        if not isinstance(model.get_submodule(owner), MERGED):
+            state[name] = t.to(dtype)
     return state
 
 
@@ -103,8 +112,9 @@ def hf_config(config, max_length, dtype, eos_id):
             "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": 0, "initializer_range": 0.02}
 
 
-def export_hf(model, ckpt, out_dir, tokenizer=None):
-    """Write config.json, model.safetensors and the tokenizer (sentencepiece model + tokenizer_config.json)."""
+def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
+    """Write config.json, model.safetensors (in dtype, default the model's) and the tokenizer (sentencepiece model +
+    tokenizer_config.json)."""
     from data import load_tokenizer
     run = ckpt.get("args", {})
     tokenizer = tokenizer or run.get("tokenizer")
@@ -112,9 +122,9 @@ def export_hf(model, ckpt, out_dir, tokenizer=None):
         raise ValueError("the checkpoint names no tokenizer; pass --tokenizer")
     sp = load_tokenizer(tokenizer)
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {hf_name(k): v for k, v in dense_state(model).items()}
+    tensors = {hf_name(k): v for k, v in dense_state(model, dtype).items()}
     save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
-    dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
     config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id())
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -131,10 +141,10 @@ def export_hf(model, ckpt, out_dir, tokenizer=None):
     return sorted(os.listdir(out_dir))
 
 
-def export_merged(model, ckpt, path):
+def export_merged(model, ckpt, path, dtype=None):
     """A full-rank checkpoint of the same model, in train.py's format (weights, config and the run's args)."""
     dense = LLaMA(type(model.config)(**{**asdict(model.config), "method": "full"}), device="meta")
-    dense.load_state_dict(dense_state(model), strict=True, assign=True)
+    dense.load_state_dict(dense_state(model, dtype), strict=True, assign=True)
     run = dict(ckpt.get("args", {}), method="full", merged_from=model.config.method)
     save(path, {"model": dense.state_dict(), "model_config": asdict(dense.config), "args": run,
                 "step": ckpt.get("step")})  # atomic and checksummed, as train.py's
@@ -150,15 +160,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
+    if args.merged and os.path.exists(args.merged) and os.path.samefile(args.merged, args.ckpt):
+        p.error(f"--merged {args.merged} is the checkpoint being exported: its optimizer and resume state would be "
+                "lost; pass another file")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         model, ckpt = load_model(args.ckpt)
-        if args.dtype:
-            model.to(getattr(torch, args.dtype))
         if args.out:
-            files = export_hf(model, ckpt, args.out, args.tokenizer)
+            files = export_hf(model, ckpt, args.out, args.tokenizer, dtype)
             print(f"wrote {args.out}: {', '.join(files)}")
         if args.merged:
-            export_merged(model, ckpt, args.merged)
+            export_merged(model, ckpt, args.merged, dtype)
             print(f"wrote {args.merged}: full-rank, merged from {model.config.method}")
     except (OSError, ValueError) as e:
         raise SystemExit(f"export.py: {e}") from None

@@ -113,6 +113,11 @@ class ReLoRALinear(nn.Module):
     def forward(self, x):
         return F.linear(x, self.W0) + ((x @ self.A.t()) * self.scale) @ self.B.t()  # <-- ReLoRA: W0 x + s·B(A x)
 
+    @torch.no_grad()
+    def merged_weight(self):
+        """The dense (out, in) weight W0 + s·BA, for inspection, export and spectrum analysis."""
+        return torch.addmm(self.W0, self.B, self.A, alpha=self.scale)  # (out, r) @ (r, in) -> (out, in)
+
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
 

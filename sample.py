@@ -5,7 +5,8 @@ Generate text from a checkpoint that train.py (or export.py --merged) wrote, wit
     python sample.py out/ckpt.pt --temperature 0.8 --top_k 200 --seed 1337 --device cuda
 
 Sampling as nanoGPT's: the logits of the last position divided by the temperature, cut to the top k, softmax, one
-draw; the context is cropped to the training sequence length, past which rotary positions were never seen.
+draw; the context is cropped to the training sequence length (max_length - 1 inputs: x = seq[:-1]), past which
+rotary positions were never seen.
 --temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device.
 """
 
@@ -18,7 +19,7 @@ from data import load_tokenizer
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=256, generator=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=255, generator=None):
     """idx (B, T) -> (B, T + max_new_tokens): each new token drawn from the model's next-token distribution."""
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -context:])  # (B, T', vocab)
@@ -26,7 +27,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         if temperature == 0:
             next_id = logits.argmax(-1, keepdim=True)  # (B, 1)
         else:
-            logits = logits / temperature
+            # shifted by the max first: a tiny temperature then sends the rest to -inf, never the max to inf (NaN)
+            logits = (logits - logits.max(-1, keepdim=True).values) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -48,13 +50,20 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     if sp.get_piece_size() != model.config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer} has {sp.get_piece_size()} pieces but the model "
                          f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
-    # an empty prompt starts after an end of document, as every training document does
-    ids = sp.encode(prompt) if prompt else [sp.eos_id()]
+    # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document, as every
+    # training document does
+    prompted = bool(sp.encode(prompt))
+    ids = sp.encode(prompt) if prompted else [sp.eos_id()]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     g = torch.Generator().manual_seed(seed)
-    out = generate(model, idx, max_new_tokens, temperature, top_k, context=run.get("max_length", 256), generator=g)
-    start = 0 if prompt else 1
-    return [sp.decode(row[start:].tolist()) for row in out]
+    context = run.get("max_length", 256) - 1  # training saw max_length - 1 positions
+    out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g)
+    typed, texts = sp.decode(ids) if prompted else "", []
+    for row in out.tolist():
+        text = sp.decode(row if prompted else row[1:])
+        # the prompt as typed: decoded, a character outside the vocabulary would show as ⁇
+        texts.append(prompt + text[len(typed):] if text.startswith(typed) else text)
+    return texts
 
 
 def main(argv=None):

@@ -35,6 +35,30 @@ def test_sample_is_deterministic_under_a_seed(sl_ckpt):
     assert greedy[0] == greedy[1], "greedy decoding draws nothing"
 
 
+def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
+    """A prompt of spaces (it encodes to nothing) starts a document as an empty one does; a prompt is shown as typed,
+    characters outside the vocabulary included; a tiny temperature is greedy, not NaN; the context never passes the
+    max_length - 1 positions training saw (its --max_length is 32)."""
+    assert len(sample.sample(sl_ckpt, "   ", num_samples=1, max_new_tokens=3)) == 1
+    typed = "the naïve café 日本 🤗"
+    assert all(t.startswith(typed) for t in sample.sample(sl_ckpt, typed, num_samples=2, max_new_tokens=3))
+    tiny = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=6, temperature=1e-45)
+    assert tiny == sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=6, temperature=0)
+    model, ckpt = load_model(sl_ckpt)
+    seen = []
+
+    class Spy:  # the model, recording the length of each context it is given
+        config = model.config
+
+        def __call__(self, idx):
+            seen.append(idx.shape[1])
+            return model(idx)
+
+    monkeypatch.setattr(sample, "load_model", lambda path, device: (Spy(), ckpt))
+    sample.sample(sl_ckpt, "the", max_new_tokens=40)
+    assert max(seen) == ckpt["args"]["max_length"] - 1 == 31, max(seen)
+
+
 def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint at"):
         sample.main([str(tmp_path / "missing.pt")])
@@ -85,6 +109,36 @@ def test_export_merges_and_merged_checkpoint_matches(sl_ckpt, tmp_path):
     err = (dense(idx)[0] - model(idx)[0]).abs().max().item()
     assert err < 1e-5, f"merged model's logits differ by {err:.2e}"
     assert sample.sample(str(tmp_path / "dense.pt"), "the", max_new_tokens=4)  # sample.py reads it
+
+
+def test_every_method_exports_merged_weights_rounded_once(corpus, tmp_path):  # noqa: F811
+    """lowrank and relora too (relora's W0 + s·BA was written as its parts, and --merged failed to load), and a
+    bf16 export of a float32 run is the float32 merge rounded once, not a product of factors rounded first."""
+    for method in ("relora", "lowrank"):
+        out = tmp_path / method
+        train.main(base_args(corpus, out, 3, "--method", method, "--eval_tokens", "300"))
+        ckpt = str(out / "ckpt.pt")
+        model, _ = load_model(ckpt)
+        export.main([ckpt, "--out", str(out / "hf"), "--merged", str(out / "dense.pt"), "--dtype", "bfloat16"])
+        weights = export.load_safetensors(out / "hf" / "model.safetensors")
+        assert len(weights) == 2 + 9 * model.config.n_layers + 1, sorted(weights)
+        for name, module in model.named_modules():
+            if name.endswith("_proj"):
+                exact = module.merged_weight()  # float32, as trained here
+                hf = weights["model." + export.hf_name(name).removeprefix("model.") + ".weight"]
+                assert hf.dtype == torch.bfloat16 and torch.equal(hf, exact.bfloat16()), name
+        dense, _ = load_model(str(out / "dense.pt"))
+        assert dense.config.method == "full" and dense.embed.weight.dtype == torch.bfloat16
+        idx = torch.randint(0, model.config.vocab_size, (2, 16))
+        err = (dense.float()(idx)[0] - model(idx)[0]).abs().max().item()
+        assert err < 0.05, f"{method}: the bf16 merged model's logits differ by {err:.2e}"
+
+
+def test_export_never_writes_over_the_checkpoint_it_reads(sl_ckpt, capsys):
+    before = open(sl_ckpt, "rb").read()
+    with pytest.raises(SystemExit):
+        export.main([sl_ckpt, "--merged", sl_ckpt])
+    assert "is the checkpoint being exported" in capsys.readouterr().err and open(sl_ckpt, "rb").read() == before
 
 
 def test_transformers_loads_the_export_with_our_logits(sl_ckpt, tmp_path):
