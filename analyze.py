@@ -8,8 +8,9 @@ The paper's analyses of trained weights (§3.1, Table 2, Figures 2, 4 and 9), on
 
 spectrum: σ of each projection's (merged) weight W. For an SLTrain weight W = s·BA + S with SVD W = UΣVᵀ, Σ splits
 into the parts the low-rank and the sparse factor carry (Appendix E): Σ = diag(Uᵀ(s·BA)V) + diag(UᵀSV), exactly.
-For a full-rank weight: the residual W - L0 after the best rank-r approximation L0 and the share of its entries
-below a threshold (§3.1: 97% below 0.04 at 60m), the paper's argument that the residual is small and spread out.
+For a full-rank weight (full, or ReLoRA's merged W0 + s·BA): the residual W - L0 after the best rank-r approximation
+L0 and the share of its entries below a threshold (§3.1: 97% below 0.04 at 60m), the paper's argument that the
+residual is small and spread out. prune needs a full-rank checkpoint (export.py --merged makes one from any other).
 
 Training from a dense checkpoint (Table 2's last rows) lives here too, called by train.py:
     python train.py --method sltrain --init_from full/ckpt.pt --freeze lowrank --support top
@@ -42,8 +43,14 @@ def projections(model):
 
 
 def dense_weight(module):
-    """The (out, in) weight of a projection, merged for SLTrain and low-rank layers."""
-    return module.merged_weight() if isinstance(module, SLLinear) else module.weight.detach()
+    """The (out, in) weight of a projection: merged for the layers that have factors (SLLinear, ReLoRALinear)."""
+    return module.merged_weight() if hasattr(module, "merged_weight") else module.weight.detach()
+
+
+def check_finite(name, W):
+    # a diverged run's NaN would otherwise surface as the SVD's "failed to converge" traceback
+    if not torch.isfinite(W).all():
+        raise ValueError(f"{name} has non-finite weights (the run diverged); analyze an earlier checkpoint")
 
 
 def best_rank(W, r):
@@ -60,9 +67,14 @@ def spectrum(model, rank=None, threshold=0.04):
     """One row per projection: its σ (float64), and the low-rank/sparse split (sltrain) or the rank-r residual
     (full)."""
     rows = []
-    rank = rank or model.config.rank
+    rank = model.config.rank if rank is None else rank  # `is None`: an explicit 0 is refused, not replaced
+    limit = min(model.config.dim, model.config.ffn_dim)  # the smaller side of every projection
+    full_rank = any(not isinstance(m, SLLinear) for *_, m in projections(model))  # only these take the rank
+    if full_rank and not 0 < rank < limit:
+        raise ValueError(f"rank must be in [1, {limit}), got {rank}")
     for name, kind, layer, module in projections(model):
         W = dense_weight(module).double()
+        check_finite(name, W)
         split = isinstance(module, SLLinear) and module.values is not None and module.rank > 0
         if split:  # the two parts and W in float64, so that they add up to the rounding of the SVD alone
             low = (module.B.double() * module.scale) @ module.A.double()  # s·BA
@@ -76,12 +88,11 @@ def spectrum(model, rank=None, threshold=0.04):
             # diag(Uᵀ M V) without forming the k x k product: row i of UᵀM times row i of Vᵀ
             row["sigma_lowrank"] = ((U.t() @ low) * Vh).sum(1).tolist()
             row["sigma_sparse"] = ((U.t() @ sparse) * Vh).sum(1).tolist()
-        elif isinstance(module, nn.Linear):
-            r = min(rank, min(W.shape) - 1)
-            residual = W - (U[:, :r] * S[:r]) @ Vh[:r]
-            row.update(rank=r, residual_max=residual.abs().max().item(), threshold=threshold,
+        elif not isinstance(module, SLLinear):  # full rank: nn.Linear, or ReLoRA's W0 + s·BA
+            residual = W - (U[:, :rank] * S[:rank]) @ Vh[:rank]  # (out, r) @ (r, in) -> (out, in)
+            row.update(rank=rank, residual_max=residual.abs().max().item(), threshold=threshold,
                        residual_below=(residual.abs() < threshold).double().mean().item(),
-                       energy_top_r=(S[:r].square().sum() / S.square().sum()).item())
+                       energy_top_r=(S[:rank].square().sum() / S.square().sum()).item())
         rows.append(row)
     return rows
 
@@ -97,7 +108,8 @@ def spectrum_table(rows):
         split = "sigma_lowrank" in group[0]
         head = f"{kind:>9} | layer |  σ_max  | σ_min   "
         if full:
-            head += f"| energy top-{group[0]['rank']} | residual max | residual < {group[0]['threshold']:g}"
+            energy, below = f"energy top-{group[0]['rank']}", f"residual < {group[0]['threshold']:g}"
+            head += f"| {energy:>14} | residual max | {below:>15}"  # as wide as the numbers below them
         if split:
             head += "| σ_max low-rank part | σ_max sparse part | sparse share of Σσ"
         lines += [head, "-" * len(head)]
@@ -206,6 +218,7 @@ def prune_weights(model, rank, delta, seed=0):
     for name, kind, layer, module in projections(model):
         assert isinstance(module, nn.Linear), f"{name} is not dense"
         W = module.weight.detach().double()
+        check_finite(name, W)
         L0 = best_rank(W, rank)[0]
         R = (W - L0).view(-1)
         nnz = int(delta * R.numel())
@@ -226,6 +239,8 @@ def prune(model, batches, rank, delta, seed=0):
                          "or merge one with export.py --merged")
     device = next(model.parameters()).device
     modules = {name: module for name, _, _, module in projections(model)}
+    for name, m in modules.items():  # before any evaluation, which a NaN would only waste
+        check_finite(name, m.weight)
     original = {name: m.weight.detach().clone() for name, m in modules.items()}
     no_signal = {"signal": None}  # train.py's evaluate stops early on a signal; here nothing sets one
     results = {"full": evaluate(model, batches, device, 0, 1, no_signal)[:2]}
@@ -245,8 +260,12 @@ def prune(model, batches, rank, delta, seed=0):
 @torch.no_grad()
 def init_from_dense(model, path, support="random"):
     """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
-    (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or with
-    support="top" the δ·in·out largest entries of the residual. Everything else (embeddings, norms, head) is copied."""
+    (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or
+    with support="top" the δ·in·out largest entries of the residual. Everything else (embeddings, norms, head)
+    is copied."""
+    if model.config.method not in ("lowrank", "sltrain"):
+        raise ValueError(f"--init_from sets the factors of a lowrank or sltrain model, not {model.config.method}; "
+                         "pass --method sltrain")
     dense, ckpt = load_model(path)
     if dense.config.method != "full":
         raise ValueError(f"--init_from {path}: a {dense.config.method} checkpoint; pass a full-rank one "
@@ -294,34 +313,53 @@ def prepare_for_training(model, args, resuming):
 # ----------------------------------------------------------------------------- Figure 4: eval curves
 
 def read_curve(path, key):
-    """(steps, values) of the eval rows of a metrics.jsonl; a resumed run's repeated steps keep the last row."""
+    """(steps, values) of the eval rows of a metrics.jsonl; a resumed run's repeated steps keep the last row.
+    A file that is not one train.py wrote raises ValueError naming the file, and the line where there is one."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file at {path}; pass the metrics.jsonl in a train.py --out_dir")
     points = {}
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            if key in row:
-                points[row["step"]] = row[key]
+    fix = "fix or delete that line (train.py writes one JSON object per line)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    row = None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{n}: not a JSON object; {fix}")
+                if key in row:
+                    step, value = row.get("step"), row[key]
+                    if type(step) is not int or type(value) not in (int, float):  # `type`: bools are ints too
+                        raise ValueError(f"{path}:{n}: a {key} row needs an integer step and a number; {fix}")
+                    points[step] = value
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not text, so not a metrics.jsonl; pass the one in a train.py --out_dir") from None
     if not points:
         raise ValueError(f"{path} has no {key!r} rows; the run never evaluated (lower --eval_every)")
     steps = sorted(points)
     return steps, [points[s] for s in steps]
 
 
-def main(argv=None):
+def get_args(argv=None):
+    """The command line, every number checked before any checkpoint or data is read: a bad one is one line naming
+    the fix, and a value given is never replaced by a default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("spectrum", help="singular values of every projection")
     s.add_argument("ckpt", help="a checkpoint written by train.py")
-    s.add_argument("--rank", type=int, help="r of the residual analysis of full-rank weights (default: the size's)")
-    s.add_argument("--threshold", type=float, default=0.04, help="count residual entries below this (§3.1)")
+    s.add_argument("--rank", type=int, help="r of the residual analysis of full-rank weights (full and relora "
+                   "checkpoints; default: the checkpoint's rank)")
+    s.add_argument("--threshold", type=float, help="count residual entries below this (§3.1; full and relora "
+                   "checkpoints; default 0.04)")
     s.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the tables")
     s.add_argument("--figures", help="write one SVG per layer kind into this folder")
     q = sub.add_parser("prune", help="Table 2: perplexity of a full-rank model pruned to L0 (+ δ of the residual)")
-    q.add_argument("ckpt", help="a full-rank checkpoint written by train.py")
-    q.add_argument("--rank", type=int, help="r of L0 (default: the paper's for the size)")
-    q.add_argument("--delta", type=float, default=0.03, help="fraction of residual entries kept")
+    q.add_argument("ckpt", help="a full-rank checkpoint written by train.py (or export.py --merged)")
+    q.add_argument("--rank", type=int, help="r of L0 (default: the checkpoint's rank)")
+    q.add_argument("--delta", type=float, default=0.03, help="fraction of residual entries kept, in [0, 1)")
     q.add_argument("--seed", type=int, default=0, help="seed of the random support")
     q.add_argument("--data_dir", help="validation shards (default: the checkpoint's --data_dir)")
     q.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's)")
@@ -332,50 +370,118 @@ def main(argv=None):
     c.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train.py")
     c.add_argument("--labels", nargs="+", help="one legend label per file (default: the folder names)")
     c.add_argument("--key", default="val_ppl", choices=["val_ppl", "val_loss"], help="what to plot")
-    c.add_argument("--out", default="curves.svg", help="the SVG file to write")
+    c.add_argument("--out", default="curves.svg", help="the SVG file to write (its folder is created)")
     args = p.parse_args(argv)
 
+    positive = {"spectrum": ("rank",), "prune": ("rank", "eval_tokens", "batch_size"), "curves": ()}[args.command]
+    for name in positive:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.command == "spectrum" and args.threshold is not None and not 0 < args.threshold < math.inf:
+        p.error(f"--threshold must be a positive number, got {args.threshold}")  # `not <`: NaN is refused too
+    if args.command == "spectrum" and args.figures and os.path.exists(args.figures) and not os.path.isdir(args.figures):
+        p.error(f"--figures {args.figures} is a file; pass a folder (it is created if missing)")
+    if args.command == "prune":
+        if not 0 <= args.delta < 1:
+            p.error(f"--delta must be in [0, 1), got {args.delta}")
+        if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+            p.error(f"--seed must fit in 64 bits, got {args.seed}")
     if args.command == "curves":
-        labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
-        if len(labels) != len(args.metrics):
-            p.error(f"{len(labels)} --labels for {len(args.metrics)} files; give one per file")
-        series = [(label, *read_curve(m, args.key)) for label, m in zip(labels, args.metrics)]
+        if args.labels is not None and len(args.labels) != len(args.metrics):
+            p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")
+        if os.path.isdir(args.out):
+            p.error(f"--out {args.out} is a folder; pass a file in it, such as {os.path.join(args.out, 'curves.svg')}")
+    return args
+
+
+def curves(args):
+    """Figure 4 from the command line: read every file, then write one SVG."""
+    labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
+    series = []
+    for label, path in zip(labels, args.metrics):
+        try:
+            steps, values = read_curve(path, args.key)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"analyze.py curves: {e}") from None
+        # a diverged run logs NaN or inf: said and left out, as a plot cannot place them
+        bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
+        if len(bad) == len(steps):
+            raise SystemExit(f"analyze.py curves: {path}: every {args.key} is non-finite (the run diverged); "
+                             "drop that file")
+        if bad:
+            print(f"analyze.py curves: {path}: {args.key} is non-finite at step(s) {', '.join(map(str, bad))}; "
+                  "left out of the plot", file=sys.stderr)
+        finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+        series.append((label, [s for s, _ in finite], [v for _, v in finite]))
+    try:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         svg_lines(args.out, series, title=f"validation {args.key.split('_')[1]} during training",
                   xlabel="update", ylabel=args.key)
-        print(f"wrote {args.out}")
-        return
-    if args.command == "prune" and not 0 <= args.delta < 1:
-        p.error(f"--delta must be in [0, 1), got {args.delta}")
+    except OSError as e:
+        raise SystemExit(f"analyze.py curves: cannot write --out {args.out} ({e.strerror or e}); "
+                         "pass a file in a folder you can write to") from None
+    print(f"wrote {args.out}")
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if args.command == "curves":
+        return curves(args)
     try:
         model, ckpt = load_model(args.ckpt)
     except (OSError, ValueError) as e:
         raise SystemExit(f"analyze.py {args.command}: {e}") from None
     model.float()
+    # the checks that need the checkpoint: what it is, then its sizes
+    method, limit = model.config.method, min(model.config.dim, model.config.ffn_dim)
+    if args.command == "prune" and method != "full":
+        raise SystemExit(f"analyze.py prune: {args.ckpt} is {method}; prune needs a full-rank checkpoint: train "
+                         "with --method full, or merge this one with export.py --merged")
+    if method in ("lowrank", "sltrain") and (args.rank is not None or getattr(args, "threshold", None) is not None):
+        how = "Σ split into its low-rank and sparse parts" if method == "sltrain" else "its σ alone"
+        raise SystemExit(f"analyze.py spectrum: --rank and --threshold set the residual analysis of full-rank "
+                         f"weights (full and relora checkpoints); {args.ckpt} is {method}, shown as {how}: drop them")
+    rank = model.config.rank if args.rank is None else args.rank
+    if method in ("full", "relora") and not 0 < rank < limit:
+        default = "" if args.rank is not None else " (the checkpoint's rank, the default); pass --rank"
+        raise SystemExit(f"analyze.py {args.command}: --rank must be in [1, {limit}) for this model, got {rank}"
+                         + default)
+
     if args.command == "spectrum":
-        rows = spectrum(model, args.rank, args.threshold)
+        threshold = 0.04 if args.threshold is None else args.threshold
+        try:
+            rows = spectrum(model, rank, threshold)
+        except ValueError as e:
+            raise SystemExit(f"analyze.py spectrum: {e}") from None
         print(json.dumps(rows) if args.json else spectrum_table(rows))
         if args.figures:
-            title = f"{ckpt.get('args', {}).get('size', '')} {model.config.method}".strip()
-            for path in spectrum_figures(rows, args.figures, title):
+            title = f"{ckpt.get('args', {}).get('size', '')} {method}".strip()
+            try:
+                paths = spectrum_figures(rows, args.figures, title)
+            except OSError as e:
+                raise SystemExit(f"analyze.py spectrum: cannot write into --figures {args.figures} "
+                                 f"({e.strerror or e}); pass a folder you can write to") from None
+            for path in paths:
                 print(f"wrote {path}", file=sys.stderr)
         return
 
     from data import validation_batches
-    if model.config.method != "full":
-        raise SystemExit(f"analyze.py prune: {args.ckpt} is {model.config.method}; prune needs a full-rank "
-                         "checkpoint: train with --method full")
     run = ckpt.get("args", {})
-    rank = args.rank or model.config.rank
-    if not 0 < rank < min(model.config.dim, model.config.ffn_dim):
-        p.error(f"--rank must be in (0, {min(model.config.dim, model.config.ffn_dim)}), got {rank}")
+    data_dir = run.get("data_dir") if args.data_dir is None else args.data_dir
+    tokenizer = run.get("tokenizer") if args.tokenizer is None else args.tokenizer
+    if data_dir is None or tokenizer is None:
+        raise SystemExit(f"analyze.py prune: {args.ckpt} does not record its validation data; pass --data_dir and "
+                         "--tokenizer")
+    eval_tokens = run.get("eval_tokens", 10_000_000) if args.eval_tokens is None else args.eval_tokens
     try:
-        batches = validation_batches(args.data_dir or run["data_dir"], args.tokenizer or run["tokenizer"],
-                                     args.batch_size, max_length=run.get("max_length", 256),
-                                     eval_tokens=args.eval_tokens or run.get("eval_tokens", 10_000_000),
-                                     pack=run.get("pack", False))
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"analyze.py prune: validation data: {e}; pass --data_dir and --tokenizer") from None
-    results = prune(model, batches, rank, args.delta, args.seed)
+        batches = validation_batches(data_dir, tokenizer, args.batch_size, max_length=run.get("max_length", 256),
+                                     eval_tokens=eval_tokens, pack=run.get("pack", False))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"analyze.py prune: validation data: {e}") from None  # data.py's errors name the fix
+    try:
+        results = prune(model, batches, rank, args.delta, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"analyze.py prune: {e}") from None
     if args.json:
         print(json.dumps({k: {"val_loss": v[0], "val_ppl": v[1]} for k, v in results.items()}))
         return

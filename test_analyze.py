@@ -175,3 +175,145 @@ def test_curves_overlay(corpus, tmp_path):  # noqa: F811
     root = ET.parse(tmp_path / "c.svg").getroot()
     texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert "run0" in texts and "run1" in texts
+
+
+# ----------------------------------------------------------------------------- ReLoRA, and bad input of every kind
+
+@pytest.fixture(scope="module")
+def relora_ckpt(corpus, tmp_path_factory):  # noqa: F811
+    """A tiny ReLoRA model that merged s·BA into W0 once (at update 3) and trained new factors after."""
+    out = tmp_path_factory.mktemp("relora")
+    train.main(base_args(corpus, out, 6, "--method", "relora", "--lr", "1e-2", "--relora_reset", "3",
+                         "--relora_warmup", "1", "--warmup_steps", "1"))
+    return str(out / "ckpt.pt")
+
+
+def refusal(capsys, argv):
+    """The one-line message of a refused analyze.py command: SystemExit's text, or argparse's p.error line."""
+    with pytest.raises(SystemExit) as e:
+        analyze.main(argv)
+    message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Traceback" not in message and "\n" not in message, message
+    return message
+
+
+def test_spectrum_of_relora_is_of_the_merged_weight(relora_ckpt, tmp_path, capsys):
+    model, _ = load_model(relora_ckpt)
+    layer = model.layers[1].mlp.down_proj
+    W = (layer.W0 + layer.scale * layer.B @ layer.A).double()
+    assert (W - layer.W0.double()).abs().max() > 1e-4, "s·BA must be nonzero for this test to tell W from W0"
+    row = next(r for r in analyze.spectrum(model, rank=4) if r["name"] == "layers.1.mlp.down_proj")
+    S = torch.linalg.svdvals(W)
+    err = (torch.tensor(row["sigma"], dtype=torch.float64) - S).abs().max().item()
+    assert err < 1e-5, f"σ differs from that of W0 + s·BA by {err:.2e}"
+    assert row["rank"] == 4 and math.isclose(row["energy_top_r"], (S[:4].square().sum() / S.square().sum()).item(),
+                                             rel_tol=1e-6)
+    analyze.main(["spectrum", relora_ckpt, "--rank", "4", "--threshold", "0.01", "--figures", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "energy top-4" in out and "residual < 0.01" in out
+    assert len(list(tmp_path.glob("*.svg"))) == 7
+    message = refusal(capsys, ["prune", relora_ckpt, "--eval_tokens", "300"])
+    assert "full-rank checkpoint" in message and "export.py --merged" in message
+
+
+def test_init_from_refuses_a_relora_model(dense_ckpt):
+    from model import LLaMA, config_for
+    with pytest.raises(ValueError, match="lowrank or sltrain model, not relora"):
+        analyze.init_from_dense(LLaMA(config_for("tiny", method="relora", vocab_size=96)), dense_ckpt)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["spectrum", "--rank", "-3"], "--rank must be positive, got -3"),
+    (["spectrum", "--rank", "0"], "--rank must be positive, got 0"),
+    (["spectrum", "--threshold", "0"], "--threshold must be a positive number"),
+    (["spectrum", "--threshold", "nan"], "--threshold must be a positive number"),
+    (["spectrum", "--threshold", "inf"], "--threshold must be a positive number"),
+    (["prune", "--rank", "0"], "--rank must be positive, got 0"),
+    (["prune", "--batch_size", "0"], "--batch_size must be positive, got 0"),
+    (["prune", "--eval_tokens", "-5"], "--eval_tokens must be positive, got -5"),
+    (["prune", "--eval_tokens", "0"], "--eval_tokens must be positive, got 0"),
+    (["prune", "--delta", "1"], "--delta must be in [0, 1), got 1.0"),
+    (["prune", "--delta", "nan"], "--delta must be in [0, 1), got nan"),
+    (["prune", "--seed", str(2**64)], "--seed must fit in 64 bits"),
+])
+def test_numeric_flags_are_refused_before_the_checkpoint_is_read(argv, message, tmp_path, capsys):
+    missing = str(tmp_path / "no_such_ckpt.pt")  # read first, it would say "no checkpoint at" instead
+    assert message in refusal(capsys, [argv[0], missing, *argv[1:]])
+
+
+def test_flags_are_checked_against_the_checkpoint(dense_ckpt, sltrain_ckpt, capsys):
+    model, _ = load_model(dense_ckpt)
+    rows = analyze.spectrum(model, rank=63)  # tiny: dim 64, so 63 is the largest rank with a residual
+    assert rows[0]["rank"] == 63 and rows[0]["residual_max"] > 0, "an explicit rank is used as given"
+    with pytest.raises(ValueError, match=r"rank must be in \[1, 64\), got 0"):
+        analyze.spectrum(model, rank=0)
+    for command in ("spectrum", "prune"):
+        message = refusal(capsys, [command, dense_ckpt, "--rank", "1000"])
+        assert "--rank must be in [1, 64) for this model, got 1000" in message, message
+    message = refusal(capsys, ["spectrum", dense_ckpt, "--figures", dense_ckpt])
+    assert f"--figures {dense_ckpt} is a file" in message, message
+    for flags in (["--rank", "4"], ["--threshold", "0.01"], ["--rank", "4", "--threshold", "0.01"]):
+        message = refusal(capsys, ["spectrum", sltrain_ckpt, *flags])
+        assert "is sltrain" in message and "drop them" in message, message
+
+
+def test_the_default_rank_is_checked_where_it_is_used(corpus, dense_ckpt, tmp_path, capsys):  # noqa: F811
+    from checkpoint import load, save
+    state = load(dense_ckpt)
+    state["model_config"]["rank"] = 100  # a full model's rank is never used in training, so never checked there
+    save(tmp_path / "rank100.pt", state)
+    message = refusal(capsys, ["spectrum", str(tmp_path / "rank100.pt")])
+    assert "got 100 (the checkpoint's rank, the default); pass --rank" in message, message
+    analyze.main(["spectrum", str(tmp_path / "rank100.pt"), "--rank", "8"])
+    assert "energy top-8" in capsys.readouterr().out
+    train.main(base_args(corpus, tmp_path / "sparse", 1, "--method", "sltrain", "--rank", "0", "--delta", "0.1"))
+    analyze.main(["spectrum", str(tmp_path / "sparse" / "ckpt.pt")])  # rank 0 is no residual rank: not refused
+    assert "q_proj" in capsys.readouterr().out
+
+
+def test_non_finite_weights_are_one_line(dense_ckpt, tmp_path, capsys):
+    from checkpoint import load, save
+    state = load(dense_ckpt)
+    state["model"]["layers.0.attn.k_proj.weight"][0, 0] = float("nan")
+    save(tmp_path / "nan.pt", state)
+    for argv in (["spectrum", str(tmp_path / "nan.pt")], ["prune", str(tmp_path / "nan.pt"), "--eval_tokens", "300"]):
+        message = refusal(capsys, argv)
+        assert "layers.0.attn.k_proj has non-finite weights" in message, message
+
+
+def write_metrics(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_curves_bad_inputs_are_one_line_naming_the_fix(tmp_path, capsys):
+    good = write_metrics(tmp_path / "good" / "metrics.jsonl", [{"step": 10, "val_ppl": 50.0}])
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text(json.dumps({"step": 10, "val_ppl": 50.0}) + "\n{\"step\": 20, \"val_p\n")
+    binary = tmp_path / "ckpt.pt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    cases = [(str(tmp_path / "missing.jsonl"), "no metrics file at"),
+             (str(corrupt), "corrupt.jsonl:2: not a JSON object; fix or delete that line"),
+             (str(binary), "is not text"),
+             (write_metrics(tmp_path / "list.jsonl", [[1, 2]]), "list.jsonl:1: not a JSON object"),
+             (write_metrics(tmp_path / "nostep.jsonl", [{"val_ppl": 3.0}]), "nostep.jsonl:1: a val_ppl row needs"),
+             (write_metrics(tmp_path / "text.jsonl", [{"step": 1, "val_ppl": "3"}]), "text.jsonl:1: a val_ppl row"),
+             (write_metrics(tmp_path / "nan.jsonl", [{"step": 1, "val_ppl": float("nan")}]), "every val_ppl is non")]
+    for path, message in cases:
+        got = refusal(capsys, ["curves", good, path, "--out", str(tmp_path / "c.svg")])
+        assert got.startswith("analyze.py curves: ") and message in got, got
+    assert "is a folder" in refusal(capsys, ["curves", good, "--out", str(tmp_path)])
+    assert "--labels for 1 files" in refusal(capsys, ["curves", good, "--labels", "a", "b"])
+    (tmp_path / "file").write_text("")
+    assert "cannot write --out" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
+
+
+def test_curves_creates_its_folder_and_leaves_out_non_finite_points(tmp_path, capsys):
+    rows = [{"step": 10, "val_ppl": 50.0}, {"step": 20, "val_ppl": float("inf")}, {"step": 30, "val_ppl": 30.0}]
+    path = write_metrics(tmp_path / "run" / "metrics.jsonl", rows)
+    out = tmp_path / "some" / "missing" / "folder" / "curves.svg"
+    analyze.main(["curves", path, "--out", str(out)])
+    assert "non-finite at step(s) 20; left out of the plot" in capsys.readouterr().err
+    polyline = ET.parse(out).getroot().find("{http://www.w3.org/2000/svg}polyline")
+    assert len(polyline.get("points").split()) == 2 and "nan" not in polyline.get("points")
