@@ -182,6 +182,14 @@ def test_authors_flag_names_are_accepted(corpus, tmp_path):
     assert args.warmup_steps is None, "a resumed run keeps the warmup in its checkpoint"
 
 
+def test_download_that_fails_is_one_line(monkeypatch, tmp_path):
+    def offline(*args, **kwargs):
+        raise ConnectionError("the network is unreachable; copy the files by hand")
+    monkeypatch.setattr(train, "download", offline)
+    with pytest.raises(SystemExit, match="^--download: the network is unreachable"):
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path)])
+
+
 def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")

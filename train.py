@@ -554,7 +554,10 @@ def setup(args):
             raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
                              f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {n_train}")
         print(f"--download: {n_train} C4 train shard(s), 1 validation shard and the T5 tokenizer into {args.data_dir}")
-        download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=1))
+        try:
+            download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=1))
+        except (OSError, ValueError) as e:  # offline, a failing server, a file that fails its checksum
+            raise SystemExit(f"--download: {e}") from None
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
