@@ -32,7 +32,7 @@ SIGTERM + --resume, --compile, --sync_debug, torchrun). --suite tiny runs the sa
 (test_bench.py). The sections model_compiled, amp and program exist only in a suite. A suite runs its sections one by
 one: after each, its table prints and --out is rewritten, with the section's seconds under "seconds"; a section that
 raises is recorded under "errors" and the next one runs; the command exits non-zero if any failed. The GPU suite has
-never run; BENCHMARKS.md splits it with --only into four shorter commands (how long each takes is an estimate).
+never run; BENCHMARKS.md splits it with --only into five shorter commands (how long each takes is an estimate).
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
 interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
@@ -194,7 +194,8 @@ SUITES = {
                  inference_sizes=("tiny",)),
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
-# (in this order: the paper's headline pair first, GaLore, whose first step takes an SVD of every projection, last)
+# (in this order: the paper's headline pair first; GaLore, whose first step takes an SVD of every projection, runs
+# after every other setting of every size)
 MEMORY_SETTINGS = (("full", "adamw", False), ("sltrain", "adam8bit", True), ("full", "adam8bit", True),
                    ("lowrank", "adam8bit", True), ("galore", "adam8bit", True))
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
@@ -206,11 +207,12 @@ def projection_shapes(size):
     return c, ((c.dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim))
 
 
-def suite_layer(s, device, dtype):
+def suite_layer(s, device, dtype, progress=lambda partial: None):
     """SLTrain forward+backward ÷ nn.Linear at every projection shape, and where SLTrain's extra time goes: forming
     W alone (merge) and the parts of sllinear.py's extra work, each timed alone. Forward forms W (form s·BA, scatter
     V into it); backward forms it again, then G = gᵀx (as dense does), the factor gradients G Aᵀ and Bᵀ G, and V's
-    gradient (gather G at I). So accounted = dense + 2·(form + scatter) + factor_grads + gather, beside sltrain."""
+    gradient (gather G at I). So accounted = dense + 2·(form + scatter) + factor_grads + gather, beside sltrain.
+    progress gets the rows after each shape."""
     rows = []
     for size in s["layer_sizes"]:
         c, shapes = projection_shapes(size)
@@ -239,6 +241,7 @@ def suite_layer(s, device, dtype):
             rows.append(dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
                              floor=floor, accounted_ms=accounted, variants=v))
             del dense, sl, x, g, B, A, V, I, W, G, parts
+            progress(rows)
     return rows
 
 
@@ -325,11 +328,14 @@ def suite_memory(s, device, progress=lambda partial: None):
     optimizer's pieces) add. On CUDA the peak includes what the process held before the model (the BLAS
     workspaces: estimate_memory.measure), reported as base: the estimate is compared with the peak less the base,
     the reduction against full AdamW is of the whole peaks. progress gets the result after each setting."""
-    result = {}
-    for size in s["memory_sizes"]:
-        rows = {}
-        result[size] = dict(settings=rows, reduction=None, paper_reduction=PAPER_REDUCTION.get(size))
+    result = {size: dict(settings={}, reduction=None, paper_reduction=PAPER_REDUCTION.get(size))
+              for size in s["memory_sizes"]}
+    galore_last = [(galore, size) for galore in (False, True) for size in s["memory_sizes"]]
+    for galore, size in galore_last:
+        rows = result[size]["settings"]
         for method, optimizer, per_layer in MEMORY_SETTINGS:
+            if (method == "galore") != galore:
+                continue
             name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}"
             est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, s["max_length"])
             try:
@@ -377,9 +383,11 @@ def suite_optimizer(s, device, dtype):
                                     for m in ("full", "sltrain")})
 
 
-def suite_program(s, data_dir, tokenizer, out_dir):
+def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
-    and resumed (how close its end is to the straight run), --compile, and torchrun's NCCL (or gloo) path."""
+    and resumed (how close its end is to the straight run), --compile, and torchrun's NCCL (or gloo) path. Each run
+    is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
+    raises at the end, naming the runs that failed."""
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
     for run in ("straight", "signalled", "compiled", "eager_sync", "torchrun"):  # the suite's scratch folders, anew
@@ -397,39 +405,55 @@ def suite_program(s, data_dir, tokenizer, out_dir):
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         return done.stdout
 
-    result = {}
-    train("straight", "--num_training_steps", str(p["steps"]))
-    straight = rows("straight")
-    losses = [r["loss"] for r in straight if "loss" in r]
-    evals = [r["val_loss"] for r in straight if "val_loss" in r]
-    result["straight"] = dict(first_loss=losses[0], last_loss=losses[-1], val_loss=evals, loss_falls=losses[-1] <
-                              losses[0] and evals[-1] < evals[0])
+    def straight():
+        train("straight", "--num_training_steps", str(p["steps"]))
+        losses = [r["loss"] for r in rows("straight") if "loss" in r]
+        evals = [r["val_loss"] for r in rows("straight") if "val_loss" in r]
+        return dict(first_loss=losses[0], last_loss=losses[-1], val_loss=evals,
+                    loss_falls=losses[-1] < losses[0] and evals[-1] < evals[0])
 
-    # SIGTERM as a scheduler sends it: to the whole process group, once the run is half way
-    cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    for line in proc.stdout:  # the log line of the half-way update, as it is printed
-        if line.startswith(f"step {p['steps'] // 2}/"):
-            os.killpg(proc.pid, signal.SIGTERM)
-            break
-    proc.communicate()
-    stopped_at = max(r["step"] for r in rows("signalled"))
-    train("signalled", "--num_training_steps", str(p["steps"]), "--resume")
-    resumed = rows("signalled")
-    result["sigterm_resume"] = dict(stopped_at=stopped_at, exit_code=proc.returncode,
-                                    last_loss=resumed[-1].get("val_loss"), straight_last_loss=evals[-1],
-                                    val_loss_diff=abs(resumed[-1].get("val_loss", float("nan")) - evals[-1]))
+    def sigterm_resume():  # SIGTERM as a scheduler sends it: to the whole process group, once the run is half way
+        cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"])]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        for line in proc.stdout:  # the log line of the half-way update, as it is printed
+            if line.startswith(f"step {p['steps'] // 2}/"):
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        proc.communicate()
+        stopped_at = max(r["step"] for r in rows("signalled"))
+        train("signalled", "--num_training_steps", str(p["steps"]), "--resume")
+        last, straight_last = rows("signalled")[-1].get("val_loss"), result["straight"].get("val_loss", [None])[-1]
+        return dict(stopped_at=stopped_at, exit_code=proc.returncode, last_loss=last, straight_last_loss=straight_last,
+                    val_loss_diff=None if None in (last, straight_last) else abs(last - straight_last))
+
     short = str(p["short"])
     sync = ["--num_training_steps", short, "--log_every", str(p["short"] // 2), "--eval_every", short, "--sync_debug"]
-    if p["compile"]:
+
+    def compiled():
         out = train("compiled", *sync, "--compile")
-        result["compile"] = dict(ok=True, last_loss=rows("compiled")[-1].get("val_loss"),
-                                 tail=out.splitlines()[-2], sync_debug=out.splitlines()[-1])  # CUDA's own check
-    out = train("eager_sync", *sync)
-    result["sync_debug"] = dict(line=out.splitlines()[-1])  # every op checked, and CUDA's check
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    out = train("torchrun", "--num_training_steps", str(p["short"]), launcher=torchrun)
-    result["torchrun"] = dict(ok=True, tail=out.splitlines()[-1])
+        return dict(ok=True, last_loss=rows("compiled")[-1].get("val_loss"), tail=out.splitlines()[-2],
+                    sync_debug=out.splitlines()[-1])  # CUDA's own check
+
+    def torchrun():
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        return dict(ok=True, tail=train("torchrun", "--num_training_steps", short, launcher=launcher).splitlines()[-1])
+
+    runs = dict(straight=straight, sigterm_resume=sigterm_resume, compile=compiled if p["compile"] else None,
+                sync_debug=lambda: dict(line=train("eager_sync", *sync).splitlines()[-1]),  # every op, and CUDA's check
+                torchrun=torchrun)
+    result = {}
+    for name, run in runs.items():
+        if run is None:
+            continue
+        try:
+            result[name] = run()
+        except Exception as e:  # a failed run costs itself only: the others still run, and report
+            result[name] = dict(error=f"{type(e).__name__}: {e}")
+        progress(dict(result))
+    failed = [name for name, row in result.items() if "error" in row]
+    if failed:
+        raise RuntimeError(f"train.py runs failed: {', '.join(failed)} (their errors are in their rows)")
     return result
 
 
@@ -451,11 +475,11 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
         return rows
 
     # each takes progress(partial): the long ones pass it what they have finished, which is saved before they go on
-    run = dict(layer=lambda _: suite_layer(s, device, dtype), model=lambda _: suite_model(s, device, dtype, False),
+    run = dict(layer=lambda p: suite_layer(s, device, dtype, p), model=lambda _: suite_model(s, device, dtype, False),
                model_compiled=lambda _: suite_model(s, device, dtype, True),
                amp=lambda _: suite_amp(s, device, dtype), memory=lambda p: suite_memory(s, device, p),
                optimizer=lambda _: suite_optimizer(s, device, dtype),
-               program=lambda _: suite_program(s, data_dir, tokenizer, out_dir), inference=inference)
+               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p), inference=inference)
     sections = sections or [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")

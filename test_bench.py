@@ -120,6 +120,21 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     bench.report_suite({"program": r})
 
 
+def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
+    """Each train.py run of the program section is tried on its own and saved as it ends: here every run is refused
+    at once (an unknown size), and each keeps its own error beside the others, then the section raises naming them."""
+    s = dict(bench.SUITES["tiny"], program=dict(bench.SUITES["tiny"]["program"], size="nosuch"))
+    saved = []
+    with pytest.raises(RuntimeError, match="train.py runs failed: straight, sigterm_resume, compile, sync_debug, "
+                                           "torchrun"):
+        bench.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
+    assert [list(r) for r in saved] == [["straight"], ["straight", "sigterm_resume"],
+                                        ["straight", "sigterm_resume", "compile"],
+                                        ["straight", "sigterm_resume", "compile", "sync_debug"],
+                                        ["straight", "sigterm_resume", "compile", "sync_debug", "torchrun"]]
+    assert "invalid choice: 'nosuch'" in saved[-1]["torchrun"]["error"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--suite", "gpu"], "use --suite tiny on CPU"),
     (["--only", "amp"], "add --suite gpu"), (["--only", "program"], "add --suite gpu"),
