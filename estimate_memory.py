@@ -459,6 +459,28 @@ def check_args(parser, args):
     if kind == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu")
     args.index_dtype, args.steps = args.index_dtype or "int64", args.steps or 3
+    check_model_flags(parser, args)
+
+
+def check_model_flags(parser, args):
+    """--rank and --delta: refused for methods without factors or a sparse part, checked against every layer shape
+    of the sizes that will run (a rank past a layer's side, a delta outside [0, 1))."""
+    methods = ALL_METHODS if args.method == "all" else (args.method,)
+    if args.rank is not None and methods == ("full",):
+        parser.error("--rank is the rank of the factors, which --method full has none of: drop it, or pass "
+                     "--method lowrank, relora, galore or sltrain")
+    if args.delta is not None and "sltrain" not in methods:
+        parser.error(f"--delta is SLTrain's sparse fraction, which --method {args.method} has none of: drop it, or "
+                     "pass --method sltrain")
+    sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
+    # the models the estimate builds: sltrain's, and a low-rank one for lowrank, relora and galore
+    checked = ["sltrain"] * ("sltrain" in methods) + ["lowrank"] * bool({"lowrank", "relora", "galore"} & {*methods})
+    for size in sizes if args.rank is not None or args.delta is not None else ():
+        for method in checked:
+            try:
+                LLaMA(config_for(size, method=method, rank=args.rank, delta=args.delta), device="meta")
+            except ValueError as e:
+                parser.error(f"--size {size}: {e}")
 
 
 def main():

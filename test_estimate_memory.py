@@ -169,6 +169,15 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--measure", "--steps", "0"], "--max_length and --steps >= 1"),
     (["--measure", "--device", "tpu"], "--measure runs on cpu, cuda or cuda:N"),
     (["--measure", "--device", "cuda:x"], "--measure runs on cpu, cuda or cuda:N"),
+    (["--size", "60m", "--method", "sltrain", "--rank", "600"], "--size 60m: rank must be in [0, min(in, out))"),
+    (["--rank", "-5"], "--size 60m: rank must be in"),
+    (["--method", "galore", "--size", "1b", "--rank", "2048"], "--size 1b: rank must be in"),
+    (["--delta", "1.5"], "delta must be in [0, 1), got 1.5"),
+    (["--size", "7b", "--method", "sltrain", "--delta", "-0.1"], "--size 7b: delta must be in [0, 1)"),
+    (["--measure", "--rank", "100"], "--size tiny: rank must be in"),  # --measure's default size
+    (["--method", "full", "--rank", "64"], "--method full has none of: drop it"),
+    (["--method", "full", "--delta", "0.05"], "SLTrain's sparse fraction, which --method full has none of"),
+    (["--method", "relora", "--delta", "0.1"], "--method relora has none of: drop it, or pass --method sltrain"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["estimate_memory.py", *argv])
@@ -176,6 +185,13 @@ def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
         em.main()
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_rank_and_delta_are_honored_where_a_method_has_them(monkeypatch, capsys):
+    out = run_main(monkeypatch, capsys, "--size", "60m", "--method", "sltrain", "--rank", "0", "--delta", "0.05",
+                   "--json")  # rank 0: a sparse-only SLTrain model
+    (row,) = json.loads(out)
+    assert row["rank"] == 0 and row["delta"] == 0.05 and row["lowrank_m"] == 0 and row["sparse_m"] > 0
 
 
 def test_bad_method_names_the_choices():
