@@ -564,14 +564,18 @@ def main(argv=None):
     c.add_argument("--pack", action="store_true", help="packed mode instead of the paper's padded rows")
     c.add_argument("--seconds", type=float, default=10.0, help="how long to measure")
     args = p.parse_args(argv)
+    check_args(p, args)
     if args.command == "download":
-        shards = args.shards or shard_names(args.train_shards, args.validation_shards)
         try:  # named shards are checked and replaced if bad: the fix that a truncated shard's message gives
-            download(args.out, args.tokenizer or None, shards, args.base_url, recheck=bool(args.shards))
+            download(args.out, args.tokenizer or None, args.shards, args.base_url, recheck=bool(args.recheck))
         except (ConnectionError, ValueError) as e:
             raise SystemExit(str(e)) from None
     elif args.command == "train-tokenizer":
-        print(f"trained {train_tokenizer(args.data_dir, args.out, args.vocab_size, args.max_docs)}")
+        try:
+            print(f"trained {train_tokenizer(args.data_dir, args.out, args.vocab_size, args.max_docs)}")
+        except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: sentencepiece's, e.g. too many pieces
+            message = str(e).strip().splitlines()[-1].rsplit("] ", 1)[-1]  # without sentencepiece's source line
+            raise SystemExit(f"train-tokenizer: {message}") from None
     elif args.command == "stats":
         try:
             bad = stats(args.data_dir, args.tokenizer, args.max_length)
@@ -580,10 +584,32 @@ def main(argv=None):
         if bad:
             raise SystemExit(f"{bad} shard(s) failed; see the lines above")
     elif args.command == "bench":
-        bench(args.data_dir, args.tokenizer, args.batch_size, args.max_length, args.pack, args.num_workers,
-              args.seconds)
+        try:
+            bench(args.data_dir, args.tokenizer, args.batch_size, args.max_length, args.pack, args.num_workers,
+                  args.seconds)
+        except (OSError, ValueError) as e:
+            raise SystemExit(str(e)) from None
     else:
         p.print_help()  # a bare `python data.py` explains itself rather than doing something surprising
+
+
+def check_args(p, args):
+    """Every number checked before any work (or network): a bad one is one line naming the fix."""
+    at_least = {"download": dict(train_shards=0, validation_shards=0), "train-tokenizer": dict(max_docs=1),
+                "stats": dict(max_length=2), "bench": dict(max_length=2, batch_size=1, num_workers=0)}
+    for name, low in at_least.get(args.command, {}).items():
+        if getattr(args, name) < low:
+            p.error(f"--{name} must be at least {low}, got {getattr(args, name)}")
+    if args.command == "train-tokenizer" and args.vocab_size < 4:  # pad, eos, unk and one piece
+        p.error(f"--vocab_size must be at least 4 (pad, eos, unk and a piece), got {args.vocab_size}")
+    if args.command == "bench" and not args.seconds > 0:
+        p.error(f"--seconds must be positive, got {args.seconds}")
+    if args.command == "download":
+        args.recheck = args.shards is not None
+        try:
+            args.shards = args.shards or shard_names(args.train_shards, args.validation_shards)
+        except ValueError as e:
+            p.error(f"{e}: pass --train_shards and --validation_shards within them")
 
 
 if __name__ == "__main__":

@@ -426,6 +426,33 @@ def test_commands(corpus, tok, capsys):
         assert command in help_text, f"{command} missing from --help:\n{help_text}"
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["download", "--train_shards", "2000"], "C4 en has 1024 train and 8 validation shards, asked for 2000 and 1"),
+    (["download", "--validation_shards", "-1"], "--validation_shards must be at least 0, got -1"),
+    (["train-tokenizer", "--max_docs", "0"], "--max_docs must be at least 1, got 0"),
+    (["train-tokenizer", "--vocab_size", "2"], "--vocab_size must be at least 4"),
+    (["train-tokenizer", "--vocab_size", "5000", "--max_docs", "20"], "train-tokenizer: Vocabulary size too high"),
+    (["train-tokenizer", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),
+    (["stats", "--max_length", "0"], "--max_length must be at least 2, got 0"),
+    (["bench", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    (["bench", "--seconds", "0"], "--seconds must be positive"),
+    (["bench", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),
+])
+def test_bad_command_input_is_one_line_before_any_work(corpus, tok, tmp_path, capsys, argv, message):
+    """Bad numbers are refused before any work (the download's before any network); what the work raises, a missing
+    folder or sentencepiece's error, is one line too."""
+    argv = [str(tmp_path / "missing") if a == "MISSING" else a for a in argv]
+    folder = [] if "--data_dir" in argv or argv[0] == "download" else ["--data_dir", str(corpus[0])]
+    where = {"download": ["--out", str(tmp_path / "c4"), "--tokenizer", ""],
+             "train-tokenizer": ["--out", str(tmp_path / "spm")],
+             "stats": ["--tokenizer", str(tok)], "bench": ["--tokenizer", str(tok)]}[argv[0]]
+    with pytest.raises(SystemExit) as e:
+        data.main(argv + folder + where)
+    said = capsys.readouterr().err + (e.value.code if isinstance(e.value.code, str) else "")
+    assert message in said and "Traceback" not in said and len(said.strip().splitlines()) <= 2, said
+    assert not (tmp_path / "c4").exists()
+
+
 # ----------------------------------------------------------------------------- real data
 
 @needs_real
