@@ -781,7 +781,9 @@ def prune_state_(optimizers, params, fraction=0.99):
                     _prune_(state[name], fraction)
                 elif f"{name}_codes" in state:
                     codes, absmax = state[f"{name}_codes"], state[f"{name}_absmax"]
-                    values = dequantize_blockwise(codes, absmax, signed, p.numel())  # without the padding
+                    # the moment's own size, without the padding: GaLore's is the projected gradient's, r·max(m, n)
+                    n = min(state["projector"].shape) * max(p.shape) if "projector" in state else p.numel()
+                    values = dequantize_blockwise(codes, absmax, signed, n)
                     _prune_(values, fraction)
                     new_codes, new_absmax = quantize_blockwise(values, signed, codes.numel() // absmax.numel())
                     codes.copy_(new_codes)

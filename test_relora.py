@@ -12,7 +12,8 @@ import torch
 
 import train
 from model import LLaMA, ReLoRALinear, config_for, relora_merge
-from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, prune_state_
+from optim import (AdamW, Adam8bit, GaLore, attach_per_layer, dequantize_blockwise, galore_param_groups,
+                   prune_state_)
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
 
 
@@ -79,6 +80,21 @@ def test_merge_prunes_99_percent_of_the_factors_moments(make):
             assert 0 < kept <= p.numel() - int(0.99 * p.numel()), f"{name}: {kept} of {p.numel()} kept"
     for p, saved in others.items():  # everything else is untouched
         assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+
+
+def test_prune_of_galore_8bit_counts_the_projected_moments():
+    """GaLore's 8-bit moments are of the projected gradient (r·max(m, n) entries), not of the weight."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(96, 64))
+    opt = GaLore(galore_param_groups([("W", W)], 4), inner="adam8bit", min_8bit_size=16)
+    W.grad = torch.randn_like(W)
+    opt.step()
+    prune_state_([opt], [W], 0.5)
+    state, n = opt.state[W], 4 * 96
+    for name, signed in (("exp_avg", True), ("sqrt_exp_avg_sq", False)):
+        values = dequantize_blockwise(state[f"{name}_codes"], state[f"{name}_absmax"], signed, n)
+        kept = int((values != 0).sum())  # re-quantized, a few of the kept may round to 0
+        assert 0.45 * n < kept <= n - n // 2, f"{name}: {kept} of {n} kept"
 
 
 def test_prune_reaches_per_layer_optimizers():
