@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import suppress
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -420,6 +421,36 @@ def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
         subprocess.run(["umount", "-l", str(mnt)])  # lazily: a failed run may still hold a file open there
 
 
+def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    train.main(base_args(corpus, tmp_path / "probe", 2))
+    size = (tmp_path / "probe" / "ckpt.pt").stat().st_size
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3}", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        train.main(base_args(corpus, mnt, 6, "--stop_after", "2"))
+        with open(mnt / "filler", "wb", buffering=0) as f:  # the disk fills up while the run is away, to the byte
+            for block in (4096, 1):
+                with suppress(OSError):
+                    while True:
+                        f.write(b"\0" * block)
+        with pytest.raises(SystemExit, match=rf"^cannot write {mnt}/metrics.jsonl.tmp \(No space left on device\); "
+                                             "free space .* then rerun with --resume"):
+            train.main(base_args(corpus, mnt, 60, "--resume"))  # the resume's rewrite of the metrics fails first
+        os.truncate(mnt / "filler", (mnt / "filler").stat().st_size - 4096)  # one page free: the rows fill it
+        with pytest.raises(SystemExit, match=rf"^cannot write {mnt}/metrics.jsonl at step \d+ \(No space left on "
+                                             rf"device\); the last checkpoint is {mnt}/ckpt.pt, step 2: free space"):
+            train.main(base_args(corpus, mnt, 60, "--resume"))
+        assert final_state(mnt)["step"] == 2
+        (mnt / "filler").unlink()
+        train.main(base_args(corpus, mnt, 60, "--resume"))
+        assert [r["step"] for r in metrics(mnt)[0]] == list(range(1, 61))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
 def corpus_with_a_bad_line(corpus, tmp_path, shard="c4-train.00001-of-00002.json.gz"):
     """A copy of the corpus where line 101 of one training shard is not JSON."""
     folder = tmp_path / "c4"
@@ -458,11 +489,13 @@ def test_bad_shard_line_under_torchrun_stops_every_rank_after_saving(corpus, tmp
     assert state["world"] == 2 and all(state["data"]) and state["step"] > 0
 
 
-def test_resume_after_kill_drops_metrics_past_the_checkpoint(corpus, tmp_path):
+def test_resume_after_kill_drops_metrics_past_the_checkpoint(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 6, "--stop_after", "3"))
-    with open(tmp_path / "metrics.jsonl", "a") as f:  # what a kill -9 after step 5 leaves behind
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # what a kill -9 in the write of step 6's row leaves behind
         f.write(json.dumps({"step": 4, "loss": 1.0}) + "\n" + json.dumps({"step": 5, "loss": 1.0}) + "\n")
+        f.write(json.dumps({"step": 6, "loss": 1.0})[:9])
     train.main(base_args(corpus, tmp_path, 6, "--resume"))
+    assert "dropped 1 line(s) cut short" in capsys.readouterr().out
     assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3, 4, 5, 6]
 
 

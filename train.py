@@ -24,7 +24,7 @@ import resource
 import signal
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict
 
 import torch
@@ -410,13 +410,30 @@ def refuse_overwrite(args):
 
 
 def trim_metrics(path, step):
-    """After a kill, the rows past the checkpoint's step are redone on resume: drop them so each step appears once."""
+    """After a kill, the rows past the checkpoint's step are redone on resume: drop them so each step appears once.
+    A line that a kill or a full disk cut short is dropped too, and said."""
     if not os.path.exists(path):
         return
+    rows, torn = [], 0
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(f"{path}.tmp", "w") as f:
-        f.writelines(rows)
+        for line in f:
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            if row is not None and row["step"] <= step:
+                rows.append(line if line.endswith("\n") else line + "\n")
+    if torn:
+        print(f"{path}: dropped {torn} line(s) cut short by the end of the last run")
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            f.writelines(rows)
+    except OSError as e:  # a full disk: nothing is changed yet
+        with suppress(OSError):
+            os.remove(f"{path}.tmp")
+        raise SystemExit(f"cannot write {path}.tmp ({e.strerror or e}); free space (or pass a new --out_dir on a disk "
+                         "with room), then rerun with --resume") from None
     os.replace(f"{path}.tmp", path)
 
 
@@ -682,8 +699,15 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
 
     def record(row):
         if master:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+            try:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
+                where = (f"the last checkpoint is {last_good[0]}, step {last_good[1]}: free space (or pass a new "
+                         "--out_dir on a disk with room), then rerun with --resume") if last_good else \
+                    "no checkpoint was saved yet: free space and start again"
+                raise SystemExit(f"cannot write {metrics_path} at step {row['step']} ({e.strerror or e}); "
+                                 f"{where}") from None
 
     def save(step, data_state):
         # never write a diverged model over the last good checkpoint: the loss and norm flags, then the parameters
@@ -782,7 +806,8 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
         if syncs and master:
             print(f"sync_debug: {syncs.blocks} updates between log steps watched; host syncs: {syncs.summary()}")
         if metrics:
-            metrics.close()
+            with suppress(OSError):  # a write that failed already said so; its buffer cannot be kept
+                metrics.close()
 
 
 def read_update(batches, accum, device, world):
