@@ -1,5 +1,6 @@
 """
-Export a trained model (full, lowrank, sltrain or relora) as dense weights: a Hugging Face LLaMA folder, or our own format.
+Export a trained model (full, lowrank, sltrain or relora) as dense weights: a Hugging Face LLaMA folder, or our own
+format.
 
     python export.py out/ckpt.pt --out hf_model          # config.json, model.safetensors, tokenizer files
     python export.py out/ckpt.pt --merged out/dense.pt   # a full-rank checkpoint that analyze.py and sample.py read

@@ -161,8 +161,8 @@ class SLLinear(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """§3.3: A Kaiming-uniform and B zero (as LoRA), values U[-1/√in, 1/√in], a uniform random support. A
-        low-rank-only layer draws B Kaiming-uniform too (as ReLoRA's low-rank-only baseline): with B zero and no S,
-        W = 0 in every layer, and so are every layer's input gradients and factor gradients, a point no update leaves."""
+        low-rank-only layer draws B Kaiming-uniform too (as ReLoRA's low-rank-only baseline): with B zero and no
+        S, W = 0 in every layer, and so are all their input and factor gradients, a point no update leaves."""
         if self.rank > 0:
             nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
             if self.values is None:

@@ -812,8 +812,8 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
 
 def read_update(batches, accum, device, world):
     """This update's micro-batches (x, y, counted targets), or None and the file:line message of a bad shard line.
-    Under DDP the ranks agree on it (one flag per update, on the host): a rank that stopped alone would leave the others waiting
-    in a collective forever."""
+    Under DDP the ranks agree on it (one flag per update, on the host): a rank that stopped alone would leave the
+    others waiting in a collective forever."""
     try:
         micro_batches, bad_line = [on_host(*next(batches), device) for _ in range(accum)], None
     except ValueError as e:
