@@ -13,7 +13,7 @@ import re
 import signal
 import subprocess
 import sys
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -404,32 +404,32 @@ def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
         assert "\n" not in str(e.value), name
 
 
-def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
+@contextmanager
+def small_disk(corpus, tmp_path, checkpoints):
+    """A real full disk: a tmpfs with room for `checkpoints` checkpoints of the tiny run (skipped without root),
+    unmounted lazily at the end, as a failed run may still hold a file open there."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     train.main(base_args(corpus, tmp_path / "probe", 1))
     size = (tmp_path / "probe" / "ckpt.pt").stat().st_size
-    # a real full disk: a tmpfs with room for one checkpoint and a half, so the second (written beside it) fails
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(mnt)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * checkpoints)}", "tmpfs", str(mnt)],
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a small tmpfs needs root")
     try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
+    with small_disk(corpus, tmp_path, 1.5) as mnt:  # the second checkpoint, written beside the first, fails
         with pytest.raises(SystemExit, match="^disk full: could not write .*the previous checkpoint there is kept"):
             train.main(base_args(corpus, mnt, 4, "--save_every", "1"))
         assert final_state(mnt)["step"] == 1 and not (mnt / "ckpt.pt.tmp").exists()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])  # lazily: a failed run may still hold a file open there
 
 
 def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    train.main(base_args(corpus, tmp_path / "probe", 2))
-    size = (tmp_path / "probe" / "ckpt.pt").stat().st_size
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3}", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with small_disk(corpus, tmp_path, 3) as mnt:
         train.main(base_args(corpus, mnt, 6, "--stop_after", "2"))
         with open(mnt / "filler", "wb", buffering=0) as f:  # the disk fills up while the run is away, to the byte
             for block in (4096, 1):
@@ -447,8 +447,6 @@ def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path
         (mnt / "filler").unlink()
         train.main(base_args(corpus, mnt, 60, "--resume"))
         assert [r["step"] for r in metrics(mnt)[0]] == list(range(1, 61))
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
 
 
 def corpus_with_a_bad_line(corpus, tmp_path, shard="c4-train.00001-of-00002.json.gz"):
