@@ -293,7 +293,9 @@ def suite_model(s, device, dtype, compiled):
 
 def suite_amp(s, device, dtype):
     """train.py --amp (float32 parameters and state, bf16 autocast) beside the paper's pure bf16: train-step tokens/s
-    (side by side, ratio to pure bf16) and peak memory (CUDA, each setting alone), full AdamW and sltrain 8-bit."""
+    (side by side, ratio to pure bf16) and, on CUDA, the peak memory of each setting alone beside estimate_memory's
+    estimate of it (the peak less what was allocated before the model, as suite_memory), full AdamW and sltrain
+    8-bit per-layer."""
     def make(method, optimizer, per_layer, amp):
         return train_step(s["model_size"], method, optimizer, per_layer, s["model_batch"], s["max_length"], device,
                           dtype, vocab=s.get("vocab"), amp=amp)
@@ -308,12 +310,19 @@ def suite_amp(s, device, dtype):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)  # the BLAS workspaces of the steps above
             step = make(m, o, pl, amp)
             for _ in range(2):
                 step()
             key = "amp" if amp else "bf16"
             v[key]["tok_s"] = s["model_batch"] * s["max_length"] / (v[key]["ms"] / 1e3)
-            v[key]["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+            est = estimate(s["model_size"], m, None, None, "int32", o, pl, s["model_batch"], s["max_length"],
+                           dtype=None if amp else str(dtype).removeprefix("torch."), amp=amp,
+                           vocab_size=s.get("vocab"))["train_gb"]
+            v[key].update(peak_gb=None, estimate_gb=est, vs_estimate=None)
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device)
+                v[key].update(peak_gb=peak / 1e9, vs_estimate=(peak - base) / 1e9 / est - 1)
             del step
             gc.collect()
         result[name] = v
@@ -560,7 +569,10 @@ def report_model(r, key="model"):
 def report_amp(r):
     A = r["amp"]
     for name, v in A["settings"].items():
-        peak = lambda k: "" if v[k]["peak_gb"] is None else f", peak {v[k]['peak_gb']:.2f} GB"  # noqa: E731
+        def peak(k):
+            est = f"estimate {v[k]['estimate_gb']:.2f} GB"
+            return f", {est}" if v[k]["peak_gb"] is None else \
+                f", peak {v[k]['peak_gb']:.2f} GB ({est}, peak less base {v[k]['vs_estimate']:+.1%})"
         print(f"amp {A['size']} batch {A['batch_size']} x {A['max_length']}, {name}: pure bf16 "
               f"{v['bf16']['tok_s']:,.0f} tok/s{peak('bf16')} | --amp {v['amp']['tok_s']:,.0f} tok/s "
               f"{ratio_text(v['amp'])}{peak('amp')}")

@@ -1,12 +1,15 @@
 """
 Memory of pretraining LLaMA with each method: the paper's estimate (Table 1's Mem column, Appendix F), computed
-from the models of model.py on the meta device, and measured on a few real training steps.
+from the models of model.py without allocating them (on the meta device, activations on fake tensors), and measured
+on a few real training steps.
 
     python estimate_memory.py                                              # Table 1 + Appendix F, all sizes
     python estimate_memory.py --size 60m --method sltrain --rank 128 --delta 0.01   # an ablation (Table 4): 43.02M
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 8 \
         --activation_checkpointing                                         # as train.py --activation_checkpointing
+    python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1 --amp
+                                                                           # as train.py --amp: float32 + autocast
     python estimate_memory.py --json                                       # machine-readable rows
     python estimate_memory.py --size tiny --measure                        # estimate beside measurement
 
@@ -32,8 +35,7 @@ import tempfile
 import textwrap
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import optim
 from model import LLaMA, SIZES, loss_chunk_rows, config_for, is_projection
@@ -42,6 +44,7 @@ from sllinear import SLLinear
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")
 PAPER_SIZES = ("60m", "130m", "350m", "1b", "7b")
 BF16 = 2  # bytes of a parameter, a gradient and (for AdamW) a moment, as the paper counts
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # the same under train.py --dtype float32 (CPU's default) or --amp
 INDEX_BYTES = {"int64": 8, "int32": 4}
 BLOCK_SIZE, MIN_8BIT_SIZE = 256, 4096  # optim.Adam8bit's defaults: one float32 absmax per block of 256 codes
 GB = 1e9
@@ -66,26 +69,14 @@ def slip(size, method, rank, delta):
     return SLIPS.get((size, method, rank, delta))
 
 
-def moment_bytes(numel, optimizer):
-    """Bytes of Adam's two moments of one tensor."""
+def moment_bytes(numel, optimizer, width=BF16):
+    """Bytes of Adam's two moments of one tensor whose parameter has `width` bytes (AdamW keeps its dtype)."""
     if optimizer == "adamw":
-        return 2 * BF16 * numel
+        return 2 * width * numel
     if numel < MIN_8BIT_SIZE:  # small tensors (norms) keep float32 moments: quantizing them saves nothing
         return 2 * 4 * numel
     blocks = math.ceil(numel / BLOCK_SIZE)
     return 2 * blocks * (BLOCK_SIZE + 4)  # per block: a 1-byte code per element (last block padded) + a float32 absmax
-
-
-class _FlashAttentionOnMeta(TorchFunctionMode):
-    """On the meta device SDPA takes the math path and would save the (T, T) attention matrix; the flash kernels of
-    CPU and CUDA save only q, k, v, the output and a float32 logsumexp. Count what they save."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and len(args) == 3 and kwargs.get("attn_mask") is None:
-            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # q, k, v -> (out, logsumexp)
-            return flash(*args, is_causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
 
 
 class SavedTensors:
@@ -116,14 +107,21 @@ class SavedTensors:
         self.hooks.__exit__(*exc)
 
 
-def activation_bytes(size, method, rank, delta, batch_size, max_length, activation_checkpointing=False):
-    """Saved activations of one bf16 forward of the model, counted on the meta device (free at any size). With
-    activation checkpointing a block saves only its input, for the recomputation in backward."""
-    model = LLaMA(config_for(size, method=method, rank=rank, delta=delta), device="meta").to(torch.bfloat16)
+def activation_bytes(size, method, rank, delta, batch_size, max_length, activation_checkpointing=False,
+                     dtype="bfloat16", amp=False, vocab_size=None):
+    """Saved activations of one forward of the model in dtype (amp: float32 parameters under bf16 autocast), counted
+    on fake CPU tensors: they run CPU's kernels and autocast's rules (SDPA's flash kernel, which saves q, k, v, the
+    output and a float32 logsumexp; the bf16 casts autocast makes) without allocating memory, so any size is free.
+    With activation checkpointing a block saves only its input, for the recomputation in backward."""
+    config = config_for(size, method=method, rank=rank, delta=delta, vocab_size=vocab_size)
+    model = LLaMA(config, device="meta").to(getattr(torch, dtype))
     model.activation_checkpointing = activation_checkpointing
-    idx, targets = (torch.zeros(batch_size, max_length, dtype=torch.long, device="meta") for _ in range(2))
-    with SavedTensors(model) as saved, _FlashAttentionOnMeta():
-        model(idx, targets)
+    model.autocast = torch.bfloat16 if amp else None
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the meta parameters become fake ones
+        model.to_empty(device="cpu")
+        idx, targets = (torch.zeros(batch_size, max_length, dtype=torch.long) for _ in range(2))
+        with SavedTensors(model) as saved:
+            model(idx, targets)
     return saved.nbytes
 
 
@@ -139,11 +137,11 @@ def layer_grad_numel(model, trainable):
     return max(sum(p.numel() for p in m.parameters(recurse=False) if trainable(p)) for m in model.modules())
 
 
-def loss_backward_bytes(batch_size, max_length, vocab_size):
-    """What the loss's backward holds beside every activation: the logits' gradient (bf16) and one float32 chunk
-    (model.CrossEntropySum)."""
+def loss_backward_bytes(batch_size, max_length, vocab_size, logit_bytes=BF16):
+    """What the loss's backward holds beside every activation: the logits' gradient (bf16, also under autocast;
+    float32 in a float32 model) and one float32 chunk (model.CrossEntropySum)."""
     n = batch_size * max_length
-    return n * vocab_size * BF16 + min(n, loss_chunk_rows(n, vocab_size)) * vocab_size * 4
+    return n * vocab_size * logit_bytes + min(n, loss_chunk_rows(n, vocab_size)) * vocab_size * 4
 
 
 def at_most(grad, act, start):
@@ -158,61 +156,70 @@ def at_most(grad, act, start):
 
 
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
-             batch_size=0, max_length=256, activation_checkpointing=False):
+             batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None):
     """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
-    gradients and activations of one method at one size."""
+    gradients and activations of one method at one size. dtype and amp as train.py's --dtype and --amp: the paper's
+    bf16 by default; float32 parameters, gradients and state (and under amp, activations as bf16 autocast keeps
+    them). vocab_size: another tokenizer's (default: T5's 32000)."""
+    dtype = dtype or ("float32" if amp else "bfloat16")
+    if dtype not in DTYPE_BYTES or (amp and dtype != "float32"):
+        raise ValueError(f"dtype must be bfloat16 or float32 (float32 under amp), got {dtype!r}")
     if method not in ALL_METHODS:
         raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
     if index_dtype not in INDEX_BYTES:
         raise ValueError(f"index_dtype must be one of {', '.join(INDEX_BYTES)}, got {index_dtype!r}")
     if optimizer not in ("adamw", "adam8bit"):
         raise ValueError(f"optimizer must be adamw or adam8bit, got {optimizer!r}")
-    config = config_for(size, rank=rank, delta=delta)
+    config = config_for(size, rank=rank, delta=delta, vocab_size=vocab_size)
     rank, delta = config.rank, config.delta if method == "sltrain" else 0.0
     ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain"}[method]
-    model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta), device="meta")
+    model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size), device="meta")
     n = model.num_params()
     row = dict(size=size, method=method, rank=rank, delta=delta, optimizer=optimizer, index_dtype=index_dtype,
                per_layer=per_layer, batch_size=batch_size, max_length=max_length,
-               activation_checkpointing=activation_checkpointing, params_m=n["total"] / 1e6,
+               activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, params_m=n["total"] / 1e6,
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
+    width = DTYPE_BYTES[dtype]  # bytes of a parameter, a gradient and an AdamW moment
     stored = n["total"]
-    param_bytes = BF16 * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
-    optim_bytes = sum(moment_bytes(p.numel(), optimizer) for p in model.parameters())
+    param_bytes = width * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
+    optim_bytes = sum(moment_bytes(p.numel(), optimizer, width) for p in model.parameters())
     state_numel = 2 * n["total"]
     layer_numel = layer_grad_numel(model, lambda p: True)
     grad_numel = layer_numel if per_layer else n["total"]
 
     if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
-        full = LLaMA(config_for(size, method="full"), device="meta")
+        full = LLaMA(config_for(size, method="full", vocab_size=vocab_size), device="meta")
         stored = full.num_params()["total"] + n["total"]
-        param_bytes = BF16 * stored
+        param_bytes = width * stored
         row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
 
     if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
-        lowrank = LLaMA(config_for(size, method="lowrank", rank=rank), device="meta")
+        lowrank = LLaMA(config_for(size, method="lowrank", rank=rank, vocab_size=vocab_size), device="meta")
         projections = [m for m in lowrank.modules() if isinstance(m, SLLinear)]
         dense = [p for name, p in lowrank.named_parameters() if name.rsplit(".", 1)[-1] not in ("A", "B")]
         projected = [m.rank * max(m.in_features, m.out_features) for m in projections]
         projection_numel = sum(m.rank * min(m.in_features, m.out_features) for m in projections)
-        optim_bytes = (sum(moment_bytes(k, optimizer) for k in projected + [p.numel() for p in dense])
-                       + BF16 * projection_numel)  # the projection stays bf16, it is not an Adam moment
+        optim_bytes = (sum(moment_bytes(k, optimizer, width) for k in projected + [p.numel() for p in dense])
+                       + width * projection_numel)  # the projection keeps the parameters' dtype, even with 8-bit Adam
         state_numel = 2 * (sum(projected) + sum(p.numel() for p in dense)) + projection_numel
         row["projection_m"] = projection_numel / 1e6
 
     row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
-               grad_gb=BF16 * grad_numel / GB, act_gb=0.0, start_gb=BF16 * layer_numel / GB)
+               grad_gb=width * grad_numel / GB, act_gb=0.0, start_gb=width * layer_numel / GB)
     if batch_size:
         shape = (size, ours, rank, delta, batch_size, max_length)
-        act = whole = activation_bytes(*shape)
-        adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size)]
+        precision = dict(dtype=dtype, amp=amp, vocab_size=vocab_size)
+        act = whole = activation_bytes(*shape, **precision)
+        logit_bytes = BF16 if amp else width
+        adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes)]
         if activation_checkpointing:
-            act = activation_bytes(*shape, activation_checkpointing=True)
+            act = activation_bytes(*shape, activation_checkpointing=True, **precision)
             adds.append(recomputed_block(whole, act, config.n_layers))
         row["act_gb"], row["start_gb"] = act / GB, max(adds) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
-    row["footnote"] = slip(size, method, rank, delta) if (optimizer, index_dtype) == ("adamw", "int64") else None
+    paper = (optimizer, index_dtype, dtype, vocab_size) == ("adamw", "int64", "bfloat16", None)  # its convention
+    row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
 
 
@@ -222,11 +229,17 @@ def printed(row):
     return f"{param:.2f}", f"{optim:.2f}", f"{param + optim:.2f}"
 
 
+def values_dtype(row):
+    """How the row's parameters, gradients and AdamW moments are kept: "bf16", "float32", "float32 (bf16 autocast)"."""
+    name = "bf16" if row["dtype"] == "bfloat16" else row["dtype"]
+    return name + (" (bf16 autocast)" if row["amp"] else "")
+
+
 def print_table(rows):
     r0 = rows[0]
-    acts = bool(r0["batch_size"])
-    print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): bf16 parameters and gradients, {r0['index_dtype']} indices, "
-                        + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else "AdamW (2 bf16 moments)")
+    acts, kept = bool(r0["batch_size"]), values_dtype(r0)
+    print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): {kept} parameters and gradients, {r0['index_dtype']} indices, "
+                        + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else f"AdamW (2 {r0['dtype']} moments)")
                         + (", gradients of one layer (per-layer updates)" if r0["per_layer"] else "")
                         + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else "")
                         + (" (activation checkpointing)" if acts and r0["activation_checkpointing"] else ""), 118))
@@ -253,8 +266,9 @@ def print_table(rows):
 
 def print_breakdown(r):
     """Appendix F's paragraph for one row, with the parts the paper leaves out."""
-    m = r["method"]
+    m, kept = r["method"], values_dtype(r)
     print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m == "sltrain" else "")
+          + ("" if kept == "bf16" else f", {kept}")
           + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
           + (", per-layer updates" if r["per_layer"] else "")
           + (f", batch {r['batch_size']} x {r['max_length']} tokens" if r["batch_size"] else "")
@@ -269,17 +283,19 @@ def print_breakdown(r):
         line("stored", r["stored_m"], "M", f"= {r['params_m']:.2f}M full-rank + {r['stored_m'] - r['params_m']:.2f}M "
              "low-rank model")
     sparse = f" + {r['sparse_m']:.2f}M {r['index_dtype']} indices" if r["sparse_m"] else ""
-    line("param", r["param_gb"], "G", f"{r['stored_m']:.2f}M bf16 values{sparse}")
-    state = "bf16" if r["optimizer"] == "adamw" else "8-bit, + a float32 absmax per 256, float32 under 4096 elements"
+    line("param", r["param_gb"], "G", f"{r['stored_m']:.2f}M {r['dtype']} values{sparse}")
+    state = r["dtype"] if r["optimizer"] == "adamw" else \
+        "8-bit, + a float32 absmax per 256, float32 under 4096 elements"
     if m == "galore":
         line("optim", r["optim_gb"], "G", f"{r['state_m'] - r['projection_m']:.2f}M moments of projected gradients "
-             f"and dense parameters ({state}) + {r['projection_m']:.2f}M projection (bf16)")
+             f"and dense parameters ({state}) + {r['projection_m']:.2f}M projection ({r['dtype']})")
     else:
         line("optim", r["optim_gb"], "G", f"{r['state_m']:.2f}M moments, {state}")
-    line("grads", r["grad_gb"], "G", "bf16, " + ("the largest layer only (per-layer updates)" if r["per_layer"] else
-                                                 "every parameter's" if m == "galore" else "every trained parameter's"))
+    which = "the largest layer only (per-layer updates)" if r["per_layer"] else \
+        "every parameter's" if m == "galore" else "every trained parameter's"
+    line("grads", r["grad_gb"], "G", f"{r['dtype']}, {which}")
     if r["batch_size"]:
-        line("activations", r["act_gb"], "G", "saved for backward by one bf16 forward, counted on the meta device"
+        line("activations", r["act_gb"], "G", f"saved for backward by one {kept} forward, counted on fake tensors"
              + ("; a block saves only its input" if r["activation_checkpointing"] else ""))
     total = float(printed(r)[2])  # added as printed, like the paper's total
     line("total", total, "G", "param + optim, the paper's convention" + (" (see the note)" if r["footnote"] else ""))
@@ -329,11 +345,12 @@ def cpu_peak(prof):
 
 
 def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-            activation_checkpointing=False):
-    """A few real bf16 training steps of our model. Returns the bytes of parameters, gradients (the most alive at
-    once), optimizer state and saved activations (the most of one forward), counted; the real peak of the steps
-    (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the profiler's memory events); "base", what
-    the process held before the model was built, which the peak includes; and the index dtype the model stores.
+            activation_checkpointing=False, dtype="bfloat16", amp=False):
+    """A few real training steps of our model, in dtype (amp: float32 under bf16 autocast). Returns the bytes of
+    parameters, gradients (the most alive at once), optimizer state and saved activations (the most of one forward),
+    counted; the real peak of the steps (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the
+    profiler's memory events); "base", what the process held before the model was built, which the peak includes;
+    and the index dtype the model stores.
 
     On CUDA the base is chiefly the BLAS libraries' workspaces: cuBLAS and cuBLASLt each take one per thread and
     stream (32 MiB on Hopper, through the caching allocator), and backward runs on a thread of its own, so a first
@@ -343,14 +360,15 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
         raise ValueError(f"--measure runs on cpu or cuda, not {device.type}")
     base = 0
     if device.type == "cuda":
-        _measure("tiny", method, None, None, optimizer, per_layer, 1, 8, 1, device, activation_checkpointing)
+        _measure("tiny", method, None, None, optimizer, per_layer, 1, 8, 1, device, activation_checkpointing, dtype,
+                 amp)
         gc.collect()
         base = torch.cuda.memory_allocated(device)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
         if device.type == "cpu" else contextlib.nullcontext()
     with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
         counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
-                                        steps, device, activation_checkpointing)
+                                        steps, device, activation_checkpointing, dtype, amp)
     if device.type == "cpu":
         counted["peak"] = cpu_peak(profiler)
     counted["base"] = base
@@ -358,10 +376,11 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
 
 
 def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-             activation_checkpointing):
+             activation_checkpointing, dtype, amp):
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
-    model = LLaMA(config, device=device).to(torch.bfloat16)
+    model = LLaMA(config, device=device).to(getattr(torch, dtype))
+    model.autocast = torch.bfloat16 if amp else None
     params = list(model.parameters())
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     # AdamW one tensor at a time: the multi-tensor path would add a temporary the size of all moments to the peak
@@ -406,8 +425,9 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
     counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
-    layer_grad = layer_grad_numel(model, lambda p: p.requires_grad) * params[0].element_size()  # bf16 gradients
-    start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size),
+    layer_grad = layer_grad_numel(model, lambda p: p.requires_grad) * params[0].element_size()
+    logit_bytes = BF16 if amp else params[0].element_size()
+    start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes),
                 0 if whole is None else recomputed_block(whole, peak["acts"], config.n_layers))
     counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start)
     if device.type == "cuda":
@@ -419,8 +439,9 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
 
 def print_measured(results, device, args):
     peak_name = "CUDA max_memory_allocated" if device.type == "cuda" else "CPU peak (profiler)"
-    print(f"measured on {device}: {args.size}, bf16, batch {args.batch_size} x {args.max_length}, {args.steps} steps, "
-          f"{args.optimizer}{', per-layer' if args.per_layer else ''}"
+    kept = values_dtype(dict(dtype=args.dtype, amp=args.amp))
+    print(f"measured on {device}: {args.size}, {kept}, batch {args.batch_size} x {args.max_length}, "
+          f"{args.steps} steps, {args.optimizer}{', per-layer' if args.per_layer else ''}"
           f"{', activation checkpointing' if args.activation_checkpointing else ''} -- estimate / counted; {peak_name}")
     print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train"))
           + "    peak    base  (peak-base)/est")
@@ -449,6 +470,9 @@ def check_args(parser, args):
     if args.activation_checkpointing and not (args.batch_size or args.measure):
         parser.error("--activation_checkpointing changes the activations, which --batch_size 0 leaves out: "
                      "pass --batch_size")
+    if args.amp and args.dtype == "bfloat16":
+        parser.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
+    args.dtype = args.dtype or ("float32" if args.amp else "bfloat16")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         kind = torch.device(args.device).type
@@ -505,6 +529,11 @@ def main():
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="activations as train.py --activation_checkpointing keeps them: each block's input, "
                              "one block recomputed")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPE_BYTES),
+                        help="of parameters, gradients and AdamW moments, as train.py --dtype (default: the paper's "
+                             "bfloat16; float32 with --amp)")
+    parser.add_argument("--amp", action="store_true",
+                        help="as train.py --amp: float32 parameters and state, activations as bf16 autocast keeps them")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--measure", action="store_true",
                         help="run a few training steps of each method; print measured beside estimated")
@@ -523,9 +552,9 @@ def main():
         for method in methods:
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
                                            args.batch_size, args.max_length, args.steps, device,
-                                           args.activation_checkpointing)
+                                           args.activation_checkpointing, args.dtype, args.amp)
             est = estimate(args.size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer,
-                           args.batch_size, args.max_length, args.activation_checkpointing)
+                           args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp)
             results[method] = (est, counted)
         if args.json:
             print(json.dumps([dict(est, measured=counted, device=str(device)) for est, counted in results.values()],
@@ -537,7 +566,7 @@ def main():
     sizes = PAPER_SIZES if args.size == "all" else (args.size,)
     methods = ALL_METHODS if args.method == "all" else (args.method,)
     rows = [estimate(size, method, args.rank, args.delta, args.index_dtype, args.optimizer, args.per_layer,
-                     args.batch_size, args.max_length, args.activation_checkpointing)
+                     args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp)
             for size in sizes for method in methods]
     if args.json:
         print(json.dumps(rows, indent=1))

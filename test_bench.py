@@ -52,6 +52,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
     assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
     for name, v in r["amp"]["settings"].items():  # --amp beside pure bf16 (on CPU: float32), side by side
         assert v["bf16"]["ratio"] == 1.0 and v["amp"]["tok_s"] > 0 and v["amp"]["peak_gb"] is None, name
+        # each beside the estimate of its own setting: float32 here, and under autocast a mixed one
+        assert v["bf16"]["estimate_gb"] > 0 and v["amp"]["estimate_gb"] not in (0, v["bf16"]["estimate_gb"]), name
     on_disk = json.load(open(out))
     assert all(k in on_disk for k in sections) and list(on_disk["seconds"]) == sections
     bench.report_suite(on_disk)  # the tables print from the JSON alone

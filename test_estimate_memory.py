@@ -123,12 +123,32 @@ def test_per_layer_keeps_one_layer_of_gradients():
     assert em.estimate("7b", "sltrain")["grad_gb"] == pytest.approx(2 * row["params_m"] * 1e6 / 1e9)
 
 
-def test_activations_counted_on_meta_match_a_real_forward():
-    model = em.LLaMA(em.config_for("tiny", method="sltrain")).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype,amp", [("bfloat16", False), ("float32", False), ("float32", True)],
+                         ids=["bf16", "float32", "amp"])
+@pytest.mark.parametrize("method", ["full", "sltrain"])
+def test_activations_counted_on_fake_tensors_match_a_real_forward(method, dtype, amp):
+    model = em.LLaMA(em.config_for("tiny", method=method)).to(getattr(torch, dtype))
+    model.autocast = torch.bfloat16 if amp else None
     idx, targets = torch.randint(100, (2, 32)), torch.randint(100, (2, 32))
     with em.SavedTensors(model) as saved:
         model(idx, targets)
-    assert em.activation_bytes("tiny", "sltrain", None, None, 2, 32) == saved.nbytes
+    assert em.activation_bytes("tiny", method, None, None, 2, 32, dtype=dtype, amp=amp) == saved.nbytes
+
+
+def test_amp_and_float32_rows():
+    """float32 (--dtype float32 and --amp): 4 bytes a parameter, gradient and AdamW moment; 8-bit moments stay 8-bit;
+    amp's activations lie between bf16's and float32's (the residual stream is float32, the matmuls bf16)."""
+    bf16, fp32, amp = (em.estimate("1b", "sltrain", optimizer="adam8bit", per_layer=True, batch_size=1, **kw)
+                       for kw in (dict(), dict(dtype="float32"), dict(amp=True)))
+    for row in (fp32, amp):
+        assert row["param_gb"] - bf16["param_gb"] == pytest.approx(2 * bf16["stored_m"] / 1e3)  # indices as they were
+        assert row["grad_gb"] == pytest.approx(2 * bf16["grad_gb"]) and row["optim_gb"] == bf16["optim_gb"]
+    assert bf16["act_gb"] < amp["act_gb"] < fp32["act_gb"]
+    adamw = em.estimate("60m", "full", amp=True)
+    assert adamw["optim_gb"] == pytest.approx(2 * em.estimate("60m", "full")["optim_gb"])
+    assert adamw["footnote"] is None and em.estimate("60m", "lowrank")["footnote"]  # the paper's cells are bf16
+    with pytest.raises(ValueError, match="float32 under amp"):
+        em.estimate("60m", "full", dtype="bfloat16", amp=True)
 
 
 def run_main(monkeypatch, capsys, *argv):
@@ -159,6 +179,10 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     assert re.search(r"activations +0\.74G", out) and re.search(r"train +16\.38G", out), out  # 12.42G, 27.95G without
     out = run_main(monkeypatch, capsys, "--size", "60m", "--batch_size", "4", "--activation_checkpointing")
     assert "activations of 4 x 256 tokens (activation checkpointing)" in " ".join(out.split()), out
+    out = " ".join(run_main(monkeypatch, capsys, "--size", "60m", "--amp", "--batch_size", "1").split())
+    assert "float32 (bf16 autocast) parameters and gradients" in out and "AdamW (2 float32 moments)" in out, out
+    out = run_main(monkeypatch, capsys, "--size", "1b", "--method", "sltrain", "--dtype", "float32")
+    assert "1b sltrain: r=512, delta=0.03, float32, AdamW" in out and "M float32 values + " in out, out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -167,6 +191,7 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--measure", "--index_dtype", "int64"], "--measure counts the indices the model stores"),
     (["--activation_checkpointing"], "which --batch_size 0 leaves out: pass --batch_size"),
     (["--measure", "--steps", "0"], "--max_length and --steps >= 1"),
+    (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters and computes in bf16 under autocast: drop"),
     (["--measure", "--device", "tpu"], "--measure runs on cpu, cuda or cuda:N"),
     (["--measure", "--device", "cuda:x"], "--measure runs on cpu, cuda or cuda:N"),
     (["--size", "60m", "--method", "sltrain", "--rank", "600"], "--size 60m: rank must be in [0, min(in, out))"),
@@ -199,14 +224,17 @@ def test_bad_method_names_the_choices():
         em.estimate("60m", "lora")
 
 
-@pytest.mark.parametrize("optimizer,per_layer,methods", [("adamw", False, ("full", "lowrank", "sltrain", "galore")),
-                                                          ("adam8bit", True, ("sltrain", "galore"))],
-                         ids=["adamw", "adam8bit-per-layer"])
-def test_measure_smoke_on_cpu(optimizer, per_layer, methods):
+@pytest.mark.parametrize("optimizer,per_layer,methods,precision", [
+    ("adamw", False, ("full", "lowrank", "sltrain", "galore"), dict()),
+    ("adam8bit", True, ("sltrain", "galore"), dict()),
+    ("adamw", False, ("full", "sltrain"), dict(dtype="float32", amp=True)),
+    ("adam8bit", True, ("lowrank", "sltrain"), dict(dtype="float32"))], ids=["adamw", "adam8bit-per-layer", "amp",
+                                                                             "float32-adam8bit-per-layer"])
+def test_measure_smoke_on_cpu(optimizer, per_layer, methods, precision):
     for method in methods:
         counted, index_dtype = em.measure("tiny", method, None, None, optimizer, per_layer, 2, 32, 1,
-                                          torch.device("cpu"))
-        est = em.estimate("tiny", method, None, None, index_dtype, optimizer, per_layer, 2, 32)
+                                          torch.device("cpu"), **precision)
+        est = em.estimate("tiny", method, None, None, index_dtype, optimizer, per_layer, 2, 32, **precision)
         for key in ("param", "grad", "optim"):  # exact: optim.py keeps no tensor state beyond the moments
             assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (method, key, counted, est)
         # the measured input ids are a view of a (B, T+1) batch: 8·B bytes more than the estimate's (B, T)
@@ -312,7 +340,7 @@ def test_activation_checkpointing_saves_block_inputs_and_recomputes_one_block():
 def test_train_follows_the_real_peak_with_activation_checkpointing(monkeypatch, vocab):
     """The loss's backward sets backward's start at T5's vocabulary; at 256 pieces the recomputed block does. Either
     way the estimate is what was counted, and the CPU profiler's peak of real steps follows it."""
-    monkeypatch.setattr(em, "config_for", lambda size, **kw: config_for(size, vocab_size=vocab, **kw))
+    monkeypatch.setattr(em, "config_for", lambda size, **kw: config_for(size, **{**kw, "vocab_size": vocab}))
     est = em.estimate("tiny", "sltrain", None, None, "int32", "adam8bit", True, 8, 64, activation_checkpointing=True)
     block = em.recomputed_block(em.activation_bytes("tiny", "sltrain", None, None, 8, 64), est["act_gb"] * 1e9, 2)
     assert (est["start_gb"] * 1e9 == block) == (vocab == 256)

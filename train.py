@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from analyze import prepare_for_training
 import checkpoint
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
-from estimate_memory import at_most, estimate
+from estimate_memory import estimate
 from hostsync import HostSyncs
 from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
 from optim import AdamW, Adam8bit, GaLore, attach_per_layer, galore_param_groups, prune_state_
@@ -270,20 +270,12 @@ def check_memory(p, args, device, world):
         return
     galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
-    # float32 values are twice the estimate's bf16; under --amp the activations count at their bf16 size, which
-    # autocast's float32 parts and bf16 copies of the weights only add to: a lower bound, so no refusal is wrong
-    wide = 1 if dtype == "bfloat16" else 2
-    wide_acts = 1 if args.amp else wide
 
     def need(batch, checkpointing=args.activation_checkpointing):
-        row = estimate(args.size, "galore" if galore else args.method, args.rank, args.delta, index_dtype="int32",
-                       optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
-                       max_length=args.max_length, activation_checkpointing=checkpointing)
-        values = 2 * row["stored_m"] / 1e3  # bf16, G
-        param = wide * values + row["param_gb"] - values  # and the int32 indices (sllinear's below 2^31 entries)
-        state = row["optim_gb"] * (1 if eight_bit else wide)  # 8-bit moments are 8-bit whatever the parameters
-        return (param + state + at_most(wide * row["grad_gb"], wide_acts * row["act_gb"],
-                                        wide_acts * row["start_gb"])) * 1e9
+        return estimate(args.size, "galore" if galore else args.method, args.rank, args.delta, index_dtype="int32",
+                        optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
+                        max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
+                        amp=args.amp)["train_gb"] * 1e9  # sllinear's int32 indices (below 2^31 entries)
     needed = need(args.batch_size)
     if needed <= share * available:
         return
