@@ -207,7 +207,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
                grad_gb=width * grad_numel / GB, act_gb=0.0, start_gb=width * layer_numel / GB)
     if batch_size:
-        shape = (size, ours, rank, delta, batch_size, max_length)
+        shape = (size, "relora" if method == "relora" else ours, rank, delta, batch_size, max_length)  # as trained
         precision = dict(dtype=dtype, amp=amp, vocab_size=vocab_size)
         act = whole = activation_bytes(*shape, **precision)
         logit_bytes = BF16 if amp else width

@@ -241,16 +241,21 @@ def test_measure_smoke_on_cpu(optimizer, per_layer, methods, precision):
         assert counted["act"] - est["act_gb"] * 1e9 == pytest.approx(8 * 2), (method, counted, est)
 
 
-def test_measure_relora_counts_w0_once():
-    counted, _ = em.measure("tiny", "relora", None, None, "adamw", False, 2, 32, 1, torch.device("cpu"))
-    est = em.estimate("tiny", "relora", None, None, "int32", "adamw", False, 2, 32)
+@pytest.mark.parametrize("amp", [False, True], ids=["bf16", "amp"])
+def test_measure_relora_counts_w0_once(amp):
+    counted, _ = em.measure("tiny", "relora", None, None, "adamw", False, 2, 32, 1, torch.device("cpu"), amp=amp,
+                            dtype="float32" if amp else "bfloat16")
+    est = em.estimate("tiny", "relora", None, None, "int32", "adamw", False, 2, 32, amp=amp)
     for key in ("grad", "optim"):  # the trained low-rank model: exact
         assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)
+    # the activations of ReLoRA's own forward (under autocast with the bf16 copy of W0 that it saves for backward)
+    assert counted["act"] - est["act_gb"] * 1e9 == pytest.approx(8 * 2), (counted, est)
     # the paper stores the full-rank model beside the low-rank one (embeddings twice); ours adds only W0 to the latter
     lowrank = em.estimate("tiny", "lowrank", None, None, "int32", "adamw", False, 2, 32)
     full = em.estimate("tiny", "full", None, None, "int32", "adamw", False, 2, 32)
     w0 = full["params_m"] - (lowrank["params_m"] - lowrank["lowrank_m"])  # the dense projections
-    assert counted["param"] == pytest.approx(2 * 1e6 * (lowrank["params_m"] + w0), rel=1e-9), (counted, w0)
+    width = 4 if amp else 2  # bytes of a float32 or bf16 parameter
+    assert counted["param"] == pytest.approx(width * 1e6 * (lowrank["params_m"] + w0), rel=1e-9), (counted, w0)
 
 
 def test_cpu_peak_is_the_most_allocated_at_once_inside_the_window():
