@@ -674,65 +674,91 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
+class Keeper:
+    """What a run keeps, and never of a diverged model: out_dir/metrics.jsonl (one row per log and eval) and
+    out_dir/ckpt.pt. A non-finite loss or gradient norm is flagged on the device (no host sync) and read at log and
+    save steps (check_finite); before each save the parameters and the loss of one validation batch are checked too."""
+
+    def __init__(self, args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world):
+        self.args, self.model, self.val, self.config, self.device = args, raw_model, val, config, device
+        self.optimizer, self.scheduler = per_layer or optimizer, scheduler
+        self.master, self.ddp, self.world = rank == 0, world > 1, world
+        self.path = os.path.join(args.out_dir, "ckpt.pt")
+        self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+        start = ckpt["step"] if ckpt else 0
+        self.last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
+        self.first_bad = torch.tensor(-1, device=device)  # the first update with a non-finite loss or norm
+        if ckpt and self.master:
+            trim_metrics(self.metrics_path, start)  # rows past the checkpoint were redone after a crash
+        os.makedirs(args.out_dir, exist_ok=True)
+        self.metrics = open(self.metrics_path, "a" if ckpt else "w") if self.master else None
+
+    def flag(self, done, loss, norm):
+        """Update `done` gave this loss and norm: flag it if they are not finite and none was before (on the device)."""
+        bad = (self.first_bad < 0) & ~(torch.isfinite(loss) & torch.isfinite(norm))
+        self.first_bad = torch.where(bad, done, self.first_bad)
+
+    def check_finite(self):
+        if self.ddp:  # each rank holds its own share of the loss: all must agree to stop
+            dist.all_reduce(self.first_bad, op=dist.ReduceOp.MAX)
+        if self.first_bad.item() >= 0:
+            raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good)
+
+    def record(self, row):
+        if not self.master:
+            return
+        try:
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+        except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
+            where = (f"the last checkpoint is {self.last_good[0]}, step {self.last_good[1]}: free space (or pass a "
+                     "new --out_dir on a disk with room), then rerun with --resume") if self.last_good else \
+                "no checkpoint was saved yet: free space and start again"
+            raise SystemExit(f"cannot write {self.metrics_path} at step {row['step']} ({e.strerror or e}); "
+                             f"{where}") from None
+
+    def save(self, step, data_state):
+        """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
+        norm flags, then the parameters and the loss of one fixed validation batch, so that no diverged model is
+        ever written over the last good one."""
+        self.check_finite()
+        ok = all_finite(self.model, self.val[0], self.device)
+        if self.ddp:  # the ranks hold the same model and should agree; if not, none may save alone
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            raise diverged(f"the model after step {step} has non-finite parameters or loss", self.last_good)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler else None, "step": step,
+                 "args": vars(self.args), "model_config": asdict(self.config), "world": self.world,
+                 "rng": torch.get_rng_state(), "data": [None] * self.world}
+        if self.ddp:
+            dist.all_gather_object(state["data"], data_state)
+        else:
+            state["data"][0] = data_state
+        if self.master:
+            try:
+                checkpoint.save(self.path, state)
+            except checkpoint.DiskFull as e:
+                raise SystemExit(str(e)) from None
+        self.last_good[:] = self.path, step
+
+    def close(self):
+        if self.metrics:
+            with suppress(OSError):  # a write that failed already said so; its buffer cannot be kept
+                self.metrics.close()
+
+
 def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop):
     """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
     ddp, master, accum, total = world > 1, rank == 0, args.gradient_accumulation, args.num_training_steps
     loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length, seed=args.seed,
                          rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
-    start, metrics_path = (ckpt["step"] if ckpt else 0), os.path.join(args.out_dir, "metrics.jsonl")
+    start = ckpt["step"] if ckpt else 0
     if ckpt:
         loader.load_state_dict(ckpt["data"][rank])
         torch.set_rng_state(ckpt["rng"])
-        if master:
-            trim_metrics(metrics_path, start)  # rows past the checkpoint were redone after a crash
+    keeper = Keeper(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world)
     batches = iter(loader)
-    os.makedirs(args.out_dir, exist_ok=True)
-    metrics = open(metrics_path, "a" if ckpt else "w") if master else None
-
-    def record(row):
-        if master:
-            try:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-            except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
-                where = (f"the last checkpoint is {last_good[0]}, step {last_good[1]}: free space (or pass a new "
-                         "--out_dir on a disk with room), then rerun with --resume") if last_good else \
-                    "no checkpoint was saved yet: free space and start again"
-                raise SystemExit(f"cannot write {metrics_path} at step {row['step']} ({e.strerror or e}); "
-                                 f"{where}") from None
-
-    def save(step, data_state):
-        # never write a diverged model over the last good checkpoint: the loss and norm flags, then the parameters
-        # and the loss of one fixed validation batch
-        check_finite()
-        ok = all_finite(raw_model, val[0], device)
-        if ddp:  # the ranks hold the same model and should agree; if not, none may save alone
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if not ok.item():
-            raise diverged(f"the model after step {step} has non-finite parameters or loss", last_good)
-        state = {"model": raw_model.state_dict(), "optimizer": (per_layer or optimizer).state_dict(),
-                 "scheduler": scheduler.state_dict() if scheduler else None, "step": step, "args": vars(args),
-                 "model_config": asdict(config), "world": world, "rng": torch.get_rng_state(),
-                 "data": [None] * world}
-        if ddp:
-            dist.all_gather_object(state["data"], data_state)
-        else:
-            state["data"][0] = data_state
-        if master:
-            try:
-                checkpoint.save(os.path.join(args.out_dir, "ckpt.pt"), state)
-            except checkpoint.DiskFull as e:
-                raise SystemExit(str(e)) from None
-        last_good[:] = os.path.join(args.out_dir, "ckpt.pt"), step
-
-    last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
-    first_bad = torch.tensor(-1, device=device)  # first update with a non-finite loss or norm, on device (no sync)
-
-    def check_finite():
-        if ddp:  # each rank holds its own share of the loss: all must agree to stop
-            dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
-        if first_bad.item() >= 0:
-            raise diverged(f"non-finite loss or gradient norm at step {first_bad.item()}", last_good)
     syncs = HostSyncs() if args.sync_debug else None
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
@@ -746,14 +772,13 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             data_state = loader.state_dict()  # where this update's batches begin: a failed read saves this
             micro_batches, bad_line = read_update(batches, accum, device, world)
             if bad_line:  # a bad shard line on some rank: every rank keeps the work done so far, then the message
-                save(step, data_state)
+                keeper.save(step, data_state)
                 raise SystemExit(f"{bad_line}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
                                  "shard, rerun with --resume" if master else 1)
             with watching(step + 1):
                 step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
                                                       micro_batches, device, world)
-                first_bad = torch.where((first_bad < 0) & ~(torch.isfinite(step_loss) & torch.isfinite(norm)),
-                                        step + 1, first_bad)
+                keeper.flag(step + 1, step_loss, norm)
                 meter.add(step_loss, n_total)
             done = step + 1
             relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
@@ -764,12 +789,12 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             # stop only where all ranks agree (here, or in evaluation): a later signal waits for the next update
             stop_now = stopping(stop, world)
             if done % args.log_every == 0 or done == total:
-                check_finite()
+                keeper.check_finite()
                 lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
                 row = meter.row(done, lr, norm, ddp)
                 if master:
                     print(meter.line(row), flush=True)
-                record(row)
+                keeper.record(row)
             if (done % args.eval_every == 0 or done == total) and not stop_now:
                 t_eval = time.perf_counter()
                 result = evaluate(raw_model, val, device, rank, world, stop)  # agrees on a signal every batch
@@ -778,10 +803,10 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                     if master:
                         print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
                     last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
-                    record(dict(last_eval))
+                    keeper.record(dict(last_eval))
                 meter.pause(time.perf_counter() - t_eval)
             if done % args.save_every == 0 or done == total or stop_now:
-                save(done, loader.state_dict())
+                keeper.save(done, loader.state_dict())
             if stop_now:
                 if master:
                     print(f"stopped by {stop['signal']}: saved {args.out_dir}/ckpt.pt at step {done}; "
@@ -797,9 +822,7 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
         batches.close()  # stops the loader's workers now, whatever ended the run
         if syncs and master:
             print(f"sync_debug: {syncs.blocks} updates between log steps watched; host syncs: {syncs.summary()}")
-        if metrics:
-            with suppress(OSError):  # a write that failed already said so; its buffer cannot be kept
-                metrics.close()
+        keeper.close()
 
 
 def read_update(batches, accum, device, world):
