@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from checkpoint import load_model
-from model import RMSNorm
+from model import RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -306,8 +306,7 @@ def prepare_for_training(model, args, resuming):
     if not resuming and args.init_from:
         init_from_dense(model, args.init_from, support=args.support)
     if args.freeze == "lowrank":  # Table 2's sparse training: L0 and every dense weight stay, only V learns
-        for name, p in model.named_parameters():
-            p.requires_grad_(name.rsplit(".", 1)[-1] == "values")
+        freeze_all_but_values(model)
 
 
 # ----------------------------------------------------------------------------- Figure 4: eval curves

@@ -38,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import optim
-from model import LLaMA, SIZES, loss_chunk_rows, config_for, is_projection
+from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, is_projection
 from sllinear import SLLinear
 
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")
@@ -108,17 +108,20 @@ class SavedTensors:
 
 
 def activation_bytes(size, method, rank, delta, batch_size, max_length, activation_checkpointing=False,
-                     dtype="bfloat16", amp=False, vocab_size=None):
+                     dtype="bfloat16", amp=False, vocab_size=None, freeze=None):
     """Saved activations of one forward of the model in dtype (amp: float32 parameters under bf16 autocast), counted
     on fake CPU tensors: they run CPU's kernels and autocast's rules (SDPA's flash kernel, which saves q, k, v, the
     output and a float32 logsumexp; the bf16 casts autocast makes) without allocating memory, so any size is free.
-    With activation checkpointing a block saves only its input, for the recomputation in backward."""
+    With activation checkpointing a block saves only its input, for the recomputation in backward. freeze="lowrank":
+    only V requires grad, so what is saved for the frozen weights' gradients alone is not."""
     config = config_for(size, method=method, rank=rank, delta=delta, vocab_size=vocab_size)
     model = LLaMA(config, device="meta").to(getattr(torch, dtype))
     model.activation_checkpointing = activation_checkpointing
     model.autocast = torch.bfloat16 if amp else None
     with FakeTensorMode(allow_non_fake_inputs=True):  # the meta parameters become fake ones
         model.to_empty(device="cpu")
+        if freeze:
+            freeze_all_but_values(model)
         idx, targets = (torch.zeros(batch_size, max_length, dtype=torch.long) for _ in range(2))
         with SavedTensors(model) as saved:
             model(idx, targets)
@@ -155,15 +158,30 @@ def at_most(grad, act, start):
     return max(act + start, grad)
 
 
-def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
-             batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None):
-    """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
-    gradients and activations of one method at one size. dtype and amp as train.py's --dtype and --amp: the paper's
-    bf16 by default; float32 parameters, gradients and state (and under amp, activations as bf16 autocast keeps
-    them). vocab_size: another tokenizer's (default: T5's 32000)."""
+def check_freeze(freeze, method):
+    """freeze: None, or "lowrank" (train only SLTrain's sparse values, as train.py --freeze lowrank)."""
+    if freeze not in (None, "lowrank") or (freeze and method != "sltrain"):
+        raise ValueError(f"freeze must be None, or 'lowrank' with method sltrain; got {freeze!r} with {method}")
+
+
+def check_dtype(dtype, amp):
+    """The dtype of parameters, gradients and AdamW moments: the given one, else bf16, or float32 under amp."""
     dtype = dtype or ("float32" if amp else "bfloat16")
     if dtype not in DTYPE_BYTES or (amp and dtype != "float32"):
         raise ValueError(f"dtype must be bfloat16 or float32 (float32 under amp), got {dtype!r}")
+    return dtype
+
+
+def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
+             batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None,
+             freeze=None):
+    """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
+    gradients and activations of one method at one size. dtype and amp as train.py's --dtype and --amp: the paper's
+    bf16 by default; float32 parameters, gradients and state (and under amp, activations as bf16 autocast keeps
+    them). vocab_size: another tokenizer's (default: T5's 32000). freeze="lowrank" as train.py's --freeze: only
+    SLTrain's sparse values have gradients and moments."""
+    dtype = check_dtype(dtype, amp)
+    check_freeze(freeze, method)
     if method not in ALL_METHODS:
         raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
     if index_dtype not in INDEX_BYTES:
@@ -174,18 +192,22 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     rank, delta = config.rank, config.delta if method == "sltrain" else 0.0
     ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain"}[method]
     model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size), device="meta")
+    if freeze:
+        freeze_all_but_values(model)
     n = model.num_params()
-    row = dict(size=size, method=method, rank=rank, delta=delta, optimizer=optimizer, index_dtype=index_dtype,
+    row = dict(size=size, method=method, rank=rank, delta=delta, freeze=freeze, optimizer=optimizer,
+               index_dtype=index_dtype,
                per_layer=per_layer, batch_size=batch_size, max_length=max_length,
                activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, params_m=n["total"] / 1e6,
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
     width = DTYPE_BYTES[dtype]  # bytes of a parameter, a gradient and an AdamW moment
     stored = n["total"]
     param_bytes = width * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
-    optim_bytes = sum(moment_bytes(p.numel(), optimizer, width) for p in model.parameters())
-    state_numel = 2 * n["total"]
-    layer_numel = layer_grad_numel(model, lambda p: True)
-    grad_numel = layer_numel if per_layer else n["total"]
+    trained = [p.numel() for p in model.parameters() if p.requires_grad]
+    optim_bytes = sum(moment_bytes(k, optimizer, width) for k in trained)
+    state_numel = 2 * sum(trained)
+    layer_numel = layer_grad_numel(model, lambda p: p.requires_grad)
+    grad_numel = layer_numel if per_layer else sum(trained)
 
     if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
         full = LLaMA(config_for(size, method="full", vocab_size=vocab_size), device="meta")
@@ -194,11 +216,13 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
 
     if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
-        lowrank = LLaMA(config_for(size, method="lowrank", rank=rank, vocab_size=vocab_size), device="meta")
-        projections = [m for m in lowrank.modules() if isinstance(m, SLLinear)]
-        dense = [p for name, p in lowrank.named_parameters() if name.rsplit(".", 1)[-1] not in ("A", "B")]
-        projected = [m.rank * max(m.in_features, m.out_features) for m in projections]
-        projection_numel = sum(m.rank * min(m.in_features, m.out_features) for m in projections)
+        weights = [p.shape for name, p in model.named_parameters() if is_projection(name)]
+        bound = min(min(shape) for shape in weights)  # the shortest side of a projection
+        if not 0 < rank <= bound:
+            raise ValueError(f"GaLore's rank must be in [1, {bound}] at {size}, got {rank}")
+        dense = [p for name, p in model.named_parameters() if not is_projection(name)]
+        projected = [rank * max(shape) for shape in weights]
+        projection_numel = sum(rank * min(shape) for shape in weights)
         optim_bytes = (sum(moment_bytes(k, optimizer, width) for k in projected + [p.numel() for p in dense])
                        + width * projection_numel)  # the projection keeps the parameters' dtype, even with 8-bit Adam
         state_numel = 2 * (sum(projected) + sum(p.numel() for p in dense)) + projection_numel
@@ -208,17 +232,17 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
                grad_gb=width * grad_numel / GB, act_gb=0.0, start_gb=width * layer_numel / GB)
     if batch_size:
         shape = (size, "relora" if method == "relora" else ours, rank, delta, batch_size, max_length)  # as trained
-        precision = dict(dtype=dtype, amp=amp, vocab_size=vocab_size)
-        act = whole = activation_bytes(*shape, **precision)
+        options = dict(dtype=dtype, amp=amp, vocab_size=vocab_size, freeze=freeze)
+        act = whole = activation_bytes(*shape, **options)
         logit_bytes = BF16 if amp else width
         adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes)]
         if activation_checkpointing:
-            act = activation_bytes(*shape, activation_checkpointing=True, **precision)
+            act = activation_bytes(*shape, activation_checkpointing=True, **options)
             adds.append(recomputed_block(whole, act, config.n_layers))
         row["act_gb"], row["start_gb"] = act / GB, max(adds) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
-    paper = (optimizer, index_dtype, dtype, vocab_size) == ("adamw", "int64", "bfloat16", None)  # its convention
+    paper = (optimizer, index_dtype, dtype, vocab_size, freeze) == ("adamw", "int64", "bfloat16", None, None)
     row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
 
@@ -241,6 +265,7 @@ def print_table(rows):
     print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): {kept} parameters and gradients, {r0['index_dtype']} indices, "
                         + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else f"AdamW (2 {r0['dtype']} moments)")
                         + (", gradients of one layer (per-layer updates)" if r0["per_layer"] else "")
+                        + (", only the sparse values train (--freeze lowrank)" if r0["freeze"] else "")
                         + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else "")
                         + (" (activation checkpointing)" if acts and r0["activation_checkpointing"] else ""), 118))
     print(f"{'size':>5} {'method':<8} {'params':>9}   {'param':>5} + {'optim':>5} = {'total':>5}      "
@@ -271,6 +296,7 @@ def print_breakdown(r):
           + ("" if kept == "bf16" else f", {kept}")
           + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
           + (", per-layer updates" if r["per_layer"] else "")
+          + (", only the sparse values train (--freeze lowrank)" if r["freeze"] else "")
           + (f", batch {r['batch_size']} x {r['max_length']} tokens" if r["batch_size"] else "")
           + (", activation checkpointing" if r["batch_size"] and r["activation_checkpointing"] else ""))
 
@@ -345,8 +371,9 @@ def cpu_peak(prof):
 
 
 def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-            activation_checkpointing=False, dtype="bfloat16", amp=False):
-    """A few real training steps of our model, in dtype (amp: float32 under bf16 autocast). Returns the bytes of
+            activation_checkpointing=False, dtype=None, amp=False, freeze=None):
+    """A few real training steps of our model, in dtype as estimate's (the paper's bf16 by default; float32 under
+    amp, with bf16 autocast; freeze as estimate's). Returns the bytes of
     parameters, gradients (the most alive at once), optimizer state and saved activations (the most of one forward),
     counted; the real peak of the steps (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the
     profiler's memory events); "base", what the process held before the model was built, which the peak includes;
@@ -358,17 +385,19 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
     is read. On CPU the base is 0: the profiler counts from its start."""
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--measure runs on cpu or cuda, not {device.type}")
+    dtype = check_dtype(dtype, amp)
+    check_freeze(freeze, method)
     base = 0
     if device.type == "cuda":
         _measure("tiny", method, None, None, optimizer, per_layer, 1, 8, 1, device, activation_checkpointing, dtype,
-                 amp)
+                 amp, freeze)
         gc.collect()
         base = torch.cuda.memory_allocated(device)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
         if device.type == "cpu" else contextlib.nullcontext()
     with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
         counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
-                                        steps, device, activation_checkpointing, dtype, amp)
+                                        steps, device, activation_checkpointing, dtype, amp, freeze)
     if device.type == "cpu":
         counted["peak"] = cpu_peak(profiler)
     counted["base"] = base
@@ -376,12 +405,14 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
 
 
 def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-             activation_checkpointing, dtype, amp):
+             activation_checkpointing, dtype, amp, freeze):
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
     model = LLaMA(config, device=device).to(getattr(torch, dtype))
     model.autocast = torch.bfloat16 if amp else None
-    params = list(model.parameters())
+    if freeze:
+        freeze_all_but_values(model)
+    params = [p for p in model.parameters() if p.requires_grad]
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     # AdamW one tensor at a time: the multi-tensor path would add a temporary the size of all moments to the peak
     make = (lambda ps: optim.Adam8bit(ps, **hyper)) if optimizer == "adam8bit" else \
@@ -423,7 +454,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
             del idx, loss
     optimizers = [opt] if opt is not None else per.optimizers.values()
     state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
-    counted = dict(param=sum(t.nbytes for t in [*params, *model.buffers()]), optim=sum(t.nbytes for t in state),
+    counted = dict(param=sum(t.nbytes for t in [*model.parameters(), *model.buffers()]),
+                   optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
     layer_grad = layer_grad_numel(model, lambda p: p.requires_grad) * params[0].element_size()
     logit_bytes = BF16 if amp else params[0].element_size()
@@ -493,18 +525,22 @@ def check_model_flags(parser, args):
     if args.rank is not None and methods == ("full",):
         parser.error("--rank is the rank of the factors, which --method full has none of: drop it, or pass "
                      "--method lowrank, relora, galore or sltrain")
+    if args.freeze and methods != ("sltrain",):
+        parser.error("--freeze lowrank trains only SLTrain's sparse values: pass --method sltrain")
     if args.delta is not None and "sltrain" not in methods:
         parser.error(f"--delta is SLTrain's sparse fraction, which --method {args.method} has none of: drop it, or "
                      "pass --method sltrain")
     sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
-    # the models the estimate builds: sltrain's, and a low-rank one for lowrank, relora and galore
-    checked = ["sltrain"] * ("sltrain" in methods) + ["lowrank"] * bool({"lowrank", "relora", "galore"} & {*methods})
+    # the models the estimate builds: sltrain's, a low-rank one for lowrank and relora; galore's rank is its own
+    checked = ["sltrain"] * ("sltrain" in methods) + ["lowrank"] * bool({"lowrank", "relora"} & {*methods})
     for size in sizes if args.rank is not None or args.delta is not None else ():
-        for method in checked:
-            try:
+        try:
+            for method in checked:
                 LLaMA(config_for(size, method=method, rank=args.rank, delta=args.delta), device="meta")
-            except ValueError as e:
-                parser.error(f"--size {size}: {e}")
+            if "galore" in methods:
+                estimate(size, "galore", args.rank)
+        except ValueError as e:
+            parser.error(f"--size {size}: {e}")
 
 
 def main():
@@ -534,6 +570,8 @@ def main():
                              "bfloat16; float32 with --amp)")
     parser.add_argument("--amp", action="store_true",
                         help="as train.py --amp: float32 parameters and state, activations as bf16 autocast keeps them")
+    parser.add_argument("--freeze", choices=["lowrank"],
+                        help="as train.py --freeze lowrank (--method sltrain): only the sparse values V train")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--measure", action="store_true",
                         help="run a few training steps of each method; print measured beside estimated")
@@ -552,9 +590,10 @@ def main():
         for method in methods:
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
                                            args.batch_size, args.max_length, args.steps, device,
-                                           args.activation_checkpointing, args.dtype, args.amp)
+                                           args.activation_checkpointing, args.dtype, args.amp, args.freeze)
             est = estimate(args.size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer,
-                           args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp)
+                           args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp,
+                           freeze=args.freeze)
             results[method] = (est, counted)
         if args.json:
             print(json.dumps([dict(est, measured=counted, device=str(device)) for est, counted in results.values()],
@@ -566,8 +605,8 @@ def main():
     sizes = PAPER_SIZES if args.size == "all" else (args.size,)
     methods = ALL_METHODS if args.method == "all" else (args.method,)
     rows = [estimate(size, method, args.rank, args.delta, args.index_dtype, args.optimizer, args.per_layer,
-                     args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp)
-            for size in sizes for method in methods]
+                     args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp,
+                     freeze=args.freeze) for size in sizes for method in methods]
     if args.json:
         print(json.dumps(rows, indent=1))
     elif len(rows) == 1:

@@ -128,6 +128,13 @@ def is_projection(name):
     return name.endswith("_proj.weight")
 
 
+def freeze_all_but_values(model):
+    """--freeze lowrank (Table 2's sparse training): only SLTrain's sparse values V learn; B, A, embeddings, norms
+    and head stay as they are."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.rsplit(".", 1)[-1] == "values")
+
+
 def relora_merge(model, generator=None):
     """Merge every ReLoRA layer of the model (see ReLoRALinear.merge_and_reinit), drawing the new A's from the CPU
     `generator`; returns the reset A and B, whose optimizer state the caller prunes."""

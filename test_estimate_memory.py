@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import estimate_memory as em
-from model import config_for
+from model import LLaMA, config_for
 
 SIZES = ("60m", "130m", "350m", "1b")
 
@@ -149,6 +149,8 @@ def test_amp_and_float32_rows():
     assert adamw["footnote"] is None and em.estimate("60m", "lowrank")["footnote"]  # the paper's cells are bf16
     with pytest.raises(ValueError, match="float32 under amp"):
         em.estimate("60m", "full", dtype="bfloat16", amp=True)
+    with pytest.raises(ValueError, match="float32 under amp"):  # refused before any model is built
+        em.measure("60m", "full", None, None, "adamw", False, 1, 8, 1, torch.device("cpu"), dtype="bfloat16", amp=True)
 
 
 def run_main(monkeypatch, capsys, *argv):
@@ -196,13 +198,17 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--measure", "--device", "cuda:x"], "--measure runs on cpu, cuda or cuda:N"),
     (["--size", "60m", "--method", "sltrain", "--rank", "600"], "--size 60m: rank must be in [0, min(in, out))"),
     (["--rank", "-5"], "--size 60m: rank must be in"),
-    (["--method", "galore", "--size", "1b", "--rank", "2048"], "--size 1b: rank must be in"),
+    (["--method", "galore", "--size", "1b", "--rank", "2049"], "--size 1b: GaLore's rank must be in [1, 2048]"),
+    (["--method", "galore", "--size", "60m", "--rank", "0"], "--size 60m: GaLore's rank must be in [1, 512]"),
+    (["--size", "1b", "--rank", "2048"], "--size 1b: rank must be in [0, min(in, out))"),  # lowrank's, not GaLore's
     (["--delta", "1.5"], "delta must be in [0, 1), got 1.5"),
     (["--size", "7b", "--method", "sltrain", "--delta", "-0.1"], "--size 7b: delta must be in [0, 1)"),
     (["--measure", "--rank", "100"], "--size tiny: rank must be in"),  # --measure's default size
     (["--method", "full", "--rank", "64"], "--method full has none of: drop it"),
     (["--method", "full", "--delta", "0.05"], "SLTrain's sparse fraction, which --method full has none of"),
     (["--method", "relora", "--delta", "0.1"], "--method relora has none of: drop it, or pass --method sltrain"),
+    (["--freeze", "lowrank"], "--freeze lowrank trains only SLTrain's sparse values: pass --method sltrain"),
+    (["--method", "full", "--freeze", "lowrank", "--measure"], "trains only SLTrain's sparse values: pass --method"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["estimate_memory.py", *argv])
@@ -217,6 +223,33 @@ def test_rank_and_delta_are_honored_where_a_method_has_them(monkeypatch, capsys)
                    "--json")  # rank 0: a sparse-only SLTrain model
     (row,) = json.loads(out)
     assert row["rank"] == 0 and row["delta"] == 0.05 and row["lowrank_m"] == 0 and row["sparse_m"] > 0
+
+
+@pytest.mark.parametrize("optimizer,per_layer", [("adamw", False), ("adam8bit", True)])
+def test_freeze_lowrank_counts_only_the_sparse_values_gradients_and_moments(optimizer, per_layer):
+    """train.py --freeze lowrank: V alone has gradients and moments; the forward saves less (nothing for the frozen
+    weights' gradients alone). Measured on tiny exactly as estimated, and less than the unfrozen model."""
+    counted, index_dtype = em.measure("tiny", "sltrain", None, None, optimizer, per_layer, 2, 32, 1,
+                                      torch.device("cpu"), freeze="lowrank")
+    est = em.estimate("tiny", "sltrain", None, None, index_dtype, optimizer, per_layer, 2, 32, freeze="lowrank")
+    for key in ("param", "grad", "optim"):
+        assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)
+    assert counted["act"] == pytest.approx(est["act_gb"] * 1e9, rel=1e-9), (counted, est)  # frozen: no ids saved
+    whole = em.estimate("tiny", "sltrain", None, None, index_dtype, optimizer, per_layer, 2, 32)
+    values = LLaMA(config_for("tiny", method="sltrain"), device="meta").num_params()["sparse"]
+    assert est["state_m"] == pytest.approx(2 * values / 1e6) and est["param_gb"] == whole["param_gb"]
+    assert est["act_gb"] < whole["act_gb"] and est["optim_gb"] < whole["optim_gb"] / 5
+    with pytest.raises(ValueError, match="'lowrank' with method sltrain"):
+        em.estimate("tiny", "full", freeze="lowrank")
+
+
+def test_galore_rank_may_reach_a_projections_side_as_in_optim_and_train():
+    """GaLore projects a (m, n) gradient at any rank in [1, min(m, n)] (optim.GaLore, train.py --galore_rank); the
+    low-rank factors of the other methods stop below min(m, n). At tiny's side, 64, the estimate is the count."""
+    counted, index_dtype = em.measure("tiny", "galore", 64, None, "adamw", False, 2, 32, 1, torch.device("cpu"))
+    est = em.estimate("tiny", "galore", 64, None, index_dtype, "adamw", False, 2, 32)
+    assert est["rank"] == 64 and counted["optim"] == pytest.approx(est["optim_gb"] * 1e9, rel=1e-9), (counted, est)
+    assert est["optim_gb"] > em.estimate("tiny", "galore", 63)["optim_gb"]
 
 
 def test_bad_method_names_the_choices():
@@ -243,8 +276,7 @@ def test_measure_smoke_on_cpu(optimizer, per_layer, methods, precision):
 
 @pytest.mark.parametrize("amp", [False, True], ids=["bf16", "amp"])
 def test_measure_relora_counts_w0_once(amp):
-    counted, _ = em.measure("tiny", "relora", None, None, "adamw", False, 2, 32, 1, torch.device("cpu"), amp=amp,
-                            dtype="float32" if amp else "bfloat16")
+    counted, _ = em.measure("tiny", "relora", None, None, "adamw", False, 2, 32, 1, torch.device("cpu"), amp=amp)
     est = em.estimate("tiny", "relora", None, None, "int32", "adamw", False, 2, 32, amp=amp)
     for key in ("grad", "optim"):  # the trained low-rank model: exact
         assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)

@@ -357,6 +357,38 @@ def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypa
         train.get_args(argv + ["--batch_size", str(2 * int(found[2]))])
 
 
+def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
+    """GaLore's moments are (galore_rank, max(in, out)) per projection: the check counts them at --galore_rank."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1e9, 80e9))  # nothing at 1b fits in 1 GB
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    needs = []
+    for galore_rank in ("64", "2048"):
+        with pytest.raises(SystemExit):
+            train.get_args(["--size", "1b", "--method", "full", "--device", "cuda", "--optimizer", "galore_adamw",
+                            "--galore_rank", galore_rank])
+        needs.append(float(re.search(r"needs about (\d+\.\d) GB", capsys.readouterr().err)[1]))
+    rows = [train.estimate("1b", "galore", rank, batch_size=32, index_dtype="int32") for rank in (64, 2048)]
+    assert needs[1] > needs[0] + 1
+    assert needs[1] - needs[0] == pytest.approx(rows[1]["optim_gb"] - rows[0]["optim_gb"], abs=0.11)
+
+
+def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch, capsys):
+    """--freeze lowrank trains V alone: a GPU with room for that run but not for the whole model's takes it."""
+    argv = ["--size", "1b", "--method", "sltrain", "--device", "cuda", "--batch_size", "32"]
+    rows = [train.estimate("1b", "sltrain", batch_size=32, index_dtype="int32", freeze=f) for f in ("lowrank", None)]
+    free = (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9  # between the two needs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80e9))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    assert f"needs about {rows[1]['train_gb']:.1f} GB" in capsys.readouterr().err
+    assert train.get_args(argv + ["--freeze", "lowrank"]).freeze == "lowrank"
+
+
 def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         train.get_args(["--help"])
