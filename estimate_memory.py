@@ -196,8 +196,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         freeze_all_but_values(model)
     n = model.num_params()
     row = dict(size=size, method=method, rank=rank, delta=delta, freeze=freeze, optimizer=optimizer,
-               index_dtype=index_dtype,
-               per_layer=per_layer, batch_size=batch_size, max_length=max_length,
+               index_dtype=index_dtype, per_layer=per_layer, batch_size=batch_size, max_length=max_length,
                activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, params_m=n["total"] / 1e6,
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
     width = DTYPE_BYTES[dtype]  # bytes of a parameter, a gradient and an AdamW moment

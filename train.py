@@ -271,12 +271,13 @@ def check_memory(p, args, device, world):
     galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
 
-    def need(batch, checkpointing=args.activation_checkpointing):
-        return estimate(args.size, "galore" if galore else args.method, args.galore_rank if galore else args.rank,
-                        args.delta, index_dtype="int32",
+    method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
+
+    def need(batch, checkpointing=args.activation_checkpointing):  # sllinear's int32 indices (below 2^31 entries)
+        return estimate(args.size, method, rank, args.delta, index_dtype="int32",
                         optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
                         max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
-                        amp=args.amp, freeze=args.freeze)["train_gb"] * 1e9  # sllinear's int32 indices (< 2^31)
+                        amp=args.amp, freeze=args.freeze)["train_gb"] * 1e9
     needed = need(args.batch_size)
     if needed <= share * available:
         return
