@@ -5,6 +5,7 @@ The benchmark suite's code at toy sizes on CPU, so that a GPU session spends its
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -47,7 +48,9 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
     for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops
-        assert set(host) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"} and all(ms > 0 for ms, _ in host.values())
+        assert set(host) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"}
+        # a difference of two timings: finite, but under load it may come out at or below zero at this size
+        assert all(math.isfinite(ms) for ms, _ in host.values()), host
         assert host["Adam8bit"][1] > host["AdamW"][1] > 0 and host["Adam8bit(compile=True)"][1] is None
     assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
     for name, v in r["amp"]["settings"].items():  # --amp beside pure bf16 (on CPU: float32), side by side
