@@ -47,6 +47,14 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
+def _evaluate(closure):
+    """step(closure)'s loss: the closure runs with gradients on, as torch.optim's optimizers run it."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 # -----------------------------------------------------------------------------
 # AdamW
 
@@ -78,10 +86,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lists = defaultdict(list)  # tensors that can share one multi-tensor call
@@ -242,10 +247,7 @@ class Adam8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
@@ -694,10 +696,7 @@ class GaLore(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

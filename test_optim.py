@@ -20,8 +20,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from hostsync import HostSyncs
 from model import LLaMA, config_for
 from sllinear import SLLinear
-from optim import (AdamW, Adam8bit, attach_per_layer, count_ops, dequantize_blockwise, dynamic_map, heavy_tailed,
-                   quantize_blockwise)
+from optim import (AdamW, Adam8bit, GaLore, attach_per_layer, count_ops, dequantize_blockwise, dynamic_map,
+                   heavy_tailed, quantize_blockwise)
 
 VOCAB = 256
 
@@ -141,6 +141,34 @@ def test_state_dict_round_trip_is_bit_exact(make, tmp_path):
         opt2.step()
     for a, b in zip(params, resumed):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"resume: max diff {max_diff(a, b)}\n{m}")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: AdamW(ps, lr=1e-2),
+    lambda ps: Adam8bit(ps, lr=1e-2),
+    lambda ps: GaLore([{"params": ps, "rank": 2}], lr=1e-2),
+], ids=["AdamW", "Adam8bit", "GaLore"])
+def test_step_with_a_closure_returns_its_loss_and_uses_its_gradients(make):
+    # torch.optim's contract: step(closure) re-evaluates under grad mode even inside no_grad, then updates
+    torch.manual_seed(0)
+    p, ref = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(8, 6))
+    with torch.no_grad():
+        ref.copy_(p)
+    opt, opt_ref = make([p]), make([ref])
+
+    def closure():
+        opt.zero_grad()
+        loss = (p ** 2).sum()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    (ref ** 2).sum().backward()
+    opt_ref.step()
+    assert loss.item() > 0 and opt.step() is None
+    opt_ref.step()
+    torch.testing.assert_close(p, ref, rtol=0, atol=0, msg=lambda m: f"closure: max diff {max_diff(p, ref)}\n{m}")
 
 
 def test_adam8bit_refuses_the_older_state_format():
