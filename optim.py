@@ -184,7 +184,10 @@ def _quantize_(x, absmax_out, codes_out, tables):
     """Quantize x (nb, bs) block-wise into absmax_out (nb,) and codes_out (nb·bs,); x is overwritten."""
     _, first, threshold = tables
     torch.amax(x.abs(), dim=1, out=absmax_out)  # measured 4x faster than aminmax
-    x.div_(absmax_out.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # into [-1, 1]; all-zero blocks stay 0
+    # stored as divided by: no smaller than float32's smallest normal, so all-zero blocks stay 0 and denormal ones
+    # decode to their values
+    absmax_out.clamp_(min=torch.finfo(torch.float32).tiny)
+    x.div_(absmax_out.unsqueeze(1))  # into [-1, 1]
     flat = x.view(-1)
     bucket = (flat.view(torch.int32) >> 16) & 0xFFFF  # the top 16 bits of each float32
     torch.index_select(first, 0, bucket, out=codes_out)
@@ -213,6 +216,23 @@ def dequantize_blockwise(codes, absmax, signed, numel):
 def _finite(grad):
     # a non-finite gradient entry counts as zero: an overflow must not turn a whole block's absmax into NaN or inf
     return torch.nan_to_num(grad.float(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _check_8bit_format(state_dict):
+    if any("exp_avg_sq_codes" in s for s in state_dict["state"].values()):
+        raise ValueError("this 8-bit Adam state stores v, an older format; ours stores √v: restart the optimizer "
+                         "state or resume with the optim.py that saved it")
+
+
+def _keep_state_dtypes(optimizer, state_dict, but=None):
+    """After torch.optim.Optimizer.load_state_dict, which casts every state tensor to its parameter's dtype: put
+    back the saved dtypes (uint8 codes, float32 absmax and moments), on the parameter's device."""
+    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, p in zip(ids, params):
+        for key, value in state_dict["state"].get(i, {}).items():
+            if torch.is_tensor(value) and key != but:
+                optimizer.state[p][key] = value.to(p.device, copy=True)
 
 
 class Adam8bit(torch.optim.Optimizer):
@@ -290,17 +310,9 @@ class Adam8bit(torch.optim.Optimizer):
         return runs
 
     def load_state_dict(self, state_dict):
+        _check_8bit_format(state_dict)  # before loading: a refused state leaves the optimizer as it was
         super().load_state_dict(state_dict)
-        # torch casts every state tensor to the parameter's dtype; ours keep theirs (uint8 codes, float32 absmax)
-        if any("exp_avg_sq_codes" in s for s in state_dict["state"].values()):
-            raise ValueError("this Adam8bit state stores v, an older format; this Adam8bit stores √v: restart the "
-                             "optimizer state or resume with the optim.py that saved it")
-        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(ids, params):
-            for key, value in state_dict["state"].get(i, {}).items():
-                if torch.is_tensor(value):
-                    self.state[p][key] = value.to(p.device, copy=True)
+        _keep_state_dtypes(self, state_dict)
 
     @staticmethod
     def _init_state(p, state, group):
@@ -387,7 +399,9 @@ def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
     if decay is not None:
         param.mul_(decay)  # 1 - lr·weight decay
     # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
-    v.sqrt_()  # √v: what is stored, and the denominator's
+    # √v: what is stored, and the denominator's. A finite |g| past ~1e19 overflows v to inf; AdamW then freezes that
+    # entry (m / inf = 0), and so do we, without an inf absmax, whose code-0 neighbours would decode to 0·inf = NaN
+    v.sqrt_().clamp_(max=torch.finfo(torch.float32).max)
     denom = v_.div(sqrt_bias_correction2).add_(eps)
     if torch.compiler.is_compiling():  # the same arithmetic (bit for bit in eager) with the step size as a tensor
         param.add_(m_ * step_size / denom)  # operand: a Python-number argument would recompile for every lr
@@ -481,8 +495,13 @@ class PerLayer:
 
     def _arrive(self, p):
         """p's gradient is complete: once its layer's last one is, update the layer."""
+        backward = torch._C._current_graph_task_id()
+        if self._in_update and backward != self._backward:  # the one that began this update raised before its end
+            raise RuntimeError(f"an earlier backward stopped part way through a per-layer update ({self._updated} of "
+                               f"{len(self.optimizers)} layers updated): call reset() on the PerLayer that "
+                               f"attach_per_layer returned, then run this batch again")
         if not self._in_update:  # the first gradient of this update: fix its lr, finish it once backward ends
-            self._in_update = True
+            self._in_update, self._backward, self._updated = True, backward, 0
             self._factor = 1.0 if self.lr_lambda is None else self.lr_lambda(self.steps)
             self._norms = []
             if self.ddp is None:
@@ -505,6 +524,7 @@ class PerLayer:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * self._factor
         opt.step()
+        self._updated += 1
         if self.ddp is None:
             for p in params:
                 p.grad = None  # the memory saving: these gradients die before most others exist
@@ -524,6 +544,14 @@ class PerLayer:
         self.steps += 1
         self._last_norm = torch.linalg.vector_norm(torch.stack(self._norms))
         self._in_update = False
+
+    def reset(self):
+        """After a backward that raised (out of memory, an interrupt): drop every gradient and the update it left
+        unfinished, so that the next backward starts a new one. The layers it had already updated keep that update;
+        the count of updates (the lr schedule's position) does not advance."""
+        for p in self.names:
+            p.grad = None
+        self._arrived, self._norms, self._in_update = {}, [], False
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -605,6 +633,9 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
                 (model(x, y)[1] / n).backward()       # adds into .grad, updates nothing
         (model(x, y)[1] / n).backward()               # the last micro-batch: updates, frees every .grad
         norm, lr = per_layer.grad_norm(), per_layer.get_last_lr()[0]
+
+    A backward that raises (out of memory, an interrupt) leaves its update half made: the next backward is refused
+    until per_layer.reset() drops what it left.
     """
     if clip_grad_norm:
         raise ValueError(f"clip_grad_norm={clip_grad_norm} needs the global norm of all gradients before any update, "
@@ -729,17 +760,12 @@ class GaLore(torch.optim.Optimizer):
         p.add_(back.to(p.dtype), alpha=group["lr"] * group["scale"])
 
     def load_state_dict(self, state_dict):
+        if self.inner == "adam8bit":
+            _check_8bit_format(state_dict)
         super().load_state_dict(state_dict)
-        # torch casts state tensors to the parameter's dtype: right for the projector and AdamW's moments, which are
-        # kept in it; 8-bit Adam's codes, float32 absmax and float32 moments keep theirs, whatever the parameter's
-        if self.inner != "adam8bit":
-            return
-        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(ids, params):
-            for key, value in state_dict["state"].get(i, {}).items():
-                if torch.is_tensor(value) and key != "projector":
-                    self.state[p][key] = value.to(p.device, copy=True)
+        # torch's cast to the parameter's dtype is right for the projector and AdamW's moments, which are kept in it
+        if self.inner == "adam8bit":
+            _keep_state_dtypes(self, state_dict, but="projector")
 
 
 def galore_param_groups(named_parameters, rank, projected=lambda name, p: p.dim() == 2):

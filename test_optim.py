@@ -179,8 +179,15 @@ def test_adam8bit_refuses_the_older_state_format():
     state = opt.state_dict()
     s = state["state"][0]
     s["exp_avg_sq_codes"], s["exp_avg_sq_absmax"] = s.pop("sqrt_exp_avg_sq_codes"), s.pop("sqrt_exp_avg_sq_absmax")
+    fresh = Adam8bit([p])
     with pytest.raises(ValueError, match="stores v, an older format"):
-        Adam8bit([p]).load_state_dict(state)
+        fresh.load_state_dict(state)
+    assert not fresh.state, "a refused state must leave the optimizer as it was"
+    fresh.step()  # and it still works
+    galore = GaLore([{"params": [p], "rank": 4}], inner="adam8bit")
+    with pytest.raises(ValueError, match="stores v, an older format"):
+        galore.load_state_dict(state)
+    assert not galore.state
 
 
 # -----------------------------------------------------------------------------
@@ -224,6 +231,13 @@ def test_quantize_is_nearest_code(signed):
     search = search if signed else torch.where(x > 0, search.clamp(min=1), search)
     assert torch.equal(codes.long(), search), "codes differ from bucketize on the midpoints"
     assert torch.equal(dequantize_blockwise(codes, absmax, signed, x.numel()), code[brute])
+
+
+def test_quantize_decodes_denormal_and_zero_blocks():
+    x = torch.tensor([1e-40, 0.0, 3e-39, -2e-39, 0.0, 0.0, 0.0, 0.0])  # a block of denormals, and one of zeros
+    codes, absmax = quantize_blockwise(x, signed=True, block_size=4)
+    back = dequantize_blockwise(codes, absmax, True, x.numel())
+    torch.testing.assert_close(back, x, rtol=0.2, atol=0, msg=lambda m: f"denormal block: {back.tolist()}\n{m}")
 
 
 # -----------------------------------------------------------------------------
@@ -302,6 +316,28 @@ def test_adam8bit_non_finite_gradients_count_as_zero():
             torch.testing.assert_close(p, t, rtol=0, atol=0, msg=lambda m: f"step {step}: {max_diff(p, t)}\n{m}")
     s = opt.state[params[0]]
     assert bool(s["exp_avg_absmax"].isfinite().all() and s["sqrt_exp_avg_sq_absmax"].isfinite().all())
+
+
+@pytest.mark.parametrize("big", [1e22, 3e38])
+def test_adam8bit_gradient_that_overflows_v_freezes_its_entry_as_adamw_does(big):
+    """A finite |g| past ~1e19 makes (1-β2)·g² inf: torch's AdamW then holds that entry still (m / inf = 0) and
+    goes on; the 8-bit state must not turn the entry's whole block into NaN."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 128))  # 8-bit state
+    ref = torch.nn.Parameter(p.detach().clone())
+    lr, steps = 1e-3, 4
+    opt, ref_opt = Adam8bit([p], lr=lr), torch.optim.AdamW([ref], lr=lr, weight_decay=0.0)
+    start = p.detach().clone()
+    for step in range(steps):
+        g = torch.randn_like(p)
+        if step == 0:
+            g[0, 3] = big
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    assert bool(p.isfinite().all()), f"{int((~p.isfinite()).sum())} non-finite entries"
+    assert p[0, 3] == start[0, 3] == ref[0, 3], "the entry whose v overflowed stays where it was, as in AdamW"
+    assert max_diff(p, ref) <= steps * lr, f"max diff {max_diff(p, ref)} from torch AdamW"
 
 
 @pytest.mark.parametrize("method", ["sltrain", "full"])
@@ -659,6 +695,52 @@ def test_per_layer_resume_is_bit_exact(tmp_path):
     with pytest.raises(ValueError, match="does not match"):
         attach_per_layer(LLaMA(config_for("tiny", method="full", vocab_size=VOCAB)), make).load_state_dict(
             saved["optim"])
+
+
+def test_per_layer_backward_that_raises_is_refused_until_reset():
+    """A backward that raises part way (out of memory, an interrupt) never reaches the end that finishes an update:
+    the next one is refused with the fix, and after reset() the update is made again at the same lr, from a batch's
+    gradients alone (none of the failed backward's half is added in)."""
+    class FailOnce(torch.autograd.Function):
+        armed = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if FailOnce.armed:
+                FailOnce.armed = False
+                raise RuntimeError("out of memory (simulated)")
+            return grad
+
+    torch.manual_seed(0)
+    net = torch.nn.ModuleDict(dict(first=torch.nn.Linear(4, 4), last=torch.nn.Linear(4, 1), mix=torch.nn.Module()))
+    net["mix"].u, net["mix"].w = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 4)
+    lr_at = []
+    per_layer = attach_per_layer(net, lambda ps: AdamW(ps, lr=0.1), lr_lambda=lambda k: lr_at.append(k) or 1.0)
+
+    def loss(m):
+        return m["last"](FailOnce.apply(m["first"](x) * m["mix"].w)).sum() + (m["mix"].u * x).sum()
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        loss(net).backward()  # "last" is updated before the failure; "mix" has u's gradient and waits for w's
+    assert net["mix"].u.grad is not None and net["mix"].w.grad is None
+    with pytest.raises(RuntimeError, match=r"\(1 of 3 layers updated\): call reset\(\)"):
+        loss(net).backward()
+    per_layer.reset()
+    assert all(p.grad is None for p in net.parameters())
+    ref["last"].load_state_dict(net["last"].state_dict())  # it keeps the update made before the failure
+    loss(net).backward()
+    assert per_layer.steps == 1 and lr_at == [0, 0] and all(p.grad is None for p in net.parameters())
+    loss(ref).backward()  # "first" and "mix" got one update, from one batch's gradients
+    for name in ("first", "mix"):
+        AdamW(ref[name].parameters(), lr=0.1).step()
+        for a, b in zip(ref[name].parameters(), net[name].parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: max diff {max_diff(a, b)}\n{m}")
 
 
 def test_per_layer_remove_detaches():
