@@ -356,6 +356,9 @@ def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eva
         total += int(counts[:n].sum())
     if total == 0:
         raise ValueError(f"the validation shards in {data_dir} hold no documents; download them again")
+    if pack and total < max_length + 1:  # packed batches are whole windows: not even one would be left to score
+        raise ValueError(f"the validation shards in {data_dir} hold {total} tokens, fewer than one window of "
+                         f"max_length+1 = {max_length + 1}; lower --max_length or add validation shards")
     units = torch.cat(chunks)
     if pack:
         units = units[:len(units) // (max_length + 1) * (max_length + 1)].view(-1, max_length + 1)
@@ -469,10 +472,14 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
     (None: skip it) from Hugging Face; files already present are kept, since fetch only ever renames checked ones,
     unless recheck: then a present shard that fails its gzip check (a truncated copy placed by hand) is replaced."""
     base = (base_url or os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
-    for name in shard_names() if shards is None else shards:
-        if not re.fullmatch(r"c4-(train\.\d{5}-of-01024|validation\.\d{5}-of-00008)\.json\.gz", name):
-            raise ValueError(f"{name!r} is not a C4 en shard name; they look like c4-train.00000-of-01024.json.gz "
-                             f"and c4-validation.00000-of-00008.json.gz")
+    names = shard_names() if shards is None else list(shards)
+    # every name checked before the first fetch: a typo in the last one must not cost the ~320 MB shards before it
+    bad = [n for n in names if not re.fullmatch(r"c4-(train\.\d{5}-of-01024|validation\.\d{5}-of-00008)\.json\.gz", n)]
+    if bad:
+        what = "is not a C4 en shard name" if len(bad) == 1 else "are not C4 en shard names"
+        raise ValueError(f"{', '.join(map(repr, bad))} {what}; they look like c4-train.00000-of-01024.json.gz "
+                         f"and c4-validation.00000-of-00008.json.gz")
+    for name in names:
         path = Path(data_dir) / name
         if recheck and path.exists() and not _gzip_ok(path):
             print(f"{path} is truncated or corrupt: downloading it again", flush=True)

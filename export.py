@@ -161,9 +161,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
-    if args.merged and os.path.exists(args.merged) and os.path.samefile(args.merged, args.ckpt):
+    both = args.merged and os.path.exists(args.merged) and os.path.exists(args.ckpt)  # else samefile would raise
+    if both and os.path.samefile(args.merged, args.ckpt):
         p.error(f"--merged {args.merged} is the checkpoint being exported: its optimizer and resume state would be "
                 "lost; pass another file")
+    # the output paths first: a bad one would otherwise fail after the load, and --merged after the folder was written
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} is a file; pass a folder (it is created if missing)")
+    if args.merged and os.path.isdir(args.merged):
+        p.error(f"--merged {args.merged} is a folder; pass a file in it, such as "
+                f"{os.path.join(args.merged, 'dense.pt')}")
+    if args.merged and not os.path.isdir(os.path.dirname(args.merged) or "."):
+        p.error(f"--merged {args.merged}: no folder {os.path.dirname(args.merged)}; create it or pass a file in an "
+                "existing folder")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         model, ckpt = load_model(args.ckpt)

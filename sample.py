@@ -8,9 +8,13 @@ Sampling as nanoGPT's: the logits of the last position divided by the temperatur
 draw; the context is cropped to the training sequence length (max_length - 1 inputs: x = seq[:-1]), past which
 rotary positions were never seen.
 --temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device.
+A sample ends at its first end of document (EOS), so it may be shorter than --max_new_tokens: training documents end
+there (paper mode never shows the model a token after EOS), and what followed would be a second, unrelated document.
+Generation stops once every sample has ended.
 """
 
 import argparse
+import math
 
 import torch
 
@@ -19,8 +23,10 @@ from data import load_tokenizer
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=255, generator=None):
-    """idx (B, T) -> (B, T + max_new_tokens): each new token drawn from the model's next-token distribution."""
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=255, generator=None, eos_id=None):
+    """idx (B, T) -> (B, T + n), n <= max_new_tokens: each new token drawn from the model's next-token distribution.
+    With eos_id, a row ends at its first new EOS and is EOS from there on; the loop stops when every row has ended."""
+    ended = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -context:])  # (B, T', vocab)
         logits = logits[:, -1, :].float()  # (B, vocab)
@@ -34,7 +40,13 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
             next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)  # (B, 1)
+        if eos_id is not None:
+            # an ended row stays in the batch (its draws unused) and keeps EOS: nothing after its end is shown
+            next_id = next_id.masked_fill(ended[:, None], eos_id)
+            ended |= next_id[:, 0] == eos_id
         idx = torch.cat([idx, next_id], dim=1)
+        if eos_id is not None and ended.all():
+            break
     return idx
 
 
@@ -57,10 +69,13 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     g = torch.Generator().manual_seed(seed)
     context = run.get("max_length", 256) - 1  # training saw max_length - 1 positions
-    out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g)
+    eos = sp.eos_id()
+    out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g, eos_id=eos)
     typed, texts = sp.decode(ids) if prompted else "", []
     for row in out.tolist():
-        text = sp.decode(row if prompted else row[1:])
+        new = row[len(ids):]
+        new = new[:new.index(eos)] if eos in new else new  # the sample ends with its document
+        text = sp.decode((ids if prompted else []) + new)
         # the prompt as typed: decoded, a character outside the vocabulary would show as ⁇
         texts.append(prompt + text[len(typed):] if text.startswith(typed) else text)
     return texts
@@ -81,8 +96,12 @@ def main(argv=None):
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.temperature < 0 or args.top_k < 0:
-        p.error(f"--temperature and --top_k must be >= 0, got {args.temperature} and {args.top_k}")
+    if not 0 <= args.temperature < math.inf:  # `not <=`: NaN is refused too, not left to fail in the draw
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        p.error(f"--top_k must be >= 0, got {args.top_k}")
+    if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        p.error(f"--seed must fit in 64 bits, got {args.seed}")
     try:
         kind = torch.device(args.device).type
     except RuntimeError:  # not a device name

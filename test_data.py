@@ -291,6 +291,15 @@ def test_bad_input_names_file_line_and_fix(tok, tmp_path):
         data.TrainLoader(folder, tok, 4, L, rank=2, world_size=2)
 
 
+def test_packed_validation_shorter_than_a_window_names_the_fix(tok, tmp_path):
+    """Fewer validation tokens than one packed window left no row at all, and a reshape crashed."""
+    write_shard(tmp_path / "c4-validation.00000-of-00008.json.gz", ["doc one", "doc two"])
+    assert data.validation_batches(tmp_path, tok, 4, L), "paper mode scores the short documents"
+    with pytest.raises(ValueError, match=rf"hold \d+ tokens, fewer than one window of max_length\+1 = {L + 1}; "
+                                         r"lower --max_length or add validation shards"):
+        data.validation_batches(tmp_path, tok, 4, L, pack=True)
+
+
 def test_too_many_ranks_is_an_error(tok, tmp_path):
     write_shard(tmp_path / "c4-train.00000-of-01024.json.gz", ["one document"])
     with pytest.raises(ValueError, match="rank 1 of 2 got no documents"):
@@ -408,6 +417,15 @@ def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch
     assert len(server.requests) == count, "files already downloaded were fetched again"
     with pytest.raises(ValueError, match="c4-train.00000-of-01024.json.gz"):
         data.download(tmp_path / "c4", None, ["c4-train.0-of-1024.json"], base_url=server.url)
+
+
+def test_download_checks_every_shard_name_before_fetching_any(tmp_path, monkeypatch, capsys):
+    fetched = []
+    monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(url))  # no network
+    names = data.shard_names(3, 1) + ["c4-train.00003-of-1024.json.gz"]  # a typo in the last name only
+    with pytest.raises(SystemExit, match="'c4-train.00003-of-1024.json.gz' is not a C4 en shard name"):
+        data.main(["download", "--out", str(tmp_path / "c4"), "--tokenizer", "", "--shards", *names])
+    assert not fetched and not (tmp_path / "c4").exists(), f"fetched before the bad name was seen: {fetched}"
 
 
 # ----------------------------------------------------------------------------- commands

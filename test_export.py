@@ -45,14 +45,16 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     tiny = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=6, temperature=1e-45)
     assert tiny == sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=6, temperature=0)
     model, ckpt = load_model(sl_ckpt)
-    seen = []
+    eos, seen = sample.load_tokenizer(ckpt["args"]["tokenizer"]).eos_id(), []
 
     class Spy:  # the model, recording the length of each context it is given
         config = model.config
 
         def __call__(self, idx):
             seen.append(idx.shape[1])
-            return model(idx)
+            logits, loss = model(idx)
+            logits[..., eos] = float("-inf")  # the sample never ends its document, so the context fills up
+            return logits, loss
 
     monkeypatch.setattr(sample, "load_model", lambda path, device: (Spy(), ckpt))
     sample.sample(sl_ckpt, "the", max_new_tokens=40)
@@ -73,6 +75,38 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
         sample.main([str(tmp_path / "cut.pt")])
 
 
+class Scripted:
+    """A model that greedily says a fixed script per row, over and over (row b's k-th new token is scripts[b][k])."""
+
+    def __init__(self, scripts, vocab_size):
+        self.scripts, self.calls, self.config = scripts, 0, type("Config", (), {"vocab_size": vocab_size})
+
+    def __call__(self, idx):
+        logits = torch.zeros(*idx.shape, self.config.vocab_size)  # (B, T, vocab)
+        for b, script in enumerate(self.scripts):
+            logits[b, -1, script[self.calls % len(script)]] = 1.0
+        self.calls += 1
+        return logits, None
+
+
+def test_sample_ends_each_row_at_its_first_eos(sl_ckpt, monkeypatch):
+    """Training never shows a token after EOS: what would follow is a second document, so it is not generated."""
+    _, ckpt = load_model(sl_ckpt)
+    sp = sample.load_tokenizer(ckpt["args"]["tokenizer"])
+    eos, first, second = sp.eos_id(), sp.encode("the kaba dufo."), sp.encode("the mesi ra.")
+    for prompt, scripts in (("", [first + [eos] + second, first + second + [eos] + first]),
+                            ("the", [[eos] + second + second, second + [eos] + first + first])):
+        model = Scripted(scripts, sp.get_piece_size())
+        monkeypatch.setattr(sample, "load_model", lambda path, device: (model, ckpt))
+        texts = sample.sample(sl_ckpt, prompt, num_samples=2, max_new_tokens=100, temperature=0)
+        ended = [sp.decode(sp.encode(prompt) + s[:s.index(eos)]) for s in scripts]
+        assert texts == ended, f"{texts} should end at EOS: {ended}"
+        assert model.calls == scripts[1].index(eos) + 1, "generation goes on after every row has ended"
+    idx = torch.tensor([[eos]])
+    model = Scripted([[eos] * 10], sp.get_piece_size())
+    assert sample.generate(model, idx, 10, temperature=0).shape == (1, 11), "without eos_id, no stop"
+
+
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda"])
 def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device):
     if device == "cuda" and torch.cuda.is_available():
@@ -81,6 +115,41 @@ def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device):
         sample.main([str(sl_ckpt), "--device", device])
     err = capsys.readouterr().err
     assert f"--device {device}: pass cpu" in err and "Traceback" not in err, err
+
+
+def refuse_to_load(path, *args, **kwargs):
+    raise AssertionError(f"{path} was loaded before the arguments were checked")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1"),
+    (["--top_k", "-1"], "--top_k must be >= 0, got -1"),
+    (["--seed", str(2**70)], f"--seed must fit in 64 bits, got {2**70}"),
+    (["--seed", str(-2**63 - 1)], f"--seed must fit in 64 bits, got {-2**63 - 1}"),
+])
+def test_sample_refuses_bad_numbers_before_loading(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sample, "load_model", refuse_to_load)
+    with pytest.raises(SystemExit):
+        sample.main([str(tmp_path / "ckpt.pt"), "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(export, "load_model", refuse_to_load)
+    (tmp_path / "a_file").write_text("")
+    cases = [(["--out", str(tmp_path / "a_file")], "is a file; pass a folder"),
+             (["--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "nodir" / "x.pt")],
+              f"no folder {tmp_path / 'nodir'}; create it or pass a file in an existing folder"),
+             (["--merged", str(tmp_path)], f"is a folder; pass a file in it, such as {tmp_path / 'dense.pt'}")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            export.main([str(tmp_path / "ckpt.pt"), *argv])
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "nothing is written before the checks"
 
 
 def test_safetensors_round_trip(tmp_path):
