@@ -133,10 +133,11 @@ def sl_linear(x, B, A, values, indices, scale):
 
 
 def uniform_support(n, nnz, generator=None):
-    """nnz distinct positions out of n, uniformly at random, sorted. Drawn on a CPU generator (the global one unless
-    one is passed, e.g. to draw supports apart from the seed of everything else), so that a seed gives the same
-    support on any device. For a small fraction, distinct values of random draws are far cheaper than a
-    permutation of all n (a 7B layer has 45M entries); by symmetry they are a uniformly random subset either way."""
+    """nnz distinct positions out of n, uniformly at random, sorted. Drawn on a CPU generator: the one passed (as
+    train.py's --support_seed does, which gives the same supports on any device), else the global one, which a CPU
+    model's weight draws advance too, so that one --seed gives other supports on CPU than on a GPU. For a small
+    fraction, distinct values of random draws are far cheaper than a permutation of all n (a 7B layer has 45M
+    entries); by symmetry they are a uniformly random subset either way."""
     if nnz > n // 4:
         return torch.randperm(n, generator=generator)[:nnz].sort().values
     support = torch.empty(0, dtype=torch.long)
