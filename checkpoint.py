@@ -45,23 +45,44 @@ class DiskFull(Exception):
     pass
 
 
+class _Writes:
+    """The file torch.save writes into, keeping the first OSError a write raised: torch's zip writer goes on and
+    reports its own RuntimeError ("unexpected pos ..."), which has no errno."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
 def save(path, state):
     """Atomic: write path.tmp, fsync, rename over path. A kill leaves the old file or the new one, never a mix;
-    a full disk removes the partial file, keeps the old one and raises DiskFull."""
+    a full disk (or quota) removes the partial file, keeps the old one and raises DiskFull."""
     state = {**state, "sha256": digest(state).hexdigest()}
-    tmp = f"{path}.tmp"
+    tmp, out = f"{path}.tmp", None
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            out = _Writes(f)
+            torch.save(state, out)
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:
         if os.path.exists(tmp):
             os.remove(tmp)  # a partial file would only fill the disk further
-        # torch.save reports ENOSPC as a RuntimeError from its zip writer; the errno shows only in its text
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            raise DiskFull(f"disk full: could not write {path}; the previous checkpoint there is kept. Free space "
-                           f"(or pass a new --out_dir on a disk with room), then rerun with --resume") from None
+        cause = out.error if out and out.error else e
+        if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            kept, then = ("the previous checkpoint there is kept", "rerun with --resume") if os.path.exists(path) \
+                else ("none was saved there yet", "start again")
+            raise DiskFull(f"disk full: could not write {path} ({cause.strerror}); {kept}. Free space (or pass a new "
+                           f"--out_dir on a disk with room), then {then}") from None
         raise
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)

@@ -6,6 +6,7 @@ Tests of the ReLoRA baseline: the merge (model.ReLoRALinear, model.relora_merge)
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -137,3 +138,16 @@ def test_train_resume_is_bit_exact_across_a_merge(corpus, tmp_path):  # noqa: F8
     sa, sb = final_state(straight)["model"], final_state(split)["model"]
     for name, t in sa.items():
         assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
+
+
+def test_raising_the_steps_at_a_restart_continues_the_cosine_not_the_jag(corpus, tmp_path):  # noqa: F811
+    # the jag is 0 at a restart; the cosine under it is not, and the longer run goes on from the cosine's value
+    extra = ["--method", "relora", "--relora_reset", "2", "--relora_warmup", "1", "--warmup_steps", "1", "--lr", "1e-2"]
+    train.main(base_args(corpus, tmp_path, 8, "--stop_after", "4", *extra))  # the checkpoint is at restart 4
+    train.main(base_args(corpus, tmp_path, 16, "--resume", *extra))
+    floor, cosine = 0.1, lambda progress: 0.5 * (1 + math.cos(math.pi * progress))
+    top = floor + (1 - floor) * cosine((4 - 1) / (8 - 1))  # where the old cosine stood at step 4
+    for row in metrics(tmp_path)[0][4:]:  # the lr logged at update k is update k + 1's; 0 at every restart
+        expected = 0.0 if row["step"] % 2 == 0 else \
+            1e-2 * (floor + (top - floor) * cosine((row["step"] - 4) / (16 - 4)))
+        assert row["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15), (row, expected)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import checkpoint
 import data
 import train
 from hostsync import HostSyncs
@@ -166,6 +167,94 @@ def test_resume_from_another_run_is_refused(corpus, tmp_path):
         train.main(base_args(corpus, tmp_path, 2, "--resume"))
     with pytest.raises(SystemExit, match="no checkpoint at"):
         train.main(base_args(corpus, tmp_path / "empty", 4, "--resume"))
+
+
+def test_resume_into_another_out_dir_brings_its_metrics_and_never_overwrites_silently(corpus, tmp_path, capsys):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    train.main(base_args(corpus, a, 6, "--stop_after", "2"))
+    train.main(base_args(corpus, b, 3))
+    with pytest.raises(SystemExit, match=f"--resume {a}/ckpt.pt would train on into --out_dir {b}, which holds "
+                                         f"another checkpoint: pass a new --out_dir, or --overwrite to replace"):
+        train.main(base_args(corpus, b, 6, "--resume", str(a / "ckpt.pt")))
+    assert final_state(b)["step"] == 3 and len(metrics(b)[0]) == 3, "the refused run changed nothing"
+    with pytest.raises(SystemExit):
+        train.main(base_args(corpus, a, 6, "--resume", "--overwrite"))
+    assert "--resume continues the checkpoint in --out_dir and --overwrite replaces it" in capsys.readouterr().err
+    train.main(base_args(corpus, b, 6, "--resume", str(a / "ckpt.pt"), "--overwrite"))
+    train.main(base_args(corpus, c, 6, "--resume", str(a)))  # a folder: its ckpt.pt, continued into a new out_dir
+    first = metrics(a)[0]
+    for out in (b, c):  # the resumed run's rows up to its checkpoint, then this run's: none of b's own old rows
+        rows = metrics(out)[0]
+        assert [r["step"] for r in rows] == list(range(1, 7)) and rows[:2] == first, out
+    same = [[(r["step"], r["loss"], r["lr"]) for r in metrics(out)[0]] for out in (b, c)]
+    assert same[0] == same[1] and final_state(b)["step"] == final_state(c)["step"] == 6
+
+
+def test_weights_only_checkpoint_is_evaluated_but_not_resumed(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path, 2))
+    state = final_state(tmp_path)
+    for key in ("optimizer", "scheduler", "world", "data", "rng", "sha256"):  # what export.py --merged leaves out
+        state.pop(key)
+    checkpoint.save(tmp_path / "weights.pt", state)
+    with pytest.raises(SystemExit, match="holds weights only .*evaluate it with --eval_only, or start a new"):
+        train.main(base_args(corpus, tmp_path / "new", 4, "--resume", str(tmp_path / "weights.pt")))
+    capsys.readouterr()
+    train.main(base_args(corpus, tmp_path, 2, "--eval_only", "--resume", str(tmp_path / "weights.pt")))
+    assert f"{metrics(tmp_path)[1][-1]['val_loss']:.4f}" in capsys.readouterr().out
+
+
+def signal_in_update(monkeypatch, k):
+    """SIGTERM to this process while update k is computed, as a scheduler's would arrive."""
+    step, calls = train.train_step, []
+
+    def step_and_signal(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == k:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(*args, **kwargs)
+    monkeypatch.setattr(train, "train_step", step_and_signal)
+
+
+def test_an_evaluation_a_stop_skipped_is_made_on_resume(corpus, tmp_path, monkeypatch):
+    # --stop_after is planned: its evaluation is made. A signal asks for a quick exit: the resumed run evaluates
+    # first, at the last update too, where the checkpoint already has every update
+    every = ["--eval_every", "3"]
+    train.main(base_args(corpus, tmp_path / "straight", 6, *every))
+    expected = metrics(tmp_path / "straight")[1]
+    assert [r["step"] for r in expected] == [3, 6]
+    train.main(base_args(corpus, tmp_path / "planned", 6, "--stop_after", "3", *every))
+    assert [r["step"] for r in metrics(tmp_path / "planned")[1]] == [3]
+    for k in (3, 6):
+        out = tmp_path / f"signal{k}"
+        with monkeypatch.context() as m:
+            signal_in_update(m, k)
+            train.main(base_args(corpus, out, 6, *every))
+        assert final_state(out)["step"] == k and final_state(out)["eval_pending"]
+        assert [r["step"] for r in metrics(out)[1]] == [3] * (k == 6)
+    for out in ("planned", "signal3", "signal6"):
+        train.main(base_args(corpus, tmp_path / out, 6, "--resume", *every))
+        assert metrics(tmp_path / out)[1] == expected, out
+        assert not final_state(tmp_path / out)["eval_pending"]
+
+
+def test_bad_out_dir_validation_data_and_inherited_warmup_are_one_line(corpus, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit):
+        train.main(base_args(corpus, tmp_path / "afile", 2))
+    assert f"--out_dir {tmp_path}/afile is a file: pass a folder" in capsys.readouterr().err
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    for f in Path(corpus[0]).iterdir():  # the validation shard holds blank lines only
+        (blank / f.name).write_bytes(gzip.compress(b"\n\n") if "validation" in f.name else f.read_bytes())
+    with pytest.raises(SystemExit, match=f"^train.py --size tiny: the validation shards in {blank} hold no documents"):
+        train.main(base_args((str(blank), corpus[1]), tmp_path / "out", 2))
+    assert not (tmp_path / "out").exists()
+    train.main(base_args(corpus, tmp_path / "w", 20, "--warmup_steps", "10", "--stop_after", "2"))
+    with pytest.raises(SystemExit, match="the run's warmup of 10 updates is longer than --num_training_steps 6: "
+                                         "pass --warmup_steps too"):
+        train.main(base_args(corpus, tmp_path / "w", 6, "--resume"))
+    train.main(base_args(corpus, tmp_path / "w", 6, "--resume", "--warmup_steps", "3"))
+    assert final_state(tmp_path / "w")["step"] == 6
 
 
 def test_missing_data_names_the_fix(tmp_path):
@@ -437,14 +526,11 @@ def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
 
 
 @contextmanager
-def small_disk(corpus, tmp_path, checkpoints):
-    """A real full disk: a tmpfs with room for `checkpoints` checkpoints of the tiny run (skipped without root),
-    unmounted lazily at the end, as a failed run may still hold a file open there."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    train.main(base_args(corpus, tmp_path / "probe", 1))
-    size = (tmp_path / "probe" / "ckpt.pt").stat().st_size
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * checkpoints)}", "tmpfs", str(mnt)],
+def tmpfs(mnt, size):
+    """A real disk of `size` bytes at mnt (skipped without root), unmounted lazily at the end, as a failed run may
+    still hold a file open there."""
+    mnt.mkdir(exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)}", "tmpfs", str(mnt)],
                       capture_output=True).returncode != 0:
         pytest.skip("mounting a small tmpfs needs root")
     try:
@@ -453,10 +539,47 @@ def small_disk(corpus, tmp_path, checkpoints):
         subprocess.run(["umount", "-l", str(mnt)])
 
 
+@contextmanager
+def small_disk(corpus, tmp_path, checkpoints):
+    """A disk with room for `checkpoints` checkpoints of the tiny run."""
+    train.main(base_args(corpus, tmp_path / "probe", 1))
+    with tmpfs(tmp_path / "small", (tmp_path / "probe" / "ckpt.pt").stat().st_size * checkpoints) as mnt:
+        yield mnt
+
+
+def test_disk_full_is_named_wherever_the_write_stops(tmp_path):
+    """Where the disk fills decides how torch's zip writer fails: with the OSError (ENOSPC) itself, or later with a
+    RuntimeError of its own that has no errno. Both are DiskFull, the old file stays whole, no partial file stays."""
+    old, new = {"w": torch.arange(100.0)}, {"w": torch.randn(300_000)}  # 1.2 MB; the sizes below fill up inside it
+    for kb in range(1000, 1175, 25):
+        with tmpfs(tmp_path / f"disk{kb}", kb * 1024) as mnt:
+            with pytest.raises(checkpoint.DiskFull, match=r"\(No space left on device\); none was saved there yet.* "
+                                                          r"then start again$"):
+                checkpoint.save(mnt / "ckpt.pt", new)
+            checkpoint.save(mnt / "ckpt.pt", old)
+            with pytest.raises(checkpoint.DiskFull, match=r"previous checkpoint there is kept.* rerun with --resume"):
+                checkpoint.save(mnt / "ckpt.pt", new)
+            assert os.listdir(mnt) == ["ckpt.pt"], f"{kb} kB: {os.listdir(mnt)}"
+            assert torch.equal(checkpoint.load(mnt / "ckpt.pt")["w"], old["w"]), f"{kb} kB: the old file changed"
+
+
 def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
     with small_disk(corpus, tmp_path, 1.5) as mnt:  # the second checkpoint, written beside the first, fails
         with pytest.raises(SystemExit, match="^disk full: could not write .*the previous checkpoint there is kept"):
             train.main(base_args(corpus, mnt, 4, "--save_every", "1"))
+        assert final_state(mnt)["step"] == 1 and not (mnt / "ckpt.pt.tmp").exists()
+
+
+def test_disk_full_under_torchrun_stops_every_rank_in_one_line(corpus, tmp_path):
+    # only rank 0 writes; the other must stop with it, not wait for it in the next collective and die of the hang-up
+    with small_disk(corpus, tmp_path, 1.5) as mnt:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(HERE / "train.py"), *base_args(corpus, mnt, 4, "--save_every", "1", "--workers", "1")]
+        proc = subprocess.run(cmd, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                              text=True, timeout=240)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and output.count("disk full: could not write") == 1, output
+        assert "gloo" not in output and "[rank1]" not in output, output  # torchrun's own report of rank 0 stays
         assert final_state(mnt)["step"] == 1 and not (mnt / "ckpt.pt.tmp").exists()
 
 

@@ -98,8 +98,9 @@ def make_parser():
     a("--save_every", type=int, default=1000, help="write a checkpoint every this many updates")
     a("--out_dir", "--save_dir", default="out", help="checkpoint and metrics.jsonl folder")
     a("--resume", "--continue_from", nargs="?", const="auto",
-      help="continue from a checkpoint (default out_dir/ckpt.pt)")
-    a("--overwrite", action="store_true", help="start afresh even if out_dir holds a checkpoint (it is replaced)")
+      help="continue from a checkpoint, or the ckpt.pt in a folder (default out_dir/ckpt.pt)")
+    a("--overwrite", action="store_true", help="replace a checkpoint already in out_dir: start afresh, or continue "
+      "another run's --resume PATH there")
     a("--stop_after", type=int, help="end this run after this many updates, with a checkpoint (job time limits)")
     a("--data_dir", default="data/c4", help="folder of C4 shards (c4-train.*.json.gz, c4-validation.*.json.gz)")
     a("--tokenizer", default="data/t5_spiece.model", help="sentencepiece model (T5's: 32000 pieces)")
@@ -173,6 +174,10 @@ def get_args(argv=None):
         p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     if args.eval_only and args.overwrite:
         p.error("--eval_only reads a checkpoint and --overwrite replaces it: drop one of them")
+    if args.resume and args.overwrite and same_file(resume_path(args), os.path.join(args.out_dir, "ckpt.pt")):
+        p.error("--resume continues the checkpoint in --out_dir and --overwrite replaces it: drop one of them")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        p.error(f"--out_dir {args.out_dir} is a file: pass a folder")
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
         LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
@@ -290,11 +295,12 @@ def check_memory(p, args, device, world):
             f"per process, more than {share:.0%} of {where}; {fix}")
 
 
-def lr_lambda_for(args):
+def lr_lambda_for(args, jags=True):
     """Linear warmup to the peak, then cosine down to min_lr_ratio of it (the authors' schedule). When a resumed run
-    raised --num_training_steps, args.lr_restart = [step, factor] holds where the old schedule stood: from there
+    raised --num_training_steps, args.lr_restart = [step, factor] holds where the old cosine stood: from there
     the cosine goes on from that factor down to the floor at the new end, so the learning rate never jumps. For
-    ReLoRA the same cosine, cut into jags by a short warmup after every restart (ReLoRA's jagged schedule)."""
+    ReLoRA (unless jags=False) the same cosine, cut into jags by a short warmup after every restart (ReLoRA's
+    jagged schedule)."""
     warmup, total, floor = args.warmup_steps, args.num_training_steps, args.min_lr_ratio
     begin, top = args.lr_restart or (warmup, 1.0)
 
@@ -309,7 +315,7 @@ def lr_lambda_for(args):
         if step >= args.relora_reset and since < args.relora_warmup:
             return lr_lambda(step) * since / args.relora_warmup
         return lr_lambda(step)
-    return jagged if args.method == "relora" else lr_lambda
+    return jagged if args.method == "relora" and jags else lr_lambda
 
 
 def galore_maker(args, model):
@@ -359,7 +365,10 @@ def load_for_resume(args, vocab_size, world):
     diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH if old.get(k) != getattr(args, k)]
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
-    if ckpt["world"] != world:
+    if not args.eval_only and "optimizer" not in ckpt:
+        raise SystemExit(f"--resume: {path} holds weights only (export.py --merged): evaluate it with --eval_only, "
+                         f"or start a new lowrank or sltrain run from it with --init_from")
+    if not args.eval_only and ckpt["world"] != world:
         diff.append(f"{ckpt['world']} processes (now {world})")
     if diff:
         raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
@@ -367,13 +376,17 @@ def load_for_resume(args, vocab_size, world):
     if args.eval_only:
         return ckpt, path
     step = ckpt["step"]
-    if step >= args.num_training_steps:
+    if step >= args.num_training_steps and not (step == args.num_training_steps and ckpt.get("eval_pending")):
         raise SystemExit(f"--resume: {path} already has {step} updates; raise --num_training_steps to train on")
     if args.warmup_steps is None:
         args.warmup_steps = old["warmup_steps"]  # the run's warmup, not 10% of a new --num_training_steps
+        if args.warmup_steps > args.num_training_steps:
+            raise SystemExit(f"--resume: the run's warmup of {args.warmup_steps} updates is longer than "
+                             f"--num_training_steps {args.num_training_steps}: pass --warmup_steps too")
     args.lr_restart = old.get("lr_restart")
     if args.num_training_steps != old["num_training_steps"] and step >= min(old["warmup_steps"], args.warmup_steps):
-        args.lr_restart = [step, lr_lambda_for(argparse.Namespace(**old))(step)]  # continue from where it stood
+        # continue the cosine from where it stood; at a ReLoRA restart its jag is at 0, the cosine is not
+        args.lr_restart = [step, lr_lambda_for(argparse.Namespace(**old), jags=False)(step)]
     changed = [f"{k} {old.get(k)} -> {getattr(args, k)}" for k in RESUME_HONORED if old.get(k) != getattr(args, k)]
     print(f"resuming from {path} at step {step}" + (f"; changed and honored: {', '.join(changed)}" if changed else ""))
     return ckpt, path
@@ -393,23 +406,38 @@ def set_hyperparameters(args, optimizers, scheduler):
 
 
 def resume_path(args):
-    return os.path.join(args.out_dir, "ckpt.pt") if args.resume in (None, "auto") else args.resume
+    if args.resume in (None, "auto"):
+        return os.path.join(args.out_dir, "ckpt.pt")
+    return os.path.join(args.resume, "ckpt.pt") if os.path.isdir(args.resume) else args.resume
+
+
+def same_file(a, b):
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def refuse_overwrite(args):
+    """A checkpoint in out_dir is replaced only with --overwrite: by a fresh run, or by one continuing another
+    checkpoint (--resume PATH) into this out_dir."""
     path = os.path.join(args.out_dir, "ckpt.pt")
-    if os.path.exists(path) and not args.overwrite:
+    if not os.path.exists(path) or args.overwrite or args.eval_only:  # --eval_only writes nothing
+        return
+    if not args.resume:
         raise SystemExit(f"{path} exists: continue that run with --resume, or pass a new --out_dir, or --overwrite "
                          "to replace it")
+    if not same_file(path, resume_path(args)):
+        raise SystemExit(f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, which holds "
+                         f"another checkpoint: pass a new --out_dir, or --overwrite to replace {path}")
 
 
-def trim_metrics(path, step):
-    """After a kill, the rows past the checkpoint's step are redone on resume: drop them so each step appears once.
-    A line that a kill or a full disk cut short is dropped too, and said."""
-    if not os.path.exists(path):
-        return
+def trim_metrics(source, step, path):
+    """The rows of the resumed run, up to its checkpoint's step, into path: after a kill, the rows past the
+    checkpoint are redone on resume, so they are dropped and each step appears once. source is path itself, or the
+    metrics beside a checkpoint resumed from another folder (none there: path starts empty). A line that a kill or
+    a full disk cut short is dropped too, and said."""
     rows, torn = [], 0
-    with open(path) as f:
+    if not os.path.exists(source) and same_file(source, path):
+        return
+    with open(source) if os.path.exists(source) else nullcontext([]) as f:
         for line in f:
             try:
                 row = json.loads(line) if line.strip() else None
@@ -419,7 +447,7 @@ def trim_metrics(path, step):
             if row is not None and row["step"] <= step:
                 rows.append(line if line.endswith("\n") else line + "\n")
     if torn:
-        print(f"{path}: dropped {torn} line(s) cut short by the end of the last run")
+        print(f"{source}: dropped {torn} line(s) cut short by the end of the last run")
     try:
         with open(f"{path}.tmp", "w") as f:
             f.writelines(rows)
@@ -605,6 +633,8 @@ def build(args, config, device, dtype, ddp, ckpt):
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                         gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets, not twice
+    if args.eval_only:  # nothing trains: no optimizer, and a checkpoint of weights only will do
+        return model, raw_model, None, None, None
     hyper = dict(lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
     make_optimizer = {"adamw": lambda params: AdamW(params, **hyper),
                       "adam8bit": lambda params: Adam8bit(params, **hyper, compile=args.compile)}.get(args.optimizer)
@@ -629,10 +659,14 @@ def main(argv=None):
     ddp, rank, world, device, dtype, vocab_size = setup(args)
     master = rank == 0
     ckpt = None
+    refuse_overwrite(args)
     if args.resume or args.eval_only:
         ckpt, ckpt_path = load_for_resume(args, vocab_size, world)
-    else:
-        refuse_overwrite(args)
+    try:  # read before the model is built: bad validation data is one line, not a traceback after the work
+        val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
+                                 eval_tokens=args.eval_tokens, pack=args.pack)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py --size {args.size}: {e}") from None
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         vocab_size=vocab_size)
     model, raw_model, optimizer, scheduler, per_layer = build(args, config, device, dtype, ddp, ckpt)
@@ -644,8 +678,6 @@ def main(argv=None):
         print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
               f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s "
               f"counts trained (non-pad) tokens; mem is {mem}")
-    val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
-                             eval_tokens=args.eval_tokens, pack=args.pack)
 
     # ---- SIGTERM/SIGINT: said at once, then a checkpoint and a clean exit at the end of the current update
     stop = {"signal": None}
@@ -690,10 +722,28 @@ class Keeper:
         start = ckpt["step"] if ckpt else 0
         self.last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
         self.first_bad = torch.tensor(-1, device=device)  # the first update with a non-finite loss or norm
-        if ckpt and self.master:
-            trim_metrics(self.metrics_path, start)  # rows past the checkpoint were redone after a crash
-        os.makedirs(args.out_dir, exist_ok=True)
-        self.metrics = open(self.metrics_path, "a" if ckpt else "w") if self.master else None
+        self.metrics = None
+        self.master_writes(lambda: self._open_metrics(ckpt, start))
+
+    def master_writes(self, write):
+        """write() on the master, the only rank that writes files. Should it fail (a full disk: a SystemExit with the
+        message), every rank stops with it, not the master alone: the others would wait for it in their next
+        collective. Under DDP that costs one host all-reduce, at log, eval and save steps only."""
+        message = None
+        if self.master:
+            try:
+                write()
+            except SystemExit as e:
+                message = str(e)
+        if any_rank(message is not None) if self.ddp else message is not None:
+            raise SystemExit(message if self.master else 1)
+
+    def _open_metrics(self, ckpt, start):
+        os.makedirs(self.args.out_dir, exist_ok=True)
+        if ckpt:
+            beside = os.path.join(os.path.dirname(resume_path(self.args)), "metrics.jsonl")
+            trim_metrics(beside, start, self.metrics_path)
+        self.metrics = open(self.metrics_path, "a" if ckpt else "w")
 
     def flag(self, done, loss, norm):
         """Update `done` gave this loss and norm: flag it if they are not finite and none was before (on the device)."""
@@ -707,8 +757,9 @@ class Keeper:
             raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good)
 
     def record(self, row):
-        if not self.master:
-            return
+        self.master_writes(lambda: self._write_row(row))
+
+    def _write_row(self, row):
         try:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
@@ -719,7 +770,7 @@ class Keeper:
             raise SystemExit(f"cannot write {self.metrics_path} at step {row['step']} ({e.strerror or e}); "
                              f"{where}") from None
 
-    def save(self, step, data_state):
+    def save(self, step, data_state, eval_pending=False):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
         norm flags, then the parameters and the loss of one fixed validation batch, so that no diverged model is
         ever written over the last good one."""
@@ -732,17 +783,19 @@ class Keeper:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None, "step": step,
                  "args": vars(self.args), "model_config": asdict(self.config), "world": self.world,
-                 "rng": torch.get_rng_state(), "data": [None] * self.world}
+                 "rng": torch.get_rng_state(), "data": [None] * self.world, "eval_pending": eval_pending}
         if self.ddp:
             dist.all_gather_object(state["data"], data_state)
         else:
             state["data"][0] = data_state
-        if self.master:
-            try:
-                checkpoint.save(self.path, state)
-            except checkpoint.DiskFull as e:
-                raise SystemExit(str(e)) from None
+        self.master_writes(lambda: self._write_checkpoint(state))
         self.last_good[:] = self.path, step
+
+    def _write_checkpoint(self, state):
+        try:
+            checkpoint.save(self.path, state)
+        except checkpoint.DiskFull as e:
+            raise SystemExit(str(e)) from None
 
     def close(self):
         if self.metrics:
@@ -767,9 +820,27 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
         quiet = done != total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     meter, last_eval = Meter(device, start, total), {}
+
+    def run_eval(done):
+        """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
+        t_eval = time.perf_counter()
+        result = evaluate(raw_model, val, device, rank, world, stop)  # agrees on a signal every batch
+        if result:
+            if master:
+                print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
+            last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
+            keeper.record(dict(last_eval))
+        meter.pause(time.perf_counter() - t_eval)
+        return result is not None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
+        if ckpt and ckpt.get("eval_pending"):  # a signal stopped the last run before this evaluation
+            if not run_eval(start):
+                if master:
+                    print(f"stopped by {stop['signal']} in the evaluation of step {start}; rerun with --resume")
+                return
+            keeper.save(start, loader.state_dict())  # made: a later resume must not make it (and its row) again
         for step in range(start, total):
             data_state = loader.state_dict()  # where this update's batches begin: a failed read saves this
             micro_batches, bad_line = read_update(batches, accum, device, world)
@@ -784,12 +855,11 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 meter.add(step_loss, n_total)
             done = step + 1
             relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
-            if args.stop_after and done - start >= args.stop_after and done < total:
-                stop["signal"] = "--stop_after"
+            planned = args.stop_after and done - start >= args.stop_after and done < total  # the same on all ranks
 
             # ---- log (the only host syncs of the loop), evaluate, save, stop
-            # stop only where all ranks agree (here, or in evaluation): a later signal waits for the next update
-            stop_now = stopping(stop, world)
+            # stop on a signal where all ranks agree (here, or in evaluation): a later one waits for the next update
+            signalled = stopping(stop, world)
             if done % args.log_every == 0 or done == total:
                 keeper.check_finite()
                 lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
@@ -797,22 +867,15 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                 if master:
                     print(meter.line(row), flush=True)
                 keeper.record(row)
-            if (done % args.eval_every == 0 or done == total) and not stop_now:
-                t_eval = time.perf_counter()
-                result = evaluate(raw_model, val, device, rank, world, stop)  # agrees on a signal every batch
-                stop_now = result is None
-                if result:
-                    if master:
-                        print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
-                    last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
-                    keeper.record(dict(last_eval))
-                meter.pause(time.perf_counter() - t_eval)
-            if done % args.save_every == 0 or done == total or stop_now:
-                keeper.save(done, loader.state_dict())
-            if stop_now:
+            eval_due = done % args.eval_every == 0 or done == total
+            if eval_due and not signalled:  # a signal asks for a quick exit: then the resumed run evaluates first
+                signalled = not run_eval(done)
+            if done % args.save_every == 0 or done == total or signalled or planned:
+                keeper.save(done, loader.state_dict(), eval_pending=eval_due and signalled)
+            if signalled or planned:
                 if master:
-                    print(f"stopped by {stop['signal']}: saved {args.out_dir}/ckpt.pt at step {done}; "
-                          "rerun with --resume")
+                    print(f"stopped by {stop['signal'] or '--stop_after'}: saved {args.out_dir}/ckpt.pt at step "
+                          f"{done}; rerun with --resume")
                 return
         if master:
             elapsed = time.perf_counter() - meter.t_start
