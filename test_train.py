@@ -177,6 +177,8 @@ def test_resume_into_another_out_dir_brings_its_metrics_and_never_overwrites_sil
                                          f"another checkpoint: pass a new --out_dir, or --overwrite to replace"):
         train.main(base_args(corpus, b, 6, "--resume", str(a / "ckpt.pt")))
     assert final_state(b)["step"] == 3 and len(metrics(b)[0]) == 3, "the refused run changed nothing"
+    with pytest.raises(SystemExit, match=f"--resume: no checkpoint at {a}/typo.pt"):
+        train.main(base_args(corpus, b, 6, "--resume", str(a / "typo.pt")))
     with pytest.raises(SystemExit):
         train.main(base_args(corpus, a, 6, "--resume", "--overwrite"))
     assert "--resume continues the checkpoint in --out_dir and --overwrite replaces it" in capsys.readouterr().err

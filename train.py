@@ -421,6 +421,8 @@ def refuse_overwrite(args):
     path = os.path.join(args.out_dir, "ckpt.pt")
     if not os.path.exists(path) or args.overwrite or args.eval_only:  # --eval_only writes nothing
         return
+    if args.resume and not os.path.exists(resume_path(args)):
+        return  # load_for_resume says there is no checkpoint to resume
     if not args.resume:
         raise SystemExit(f"{path} exists: continue that run with --resume, or pass a new --out_dir, or --overwrite "
                          "to replace it")
