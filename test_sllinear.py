@@ -201,6 +201,25 @@ def test_uniform_support_picks_every_position_equally(nnz):
     assert abs(chi2 - n) < 5 * math.sqrt(2 * n), f"chi-square {chi2:.0f} for {n} positions"
 
 
+@pytest.mark.parametrize("n,nnz", [(1, 0), (17, 4), (1000, 30), (1000, 250), (1000, 251), (4096, 1000), (10**6, 30000)])
+def test_uniform_support_is_the_sorted_pick_of_distinct_draws_and_uses_the_generator_as_before(n, nnz):
+    # the pick is kept sorted with a mask, not sorted after: the same supports and the same generator state after
+    # them as sorting a random pick, so a seed's supports (and every draw after them) are what they were
+    def sorting(n, nnz, g):
+        if nnz > n // 4:
+            return torch.randperm(n, generator=g)[:nnz].sort().values
+        support = torch.empty(0, dtype=torch.long)
+        while support.numel() < nnz:
+            support = torch.cat([support, torch.randint(n, (int(1.1 * (nnz - support.numel())) + 16,), generator=g)])
+            support = support.unique()
+        return support[torch.randperm(support.numel(), generator=g)[:nnz]].sort().values
+    for seed in range(3):
+        g, h = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        got, want = uniform_support(n, nnz, generator=g), sorting(n, nnz, h)
+        assert got.dtype == want.dtype == torch.long and torch.equal(got, want), (seed, got[:8], want[:8])
+        assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=h))
+
+
 def test_init_is_reproducible_under_manual_seed():
     torch.manual_seed(1)
     a = SLLinear(64, 64, rank=4, delta=0.05, alpha=8)
