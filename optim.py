@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import functools
 import time
+import weakref
 from collections import defaultdict
 
 import torch
@@ -401,6 +402,7 @@ def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
     # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
     # √v: what is stored, and the denominator's. A finite |g| past ~1e19 overflows v to inf; AdamW then freezes that
     # entry (m / inf = 0), and so do we, without an inf absmax, whose code-0 neighbours would decode to 0·inf = NaN
+    # (they still stall: coded against the largest float32, none of their √v decodes below ~1e32)
     v.sqrt_().clamp_(max=torch.finfo(torch.float32).max)
     denom = v_.div(sqrt_bias_correction2).add_(eps)
     if torch.compiler.is_compiling():  # the same arithmetic (bit for bit in eager) with the step size as a tensor
@@ -433,6 +435,10 @@ def _norm32(t):
         return torch.linalg.vector_norm(t, dtype=torch.float32)
     parts = [torch.linalg.vector_norm(part, dtype=torch.float32) for part in t.reshape(-1).split(PIECE)]
     return torch.linalg.vector_norm(torch.stack(parts))
+
+
+class _Alive:
+    """A token held by the end-of-backward callback of the backward that began a per-layer update."""
 
 
 def _at_end_of_backward(fn):
@@ -496,7 +502,10 @@ class PerLayer:
     def _arrive(self, p):
         """p's gradient is complete: once its layer's last one is, update the layer."""
         backward = torch._C._current_graph_task_id()
-        if self._in_update and backward != self._backward:  # the one that began this update raised before its end
+        # another backward than the one that began this update: a reentrant one nested in it (a reentrant
+        # checkpoint's, whose update goes on), or a later one after it raised before its end (its graph task is gone,
+        # and with it the callback that holds _Alive)
+        if self._in_update and backward != self._backward and self._alive() is None:
             raise RuntimeError(f"an earlier backward stopped part way through a per-layer update ({self._updated} of "
                                f"{len(self.optimizers)} layers updated): call reset() on the PerLayer that "
                                f"attach_per_layer returned, then run this batch again")
@@ -504,10 +513,12 @@ class PerLayer:
             self._in_update, self._backward, self._updated = True, backward, 0
             self._factor = 1.0 if self.lr_lambda is None else self.lr_lambda(self.steps)
             self._norms = []
+            alive = _Alive()  # referenced only by the callback: dies with the graph task of this backward
+            self._alive = weakref.ref(alive)
             if self.ddp is None:
-                _at_end_of_backward(self._finish)
+                _at_end_of_backward(lambda: (alive, self._finish()))
             else:  # queued twice, to run after DDP's own end-of-backward callback writes the buckets into .grad
-                _at_end_of_backward(lambda: _at_end_of_backward(self._finish))
+                _at_end_of_backward(lambda: (alive, _at_end_of_backward(self._finish)))
         opt = self.optimizer_of[p]
         arrived = self._arrived.setdefault(opt, [])
         arrived.append(p)
@@ -593,6 +604,8 @@ class PerLayer:
         if names != saved:
             raise ValueError(f"per-layer state does not match the model: missing {sorted(names - saved)[:3]}, "
                              f"unexpected {sorted(saved - names)[:3]}; was it saved for another config?")
+        for one in state["optimizers"].values():  # refused before any layer loads: none is left half resumed
+            _check_8bit_format(one)
         for opt in self.optimizers.values():
             packed = opt.state_dict()  # this layer's layout (groups, parameter numbers), filled with the saved state
             packed["state"] = {}
@@ -636,6 +649,11 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
 
     A backward that raises (out of memory, an interrupt) leaves its update half made: the next backward is refused
     until per_layer.reset() drops what it left.
+
+    Reentrant activation checkpointing (use_reentrant=True) runs each checkpoint's backward as a graph task of its
+    own, nested in the outer one: an update that begins inside it would end with it, and the rest of the backward
+    would make a second update. So the first layer that backward reaches (the head) must be outside every reentrant
+    checkpoint; non-reentrant checkpointing (torch's default, and model.py's) has no such limit.
     """
     if clip_grad_norm:
         raise ValueError(f"clip_grad_norm={clip_grad_norm} needs the global norm of all gradients before any update, "
