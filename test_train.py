@@ -804,3 +804,48 @@ def test_no_pageable_copy_to_the_device_in_a_step(monkeypatch, method, optimizer
                                                    per, micro_batches, device, 1)
         assert loss.device == norm.device == n_total.device == device
     assert syncs.summary() == "none" and syncs.blocks == 3
+
+
+def test_resume_between_log_rows_is_bit_exact(corpus, tmp_path):
+    # stopped at step 3 with --log_every 2: the row of step 4 still averages updates 3 and 4
+    every = ["--log_every", "2", "--eval_every", "3"]
+    train.main(base_args(corpus, tmp_path / "straight", 6, *every))
+    train.main(base_args(corpus, tmp_path / "split", 6, "--stop_after", "3", *every))
+    train.main(base_args(corpus, tmp_path / "split", 6, "--resume", *every))
+    a, b = metrics(tmp_path / "straight")[0], metrics(tmp_path / "split")[0]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in a] == [(r["step"], r["loss"], r["grad_norm"]) for r in b]
+    assert metrics(tmp_path / "split")[1] == metrics(tmp_path / "straight")[1]
+
+
+def test_pending_evaluation_whose_checkpoint_failed_is_recorded_once(corpus, tmp_path, monkeypatch, capsys):
+    every = ["--eval_every", "3"]
+    train.main(base_args(corpus, tmp_path / "straight", 6, *every))
+    out, other = tmp_path / "sig", tmp_path / "other"
+    with monkeypatch.context() as m:
+        signal_in_update(m, 3)
+        train.main(base_args(corpus, out, 6, *every))
+    with monkeypatch.context() as m:  # the evaluation is made, then the disk is full for its checkpoint
+        m.setattr(checkpoint, "save", lambda path, state: (_ for _ in ()).throw(checkpoint.DiskFull("disk full")))
+        with pytest.raises(SystemExit, match="disk full"):
+            train.main(base_args(corpus, out, 6, "--resume", *every))
+    with monkeypatch.context() as m:  # a signal in the pending evaluation of another folder's checkpoint
+        evaluate = train.evaluate
+        m.setattr(train, "evaluate", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), evaluate(*a))[1])
+        train.main(base_args(corpus, other, 6, "--resume", str(out), *every))
+    assert f"rerun with --resume {out}/ckpt.pt" in capsys.readouterr().out
+    train.main(base_args(corpus, out, 6, "--resume", *every))
+    assert metrics(out)[1] == metrics(tmp_path / "straight")[1]
+
+
+def test_out_dir_inside_a_file_and_changed_shards_are_one_line(corpus, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match=f"^--out_dir {tmp_path}/afile/sub cannot be made \\(Not a directory\\)"):
+        train.main(base_args(corpus, tmp_path / "afile" / "sub", 2))
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    for f in Path(corpus[0]).iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--stop_after", "2"))
+    (folder / "c4-train.00002-of-00003.json.gz").write_bytes((folder / "c4-train.00000-of-00002.json.gz").read_bytes())
+    with pytest.raises(SystemExit, match=f"^--resume {tmp_path}/out/ckpt.pt: the checkpoint's loader had shards="):
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--resume"))

@@ -431,7 +431,7 @@ def refuse_overwrite(args):
                          f"another checkpoint: pass a new --out_dir, or --overwrite to replace {path}")
 
 
-def trim_metrics(source, step, path):
+def trim_metrics(source, step, path, eval_pending=False):
     """The rows of the resumed run, up to its checkpoint's step, into path: after a kill, the rows past the
     checkpoint are redone on resume, so they are dropped and each step appears once. source is path itself, or the
     metrics beside a checkpoint resumed from another folder (none there: path starts empty). A line that a kill or
@@ -446,7 +446,8 @@ def trim_metrics(source, step, path):
             except json.JSONDecodeError:
                 torn += 1
                 continue
-            if row is not None and row["step"] <= step:
+            redone = eval_pending and row is not None and row["step"] == step and "val_loss" in row  # made again
+            if row is not None and row["step"] <= step and not redone:
                 rows.append(line if line.endswith("\n") else line + "\n")
     if torn:
         print(f"{source}: dropped {torn} line(s) cut short by the end of the last run")
@@ -526,8 +527,12 @@ class Meter:
     """The loss and trained (non-pad) tokens since the last log line, summed on the device (no host sync before
     row())."""
 
-    def __init__(self, device, start, total):
+    def __init__(self, device, start, total, carried=None):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        self.loss_from = start  # the loss sums the updates since this step: a resume carries those before it
+        if carried:
+            self.loss += carried["loss"]
+            self.loss_from = carried["since"]
         self.tokens = torch.zeros((), device=device, dtype=torch.float64)
         self.device, self.start, self.total, self.tokens_all = device, start, total, 0.0
         self.t_start = self.t_log = time.perf_counter()
@@ -545,15 +550,19 @@ class Meter:
         if ddp:
             dist.all_reduce(self.loss)  # each rank holds its share of the token-weighted mean: sum them
         now, n, tokens = time.perf_counter(), done - self.step_log, self.tokens.item()
-        row = {"step": done, "loss": self.loss.item() / n, "lr": lr, "grad_norm": norm.item(),
+        row = {"step": done, "loss": self.loss.item() / (done - self.loss_from), "lr": lr, "grad_norm": norm.item(),
                "ms_per_step": 1000 * (now - self.t_log) / n, "tokens_per_s": tokens / (now - self.t_log),
                "peak_mem_gb": peak_mem_gb(self.device)}
         self.eta = (now - self.t_start) / (done - self.start) * (self.total - done)
         self.tokens_all += tokens
         self.loss.zero_()
         self.tokens.zero_()
-        self.t_log, self.step_log = now, done
+        self.t_log, self.step_log, self.loss_from = now, done, done
         return row
+
+    def state(self):
+        """This rank's loss since the last log row, for the checkpoint (one host sync: saves sync anyway)."""
+        return {"loss": self.loss.item(), "since": self.loss_from}
 
     def line(self, r):
         return (f"step {r['step']}/{self.total} | loss {r['loss']:.4f} | lr {r['lr']:.1e} | norm {r['grad_norm']:.2f} "
@@ -741,11 +750,19 @@ class Keeper:
             raise SystemExit(message if self.master else 1)
 
     def _open_metrics(self, ckpt, start):
-        os.makedirs(self.args.out_dir, exist_ok=True)
+        try:
+            os.makedirs(self.args.out_dir, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"--out_dir {self.args.out_dir} cannot be made ({e.strerror or e}): pass a folder "
+                             "you can write") from None
         if ckpt:
             beside = os.path.join(os.path.dirname(resume_path(self.args)), "metrics.jsonl")
-            trim_metrics(beside, start, self.metrics_path)
-        self.metrics = open(self.metrics_path, "a" if ckpt else "w")
+            trim_metrics(beside, start, self.metrics_path, ckpt.get("eval_pending", False))
+        try:
+            self.metrics = open(self.metrics_path, "a" if ckpt else "w")
+        except OSError as e:
+            raise SystemExit(f"--out_dir {self.args.out_dir}: cannot write {self.metrics_path} ({e.strerror or e}); "
+                             "pass a folder you can write") from None
 
     def flag(self, done, loss, norm):
         """Update `done` gave this loss and norm: flag it if they are not finite and none was before (on the device)."""
@@ -772,7 +789,7 @@ class Keeper:
             raise SystemExit(f"cannot write {self.metrics_path} at step {row['step']} ({e.strerror or e}); "
                              f"{where}") from None
 
-    def save(self, step, data_state, eval_pending=False):
+    def save(self, step, data_state, eval_pending=False, meter_state=None):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
         norm flags, then the parameters and the loss of one fixed validation batch, so that no diverged model is
         ever written over the last good one."""
@@ -786,10 +803,12 @@ class Keeper:
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None, "step": step,
                  "args": vars(self.args), "model_config": asdict(self.config), "world": self.world,
                  "rng": torch.get_rng_state(), "data": [None] * self.world, "eval_pending": eval_pending}
+        both = [None] * self.world
         if self.ddp:
-            dist.all_gather_object(state["data"], data_state)
+            dist.all_gather_object(both, (data_state, meter_state))
         else:
-            state["data"][0] = data_state
+            both[0] = (data_state, meter_state)
+        state["data"], state["meter"] = [d for d, _ in both], [m for _, m in both]
         self.master_writes(lambda: self._write_checkpoint(state))
         self.last_good[:] = self.path, step
 
@@ -812,7 +831,10 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
                          rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
     start = ckpt["step"] if ckpt else 0
     if ckpt:
-        loader.load_state_dict(ckpt["data"][rank])
+        try:
+            loader.load_state_dict(ckpt["data"][rank])
+        except ValueError as e:
+            raise SystemExit(f"--resume {resume_path(args)}: {e}" if master else 1) from None
         torch.set_rng_state(ckpt["rng"])
     keeper = Keeper(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world)
     batches = iter(loader)
@@ -821,7 +843,8 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
-    meter, last_eval = Meter(device, start, total), {}
+    carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
+    meter, last_eval = Meter(device, start, total, carried), {}
 
     def run_eval(done):
         """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
@@ -840,14 +863,16 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
         if ckpt and ckpt.get("eval_pending"):  # a signal stopped the last run before this evaluation
             if not run_eval(start):
                 if master:
-                    print(f"stopped by {stop['signal']} in the evaluation of step {start}; rerun with --resume")
+                    print(f"stopped by {stop['signal']} in the evaluation of step {start}; rerun with --resume "
+                          f"{keeper.last_good[0]}")
                 return
-            keeper.save(start, loader.state_dict())  # made: a later resume must not make it (and its row) again
+            # made: a later resume must not make it (and its row) again
+            keeper.save(start, loader.state_dict(), meter_state=meter.state())
         for step in range(start, total):
             data_state = loader.state_dict()  # where this update's batches begin: a failed read saves this
             micro_batches, bad_line = read_update(batches, accum, device, world)
             if bad_line:  # a bad shard line on some rank: every rank keeps the work done so far, then the message
-                keeper.save(step, data_state)
+                keeper.save(step, data_state, meter_state=meter.state())
                 raise SystemExit(f"{bad_line}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
                                  "shard, rerun with --resume" if master else 1)
             with watching(step + 1):
@@ -873,7 +898,8 @@ def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, co
             if eval_due and not signalled:  # a signal asks for a quick exit: then the resumed run evaluates first
                 signalled = not run_eval(done)
             if done % args.save_every == 0 or done == total or signalled or planned:
-                keeper.save(done, loader.state_dict(), eval_pending=eval_due and signalled)
+                keeper.save(done, loader.state_dict(), eval_pending=eval_due and signalled,
+                            meter_state=meter.state())
             if signalled or planned:
                 if master:
                     print(f"stopped by {stop['signal'] or '--stop_after'}: saved {args.out_dir}/ckpt.pt at step "
