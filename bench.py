@@ -199,6 +199,9 @@ SUITES = {
 MEMORY_SETTINGS = (("full", "adamw", False), ("sltrain", "adam8bit", True), ("full", "adam8bit", True),
                    ("lowrank", "adam8bit", True), ("galore", "adam8bit", True))
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
+# Figure 3 does not give its delta; the appendix's memory count for 7b has 194.28M sparse values, delta 0.03, where
+# 7b trains at 0.05 (§4.1). Where a size's delta differs, the memory section adds an SLTrain row at this one.
+PAPER_MEMORY_DELTA = 0.03
 
 
 def projection_shapes(size):
@@ -329,6 +332,12 @@ def suite_amp(s, device, dtype):
     return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], settings=result)
 
 
+def _reduction(rows, name):
+    """1 - the peak of setting name ÷ full AdamW's, once both are measured."""
+    full, ours = rows.get("full/adamw", {}).get("gb"), rows.get(name, {}).get("gb")
+    return 1 - ours / full if full and ours else None
+
+
 def suite_memory(s, device, progress=lambda partial: None):
     """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the profiler's memory
     events, estimate_memory.cpu_peak) of each setting, beside estimate_memory's estimate of the same setting and the
@@ -339,30 +348,35 @@ def suite_memory(s, device, progress=lambda partial: None):
     the reduction against full AdamW is of the whole peaks. progress gets the result after each setting."""
     result = {size: dict(settings={}, reduction=None, paper_reduction=PAPER_REDUCTION.get(size))
               for size in s["memory_sizes"]}
-    galore_last = [(galore, size) for galore in (False, True) for size in s["memory_sizes"]]
-    for galore, size in galore_last:
+    # every size's settings first, then the rows at the appendix's delta, then GaLore (an SVD of every projection
+    # at its first step): a command cut short loses GaLore's rows, not the paper's
+    main = [(size, *setting, None) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS
+            if setting[0] != "galore"]
+    paper_delta = [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA) for size in s["memory_sizes"]
+                   if config_for(size).delta != PAPER_MEMORY_DELTA]
+    galore = [(size, *setting, None) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS
+              if setting[0] == "galore"]
+    for size, method, optimizer, per_layer, delta in main + paper_delta + galore:
         rows = result[size]["settings"]
-        for method, optimizer, per_layer in MEMORY_SETTINGS:
-            if (method == "galore") != galore:
-                continue
-            name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}"
-            est = estimate(size, method, None, None, "int32", optimizer, per_layer, 1, s["max_length"])
-            try:
-                counted, _ = measure(size, method, None, None, optimizer, per_layer, 1, s["max_length"],
-                                     s["memory_steps"], device)
-                gb, base_gb = counted["peak"] / 1e9, counted["base"] / 1e9
-            except torch.cuda.OutOfMemoryError:
-                counted, gb, base_gb = {}, None, None
-            # the estimate is of the step's own memory: the peak less what the process held before the model
-            rows[name] = dict(gb=gb, base_gb=base_gb, estimate_gb=est["train_gb"],
-                              vs_estimate=None if gb is None else (gb - base_gb) / est["train_gb"] - 1,
-                              counted_gb={k: v / 1e9 for k, v in counted.items() if k not in ("peak", "base")})
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            full, ours = (rows.get(k, {}).get("gb") for k in ("full/adamw", "sltrain/adam8bit/per_layer"))
-            result[size]["reduction"] = 1 - ours / full if full and ours else None
-            progress(result)
+        name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}{'' if delta is None else f'/delta={delta}'}"
+        est = estimate(size, method, None, delta, "int32", optimizer, per_layer, 1, s["max_length"])
+        try:
+            counted, _ = measure(size, method, None, delta, optimizer, per_layer, 1, s["max_length"],
+                                 s["memory_steps"], device)
+            gb, base_gb = counted["peak"] / 1e9, counted["base"] / 1e9
+        except torch.cuda.OutOfMemoryError:
+            counted, gb, base_gb = {}, None, None
+        # the estimate is of the step's own memory: the peak less what the process held before the model
+        rows[name] = dict(gb=gb, base_gb=base_gb, estimate_gb=est["train_gb"],
+                          vs_estimate=None if gb is None else (gb - base_gb) / est["train_gb"] - 1,
+                          counted_gb={k: v / 1e9 for k, v in counted.items() if k not in ("peak", "base")})
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result[size]["reduction"] = _reduction(rows, "sltrain/adam8bit/per_layer")
+        if delta is not None:
+            result[size]["reduction_at_paper_delta"] = _reduction(rows, name)
+        progress(result)
     return result
 
 
@@ -583,6 +597,9 @@ def report_memory(r):
         paper = "" if P["paper_reduction"] is None else f", paper -{100 * P['paper_reduction']:.0f}%"
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
         print(f"memory {size}, batch 1: sltrain 8-bit per-layer vs full AdamW {red}{paper}")
+        if "reduction_at_paper_delta" in P:
+            at = "n/a" if P["reduction_at_paper_delta"] is None else f"-{100 * P['reduction_at_paper_delta']:.1f}%"
+            print(f"  sltrain at delta {PAPER_MEMORY_DELTA}, the appendix's count: {at}")
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else (f"{row['gb']:.3f} GB, base {row['base_gb']:.3f} "
                                                   f"({row['vs_estimate']:+.1%} vs estimate)")

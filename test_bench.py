@@ -112,6 +112,39 @@ def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
     bench.report_memory({"memory": {"tiny": saved}})  # a partial section still prints
 
 
+def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at_another(monkeypatch, capsys):
+    """7b trains at delta 0.05 but the appendix counts its memory at 0.03: the section measures that too, after the
+    paper's settings and before GaLore's, with its own estimate and reduction. Here tiny (0.03) stands in, at 0.05;
+    measure stands in for the real one (test_tiny_suite_runs_every_section_and_reports runs that), the peak its
+    estimate plus a tenth."""
+    calls = []
+
+    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+        calls.append((method, delta))
+        train = bench.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length)
+        parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
+        return dict(peak=1.1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
+    monkeypatch.setattr(bench, "measure", measured)
+    monkeypatch.setattr(bench, "PAPER_MEMORY_DELTA", 0.05)
+    mem = bench.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
+    rows = mem["settings"]
+    assert list(rows) == ["full/adamw", "sltrain/adam8bit/per_layer", "full/adam8bit/per_layer",
+                          "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05",
+                          "galore/adam8bit/per_layer"]
+    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 5
+    at, default, full = (rows[k] for k in ("sltrain/adam8bit/per_layer/delta=0.05", "sltrain/adam8bit/per_layer",
+                                           "full/adamw"))
+    assert at["estimate_gb"] > default["estimate_gb"] and at["vs_estimate"] == pytest.approx(0.1)
+    assert mem["reduction_at_paper_delta"] == pytest.approx(1 - at["estimate_gb"] / full["estimate_gb"])
+    assert mem["reduction"] == pytest.approx(1 - default["estimate_gb"] / full["estimate_gb"])
+    bench.report_memory({"memory": {"tiny": mem}})
+    assert f"sltrain at delta 0.05, the appendix's count: -{100 * mem['reduction_at_paper_delta']:.1f}%" in \
+        capsys.readouterr().out
+    monkeypatch.setattr(bench, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra row
+    mem = bench.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
+    assert len(mem["settings"]) == 5 and "reduction_at_paper_delta" not in mem
+
+
 def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
     r = bench.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))["program"]
     assert r["straight"]["loss_falls"], r["straight"]
