@@ -13,7 +13,7 @@ Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
                2048x2048, r=128, delta=0.03: 4096 tokens in float32 on CPU (floor 1 + 4r/(3·tokens) = 1.042,
                target <= 1.05), 65536 tokens in bf16 on CUDA (target <= 1.01)
-    model      train-step tokens/s of full, lowrank, relora, sltrain (optim.AdamW) and galore (optim.GaLore, the
+    model      train-step tokens/s of full, lowrank, relora, sltrain (optim.AdamW) and galore (galore.GaLore, the
                steps between its SVDs) (CUDA default: 350m and 1b; paper: sltrain/full = 0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
     inference  forward-only tokens/s and memory of full, sltrain (factors as trained) and sltrain merged once into
@@ -54,6 +54,7 @@ import traceback
 import torch
 import torch.nn as nn
 
+import galore
 import optim
 from estimate_memory import estimate, measure
 from export import dense_state
@@ -136,9 +137,9 @@ def bench_model(size, batch_size, max_length, device, dtype, rounds):
         hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         opt = optim.AdamW(model.parameters(), **hyper)
         if method == "galore":  # projections refreshed every 200 updates: the timed steps are the usual ones
-            groups = optim.galore_param_groups(model.named_parameters(), model.config.rank,
+            groups = galore.galore_param_groups(model.named_parameters(), model.config.rank,
                                                lambda name, p: is_projection(name))
-            opt = optim.GaLore(groups, **hyper)
+            opt = galore.GaLore(groups, **hyper)
         idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
         def step(model=model, opt=opt, idx=idx):
@@ -716,7 +717,7 @@ def report(r):
     for M in r.get("model", []):
         v = M["variants"]
         print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW "
-              "(galore: optim.GaLore), "
+              "(galore: galore.GaLore), "
               "throughput vs full")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}" for m in v))
     if "optimizer" in r:

@@ -37,6 +37,7 @@ import textwrap
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import galore
 import optim
 from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, is_projection
 from sllinear import SLLinear
@@ -418,7 +419,7 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
         (lambda ps: optim.AdamW(ps, **hyper, foreach=False))
     if method == "galore":  # full-rank weights, the projections' moments in the projected space
         names = {p: name for name, p in model.named_parameters()}
-        make = lambda ps: optim.GaLore(optim.galore_param_groups(  # noqa: E731
+        make = lambda ps: galore.GaLore(galore.galore_param_groups(  # noqa: E731
             [(names[p], p) for p in ps], config.rank, lambda name, p: is_projection(name)), **hyper, inner=optimizer)
     peak = dict(grads=0, acts=0)
 

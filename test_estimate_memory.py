@@ -244,7 +244,7 @@ def test_freeze_lowrank_counts_only_the_sparse_values_gradients_and_moments(opti
 
 
 def test_galore_rank_may_reach_a_projections_side_as_in_optim_and_train():
-    """GaLore projects a (m, n) gradient at any rank in [1, min(m, n)] (optim.GaLore, train.py --galore_rank); the
+    """GaLore projects a (m, n) gradient at any rank in [1, min(m, n)] (galore.GaLore, train.py --galore_rank); the
     low-rank factors of the other methods stop below min(m, n). At tiny's side, 64, the estimate is the count."""
     counted, index_dtype = em.measure("tiny", "galore", 64, None, "adamw", False, 2, 32, 1, torch.device("cpu"))
     est = em.estimate("tiny", "galore", 64, None, index_dtype, "adamw", False, 2, 32)

@@ -1,5 +1,5 @@
 """
-Tests of GaLore (optim.GaLore) against the equations written out here, its projection schedule and state, its
+Tests of GaLore (galore.GaLore) against the equations written out here, its projection schedule and state, its
 8-bit and per-layer variants, and exact resume across a projection refresh, in the optimizer and in train.py.
 
     python -m pytest -q test_galore.py
@@ -12,7 +12,8 @@ import torch
 
 import train
 from model import LLaMA, config_for
-from optim import GaLore, attach_per_layer, galore_param_groups
+from galore import GaLore, galore_param_groups
+from optim import attach_per_layer
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
 
 

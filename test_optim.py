@@ -20,8 +20,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from hostsync import HostSyncs
 from model import LLaMA, config_for
 from sllinear import SLLinear
-from optim import (AdamW, Adam8bit, GaLore, attach_per_layer, count_ops, dequantize_blockwise, dynamic_map,
-                   heavy_tailed, quantize_blockwise)
+from galore import GaLore
+from optim import (AdamW, Adam8bit, attach_per_layer, count_ops, dequantize_blockwise, dynamic_map, heavy_tailed,
+                   quantize_blockwise)
 
 VOCAB = 256
 

@@ -13,8 +13,8 @@ import torch
 
 import train
 from model import LLaMA, ReLoRALinear, config_for, relora_merge
-from optim import (AdamW, Adam8bit, GaLore, attach_per_layer, dequantize_blockwise, galore_param_groups,
-                   prune_state_)
+from galore import GaLore, galore_param_groups
+from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, prune_state_
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
 
 

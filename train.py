@@ -37,7 +37,8 @@ from data import TrainLoader, download, find_shards, load_tokenizer, shard_names
 from estimate_memory import estimate
 from hostsync import HostSyncs
 from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
-from optim import AdamW, Adam8bit, GaLore, attach_per_layer, galore_param_groups, prune_state_
+from galore import GaLore, galore_param_groups
+from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
 
 # size -> (training steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts
 RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
@@ -66,7 +67,8 @@ def make_parser():
     a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer",
                                                 "galore_adamw", "galore_adam8bit", "galore_adamw_per_layer",
                                                 "galore_adam8bit_per_layer"],
-      help="optimizer (written from scratch in optim.py); *_per_layer is --per_layer; galore_* needs --method full")
+      help="optimizer (written from scratch: optim.py, galore.py); *_per_layer is --per_layer; galore_* needs "
+           "--method full")
     a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
     a("--grad_clipping", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
