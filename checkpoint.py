@@ -1,5 +1,6 @@
 """
-Checkpoint files that survive faults: written atomically, checked on load, never half-written on a full disk.
+Checkpoint files that survive faults: written atomically, checked on load, never half-written when the disk fills or
+fails.
 
     python checkpoint.py out/ckpt.pt          # verify a checkpoint: prints its step and checksum, or what is wrong
 
@@ -14,6 +15,7 @@ import errno
 import hashlib
 import os
 import sys
+from contextlib import suppress
 
 import torch
 
@@ -41,8 +43,17 @@ def digest(obj, h=None):
     return h
 
 
-class DiskFull(Exception):
-    pass
+class SaveFailed(Exception):
+    """save() could not write its file: `cause` is the OSError that stopped it (a full disk or quota: `disk_full`; a
+    read-only, failing or full-sized filesystem, lost permissions, ...), `kept` whether an earlier file at the path is
+    still there, whole. The partial file is removed. The caller adds what to do, which depends on the program."""
+
+    def __init__(self, path, cause, kept):
+        self.path, self.cause, self.kept = path, cause, kept
+        self.disk_full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = "disk full: " if self.disk_full else ""
+        super().__init__(f"{what}could not write {path} ({cause.strerror or cause}); "
+                         + ("the previous checkpoint there is kept" if kept else "none was saved there yet"))
 
 
 class _Writes:
@@ -64,8 +75,8 @@ class _Writes:
 
 
 def save(path, state):
-    """Atomic: write path.tmp, fsync, rename over path. A kill leaves the old file or the new one, never a mix;
-    a full disk (or quota) removes the partial file, keeps the old one and raises DiskFull."""
+    """Atomic: write path.tmp, fsync, rename over path. A kill leaves the old file or the new one, never a mix; a
+    write the filesystem refuses (a full disk, ...) removes the partial file, keeps the old one, raises SaveFailed."""
     state = {**state, "sha256": digest(state).hexdigest()}
     tmp, out = f"{path}.tmp", None
     try:
@@ -74,17 +85,14 @@ def save(path, state):
             torch.save(state, out)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        if os.path.exists(tmp):
+        with suppress(OSError):
             os.remove(tmp)  # a partial file would only fill the disk further
         cause = out.error if out and out.error else e
-        if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            kept, then = ("the previous checkpoint there is kept", "rerun with --resume") if os.path.exists(path) \
-                else ("none was saved there yet", "start again")
-            raise DiskFull(f"disk full: could not write {path} ({cause.strerror}); {kept}. Free space (or pass a new "
-                           f"--out_dir on a disk with room), then {then}") from None
-        raise
-    os.replace(tmp, path)
+        if isinstance(cause, OSError):
+            raise SaveFailed(path, cause, os.path.exists(path)) from None
+        raise  # torch's own error, not the filesystem's
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -21,11 +21,12 @@ import json
 import os
 import shutil
 import struct
+from contextlib import suppress
 from dataclasses import asdict
 
 import torch
 
-from checkpoint import load_model, save
+from checkpoint import SaveFailed, load_model, save
 from model import LLaMA, ReLoRALinear
 from sllinear import SLLinear
 
@@ -35,22 +36,31 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 # ----------------------------------------------------------------------------- safetensors
 
 def save_safetensors(tensors, path):
-    """{name: tensor} -> one .safetensors file."""
-    header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+    """{name: tensor} -> one .safetensors file, a tensor at a time (no copy of the whole model in host memory).
+    Atomic as checkpoint.save: a failed write removes the partial file and raises OSError."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} cannot be exported; cast to float32 or bfloat16 first")
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # little-endian host
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for data in blobs:
-            f.write(data)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for t in tensors.values():
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian host
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
 
 
 def load_safetensors(path):
@@ -183,7 +193,7 @@ def main(argv=None):
         if args.merged:
             export_merged(model, ckpt, args.merged, dtype)
             print(f"wrote {args.merged}: full-rank, merged from {model.config.method}")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SaveFailed) as e:  # a folder or file that cannot be written: the partial file is gone
         raise SystemExit(f"export.py: {e}") from None
 
 

@@ -6,6 +6,7 @@ is installed (it is not a dependency of the repo).
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import export
 import sample
 import train
 from checkpoint import load_model
-from test_train import base_args, corpus  # noqa: F401  (corpus is a fixture)
+from test_train import base_args, corpus, file_size_limit  # noqa: F401  (corpus is a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,24 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
     (tmp_path / "cut.pt").write_bytes(open(sl_ckpt, "rb").read()[:1000])  # a copy cut short, as by a full disk
     with pytest.raises(SystemExit, match="cannot be read"):
         sample.main([str(tmp_path / "cut.pt")])
+
+
+@pytest.mark.parametrize("flag", ["--out", "--merged"])
+def test_export_that_cannot_write_is_one_line_and_leaves_no_partial_file(sl_ckpt, tmp_path, flag):
+    """A write the filesystem refuses (here a file past the process's size limit, EFBIG) is one line naming the
+    file, and leaves no partial weights behind that a reader could take for whole ones."""
+    target = tmp_path / ("hf" if flag == "--out" else "dense.pt")
+    name = "model.safetensors" if flag == "--out" else "dense.pt"
+    with file_size_limit(4096), pytest.raises(SystemExit, match=r"^export.py: .*File too large") as e:
+        export.main([sl_ckpt, flag, str(target)])
+    assert "\n" not in str(e.value) and str(target / name if flag == "--out" else target) in str(e.value)
+    left = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert not any(n.startswith(name) for n in left), left
+    export.main([sl_ckpt, flag, str(target)])  # without the limit it is written whole
+    if flag == "--out":
+        assert {"model.safetensors", "config.json"} <= set(os.listdir(target))
+    else:
+        assert load_model(str(target))[0].config.method == "full"
 
 
 class Scripted:

@@ -4,12 +4,14 @@ End-to-end tests of train.py on the tiny size: tiny C4-style shards and a senten
     python -m pytest -q test_train.py
 """
 
+import errno
 import gzip
 import json
 import math
 import os
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -551,18 +553,60 @@ def small_disk(corpus, tmp_path, checkpoints):
 
 def test_disk_full_is_named_wherever_the_write_stops(tmp_path):
     """Where the disk fills decides how torch's zip writer fails: with the OSError (ENOSPC) itself, or later with a
-    RuntimeError of its own that has no errno. Both are DiskFull, the old file stays whole, no partial file stays."""
+    RuntimeError of its own that has no errno. Both are a full disk, the old file stays whole, no partial file stays."""
     old, new = {"w": torch.arange(100.0)}, {"w": torch.randn(300_000)}  # 1.2 MB; the sizes below fill up inside it
     for kb in range(1000, 1175, 25):
         with tmpfs(tmp_path / f"disk{kb}", kb * 1024) as mnt:
-            with pytest.raises(checkpoint.DiskFull, match=r"\(No space left on device\); none was saved there yet.* "
-                                                          r"then start again$"):
+            with pytest.raises(checkpoint.SaveFailed, match=r"^disk full: could not write .*ckpt.pt \(No space left on "
+                                                            r"device\); none was saved there yet$"):
                 checkpoint.save(mnt / "ckpt.pt", new)
             checkpoint.save(mnt / "ckpt.pt", old)
-            with pytest.raises(checkpoint.DiskFull, match=r"previous checkpoint there is kept.* rerun with --resume"):
+            with pytest.raises(checkpoint.SaveFailed, match=r"\(No space left on device\); the previous checkpoint "
+                                                            "there is kept$"):
                 checkpoint.save(mnt / "ckpt.pt", new)
             assert os.listdir(mnt) == ["ckpt.pt"], f"{kb} kB: {os.listdir(mnt)}"
             assert torch.equal(checkpoint.load(mnt / "ckpt.pt")["w"], old["w"]), f"{kb} kB: the old file changed"
+
+
+@contextmanager
+def file_size_limit(nbytes):
+    """The kernel's limit on the size of a file this process writes (RLIMIT_FSIZE, `ulimit -f`, which some clusters
+    set): a write past it fails with EFBIG (Python ignores SIGXFSZ). A filesystem error other than a full disk that
+    needs no root and no special disk."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_write_the_filesystem_refuses_is_one_line_and_keeps_what_was_saved(corpus, tmp_path, monkeypatch, failing):
+    """Not a full disk alone: any error the filesystem gives a checkpoint's write (here EFBIG; read-only, failing or
+    lost permissions alike) stops the run in one line naming it, leaves no partial file and keeps the last checkpoint,
+    from which the run resumes once the cause is gone."""
+    save, calls = checkpoint.save, []
+
+    def save_under_a_limit_from_the_failing_call(path, state):
+        calls.append(path)
+        with file_size_limit(4096) if len(calls) >= failing else suppress():  # the checkpoint is a few MB
+            save(path, state)
+
+    monkeypatch.setattr(checkpoint, "save", save_under_a_limit_from_the_failing_call)
+    then = "then start again" if failing == 1 else "then rerun with --resume"
+    kept = "none was saved there yet" if failing == 1 else "the previous checkpoint there is kept"
+    with pytest.raises(SystemExit, match=rf"^could not write {tmp_path}/ckpt.pt \(File too large\); {kept}\. See to "
+                                         rf"the cause \(.*\) or pass a new --out_dir, {then}$") as e:
+        train.main(base_args(corpus, tmp_path, 4, "--save_every", "1"))
+    assert "\n" not in str(e.value) and not (tmp_path / "ckpt.pt.tmp").exists()
+    if failing == 1:
+        assert not (tmp_path / "ckpt.pt").exists()
+        return
+    assert final_state(tmp_path)["step"] == 1
+    monkeypatch.setattr(checkpoint, "save", save)
+    train.main(base_args(corpus, tmp_path, 4, "--save_every", "1", "--resume"))
+    assert final_state(tmp_path)["step"] == 4
 
 
 def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
@@ -825,7 +869,8 @@ def test_pending_evaluation_whose_checkpoint_failed_is_recorded_once(corpus, tmp
         signal_in_update(m, 3)
         train.main(base_args(corpus, out, 6, *every))
     with monkeypatch.context() as m:  # the evaluation is made, then the disk is full for its checkpoint
-        m.setattr(checkpoint, "save", lambda path, state: (_ for _ in ()).throw(checkpoint.DiskFull("disk full")))
+        full = checkpoint.SaveFailed("ckpt.pt", OSError(errno.ENOSPC, "No space left on device"), True)
+        m.setattr(checkpoint, "save", lambda path, state: (_ for _ in ()).throw(full))
         with pytest.raises(SystemExit, match="disk full"):
             train.main(base_args(corpus, out, 6, "--resume", *every))
     with monkeypatch.context() as m:  # a signal in the pending evaluation of another folder's checkpoint

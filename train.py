@@ -817,8 +817,10 @@ class Keeper:
     def _write_checkpoint(self, state):
         try:
             checkpoint.save(self.path, state)
-        except checkpoint.DiskFull as e:
-            raise SystemExit(str(e)) from None
+        except checkpoint.SaveFailed as e:
+            fix = "Free space (or pass a new --out_dir on a disk with room)" if e.disk_full else \
+                "See to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
+            raise SystemExit(f"{e}. {fix}, then {'rerun with --resume' if e.kept else 'start again'}") from None
 
     def close(self):
         if self.metrics:
