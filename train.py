@@ -830,96 +830,118 @@ class Keeper:
 
 def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop):
     """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
-    ddp, master, accum, total = world > 1, rank == 0, args.gradient_accumulation, args.num_training_steps
-    loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length, seed=args.seed,
-                         rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
-    start = ckpt["step"] if ckpt else 0
-    if ckpt:
-        try:
-            loader.load_state_dict(ckpt["data"][rank])
-        except ValueError as e:
-            raise SystemExit(f"--resume {resume_path(args)}: {e}" if master else 1) from None
-        torch.set_rng_state(ckpt["rng"])
-    keeper = Keeper(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world)
-    batches = iter(loader)
-    syncs = HostSyncs() if args.sync_debug else None
+    loop = Loop(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop)
+    batches, syncs = iter(loop.loader), HostSyncs() if args.sync_debug else None
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
-        quiet = done != total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
+        quiet = done != loop.total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
-    carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
-    meter, last_eval = Meter(device, start, total, carried), {}
-
-    def run_eval(done):
-        """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
-        t_eval = time.perf_counter()
-        result = evaluate(raw_model, val, device, rank, world, stop)  # agrees on a signal every batch
-        if result:
-            if master:
-                print(f"step {done}/{total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
-            last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
-            keeper.record(dict(last_eval))
-        meter.pause(time.perf_counter() - t_eval)
-        return result is not None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        if ckpt and ckpt.get("eval_pending"):  # a signal stopped the last run before this evaluation
-            if not run_eval(start):
-                if master:
-                    print(f"stopped by {stop['signal']} in the evaluation of step {start}; rerun with --resume "
-                          f"{keeper.last_good[0]}")
-                return
-            # made: a later resume must not make it (and its row) again
-            keeper.save(start, loader.state_dict(), meter_state=meter.state())
-        for step in range(start, total):
-            data_state = loader.state_dict()  # where this update's batches begin: a failed read saves this
-            micro_batches, bad_line = read_update(batches, accum, device, world)
-            if bad_line:  # a bad shard line on some rank: every rank keeps the work done so far, then the message
-                keeper.save(step, data_state, meter_state=meter.state())
-                raise SystemExit(f"{bad_line}\nsaved {args.out_dir}/ckpt.pt at step {step}; after fixing the "
-                                 "shard, rerun with --resume" if master else 1)
+        if ckpt and ckpt.get("eval_pending") and not loop.pending_evaluation():
+            return
+        for step in range(loop.start, loop.total):
+            data_state = loop.loader.state_dict()  # where this update's batches begin: a failed read saves this
+            micro_batches, bad_line = read_update(batches, args.gradient_accumulation, device, world)
+            if bad_line:
+                loop.stop_at_bad_line(step, data_state, bad_line)
             with watching(step + 1):
                 step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
                                                       micro_batches, device, world)
-                keeper.flag(step + 1, step_loss, norm)
-                meter.add(step_loss, n_total)
-            done = step + 1
-            relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], done)
-            planned = args.stop_after and done - start >= args.stop_after and done < total  # the same on all ranks
-
-            # ---- log (the only host syncs of the loop), evaluate, save, stop
-            # stop on a signal where all ranks agree (here, or in evaluation): a later one waits for the next update
-            signalled = stopping(stop, world)
-            if done % args.log_every == 0 or done == total:
-                keeper.check_finite()
-                lr = (per_layer.get_last_lr() if per_layer else scheduler.get_last_lr())[0]
-                row = meter.row(done, lr, norm, ddp)
-                if master:
-                    print(meter.line(row), flush=True)
-                keeper.record(row)
-            eval_due = done % args.eval_every == 0 or done == total
-            if eval_due and not signalled:  # a signal asks for a quick exit: then the resumed run evaluates first
-                signalled = not run_eval(done)
-            if done % args.save_every == 0 or done == total or signalled or planned:
-                keeper.save(done, loader.state_dict(), eval_pending=eval_due and signalled,
-                            meter_state=meter.state())
-            if signalled or planned:
-                if master:
-                    print(f"stopped by {stop['signal'] or '--stop_after'}: saved {args.out_dir}/ckpt.pt at step "
-                          f"{done}; rerun with --resume")
+                loop.keeper.flag(step + 1, step_loss, norm)
+                loop.meter.add(step_loss, n_total)
+            relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], step + 1)
+            if loop.after_update(step + 1, norm):
                 return
-        if master:
-            elapsed = time.perf_counter() - meter.t_start
-            rate = fmt_rate(meter.tokens_all / elapsed)
-            print(f"done: {total - start} updates in {fmt_time(elapsed)} ({rate} tok/s with evals) | val loss "
-                  f"{last_eval['val_loss']:.4f} | val ppl {last_eval['val_ppl']:.2f} | checkpoint "
-                  f"{args.out_dir}/ckpt.pt")
+        loop.summary()
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
-        if syncs and master:
+        if syncs and rank == 0:
             print(f"sync_debug: {syncs.blocks} updates between log steps watched; host syncs: {syncs.summary()}")
-        keeper.close()
+        loop.keeper.close()
+
+
+class Loop:
+    """What train() does between updates: the loader (at the checkpoint's data position), the Keeper of metrics and
+    checkpoints, the Meter of the loss; after each update the log row, the evaluation, the checkpoint and the stop."""
+
+    def __init__(self, args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop):
+        self.args, self.model, self.val, self.device, self.stop = args, raw_model, val, device, stop
+        self.rank, self.world, self.master, self.lrs = rank, world, rank == 0, per_layer or scheduler
+        self.start, self.total = ckpt["step"] if ckpt else 0, args.num_training_steps
+        self.loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
+                                  seed=args.seed, rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
+        if ckpt:
+            try:
+                self.loader.load_state_dict(ckpt["data"][rank])
+            except ValueError as e:
+                raise SystemExit(f"--resume {resume_path(args)}: {e}" if self.master else 1) from None
+            torch.set_rng_state(ckpt["rng"])
+        self.keeper = Keeper(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world)
+        carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
+        self.meter, self.last_eval = Meter(device, self.start, self.total, carried), {}
+
+    def evaluate(self, done):
+        """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
+        t_eval = time.perf_counter()
+        result = evaluate(self.model, self.val, self.device, self.rank, self.world, self.stop)  # agrees on a signal
+        if result:
+            if self.master:
+                print(f"step {done}/{self.total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
+            self.last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
+            self.keeper.record(dict(self.last_eval))
+        self.meter.pause(time.perf_counter() - t_eval)
+        return result is not None
+
+    def save(self, done, data_state=None, eval_pending=False):
+        data_state = self.loader.state_dict() if data_state is None else data_state
+        self.keeper.save(done, data_state, eval_pending=eval_pending, meter_state=self.meter.state())
+
+    def pending_evaluation(self):
+        """The evaluation a signal stopped the last run before; False if a signal stops this one there too."""
+        if not self.evaluate(self.start):
+            if self.master:
+                print(f"stopped by {self.stop['signal']} in the evaluation of step {self.start}; rerun with --resume "
+                      f"{self.keeper.last_good[0]}")
+            return False
+        self.save(self.start)  # made: a later resume must not make it (and its row) again
+        return True
+
+    def stop_at_bad_line(self, step, data_state, bad_line):
+        """A bad shard line on some rank: every rank keeps the work done so far, then the message."""
+        self.save(step, data_state)
+        raise SystemExit(f"{bad_line}\nsaved {self.args.out_dir}/ckpt.pt at step {step}; after fixing the shard, "
+                         "rerun with --resume" if self.master else 1)
+
+    def after_update(self, done, norm):
+        """Log (the only host syncs of the loop), evaluate, save, stop; True when the run stops here."""
+        args = self.args
+        planned = args.stop_after and done - self.start >= args.stop_after and done < self.total  # same on all ranks
+        # stop on a signal where all ranks agree (here, or in evaluation): a later one waits for the next update
+        signalled = stopping(self.stop, self.world)
+        if done % args.log_every == 0 or done == self.total:
+            self.keeper.check_finite()
+            row = self.meter.row(done, self.lrs.get_last_lr()[0], norm, self.world > 1)
+            if self.master:
+                print(self.meter.line(row), flush=True)
+            self.keeper.record(row)
+        eval_due = done % args.eval_every == 0 or done == self.total
+        if eval_due and not signalled:  # a signal asks for a quick exit: then the resumed run evaluates first
+            signalled = not self.evaluate(done)
+        if done % args.save_every == 0 or done == self.total or signalled or planned:
+            self.save(done, eval_pending=eval_due and signalled)
+        if (signalled or planned) and self.master:
+            print(f"stopped by {self.stop['signal'] or '--stop_after'}: saved {args.out_dir}/ckpt.pt at step {done}; "
+                  "rerun with --resume")
+        return signalled or planned
+
+    def summary(self):
+        if self.master:
+            elapsed = time.perf_counter() - self.meter.t_start
+            rate, ev = fmt_rate(self.meter.tokens_all / elapsed), self.last_eval
+            print(f"done: {self.total - self.start} updates in {fmt_time(elapsed)} ({rate} tok/s with evals) | val "
+                  f"loss {ev['val_loss']:.4f} | val ppl {ev['val_ppl']:.2f} | checkpoint {self.args.out_dir}/ckpt.pt")
 
 
 def read_update(batches, accum, device, world):
