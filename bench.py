@@ -56,6 +56,7 @@ import torch.nn as nn
 
 import galore
 import optim
+from devices import device_from_flag
 from estimate_memory import estimate, measure
 from export import dense_state
 from model import LLaMA, METHODS, SIZES, config_for, is_projection
@@ -734,15 +735,8 @@ def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix, before any work; returns the device. A suite
     has its own sizes and rounds (SUITES), so the flags that set them for the single sections are refused with it."""
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    device = device_from_flag(parser.error, args.device)
     cuda = device.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu")
     only = set(args.only or ())
     if args.suite:
         flags = {"--size": args.size, "--batch_size": args.batch_size, "--max_length": args.max_length,

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import galore
 import optim
+from devices import device_from_flag
 from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, is_projection
 from sllinear import SLLinear
 
@@ -506,14 +507,7 @@ def check_args(parser, args):
         parser.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     args.dtype = args.dtype or ("float32" if args.amp else "bfloat16")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        kind = torch.device(args.device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device}: --measure runs on cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu")
+    device_from_flag(parser.error, args.device, "cpu, cuda or cuda:N, where --measure runs")
     args.index_dtype, args.steps = args.index_dtype or "int64", args.steps or 3
     check_model_flags(parser, args)
 

@@ -20,6 +20,7 @@ import torch
 
 from checkpoint import load_model
 from data import load_tokenizer
+from devices import device_from_flag
 
 
 @torch.no_grad()
@@ -102,13 +103,7 @@ def main(argv=None):
         p.error(f"--top_k must be >= 0, got {args.top_k}")
     if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
         p.error(f"--seed must fit in 64 bits, got {args.seed}")
-    try:
-        kind = torch.device(args.device).type
-    except RuntimeError:  # not a device name
-        kind = None
-    cuda = torch.cuda.is_available()
-    if kind not in ("cpu", "cuda") or kind == "cuda" and not cuda:
-        p.error(f"--device {args.device}: pass cpu" + (", cuda or cuda:N" if cuda else " (no usable CUDA GPU here)"))
+    device_from_flag(p.error, args.device)
     try:
         texts = sample(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
                        args.top_k or None, args.seed, args.device, args.tokenizer)

@@ -126,14 +126,16 @@ def test_sample_ends_each_row_at_its_first_eos(sl_ckpt, monkeypatch):
     assert sample.generate(model, idx, 10, temperature=0).shape == (1, 11), "without eos_id, no stop"
 
 
-@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda"])
-def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device):
+@pytest.mark.parametrize("device,message", [("tpu", "expected cpu, cuda or cuda:N"),
+                                            ("cuda:x", "expected cpu, cuda or cuda:N"),
+                                            ("cuda", "this machine has no usable CUDA GPU; pass --device cpu")])
+def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device, message):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit):
         sample.main([str(sl_ckpt), "--device", device])
     err = capsys.readouterr().err
-    assert f"--device {device}: pass cpu" in err and "Traceback" not in err, err
+    assert f"--device {device}: {message}" in err and "Traceback" not in err, err
 
 
 def refuse_to_load(path, *args, **kwargs):

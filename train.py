@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from analyze import prepare_for_training
 import checkpoint
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
+from devices import device_from_flag
 from estimate_memory import estimate
 from hostsync import HostSyncs
 from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
@@ -213,14 +214,7 @@ def resolve_device_and_batch(p, args):
     local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"--device {args.device}: expected auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu (or auto)")
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device}: expected auto, cpu, cuda or cuda:N")
+    device = device_from_flag(p.error, args.device, "auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         device = cuda_device(p, args, device, local_rank)
     if args.batch_size is None:
@@ -242,8 +236,8 @@ def resolve_device_and_batch(p, args):
 
 def cuda_device(p, args, device, local_rank):
     """The GPU this process trains on, always with its index: torch.cuda.set_device and DDP's device_ids need one.
-    Plain --device cuda means the local rank's GPU (cuda:0 without torchrun); an index that is not there, or one
-    GPU named for several processes of one machine, is refused."""
+    Plain --device cuda means the local rank's GPU (cuda:0 without torchrun); one GPU named for several processes
+    of one machine is refused (device_from_flag refused an index that is not there)."""
     count, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if device.index is None:
         if local_rank >= count:
@@ -253,9 +247,6 @@ def cuda_device(p, args, device, local_rank):
     elif local_world > 1:
         p.error(f"--device {args.device}: under torchrun each of this machine's {local_world} processes takes the GPU "
                 f"of its local rank; pass --device cuda (or auto)")
-    elif device.index >= count:
-        p.error(f"--device {args.device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; "
-                f"pass one of those")
     args.device = str(device)
     torch.cuda.set_device(device)  # before any other CUDA call, which would otherwise make a context on cuda:0 too
     return device
