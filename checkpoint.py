@@ -2,7 +2,7 @@
 Checkpoint files that survive faults: written atomically, checked on load, never half-written when the disk fills or
 fails.
 
-    python checkpoint.py out/ckpt.pt          # verify a checkpoint: prints its step and checksum, or what is wrong
+    python checkpoint.py out/ckpt.pt          # verify a checkpoint (or out/, its folder): its step, or what is wrong
 
 load_model() gives the model of a checkpoint (sample.py, analyze.py, export.py).
 
@@ -141,10 +141,20 @@ def load_model(path, device="cpu"):
     return model.to(device=device, dtype=dtype).eval(), ckpt
 
 
-if __name__ == "__main__":
-    for p in sys.argv[1:]:
+def main(paths):
+    """Verify each checkpoint (a ckpt.pt, or the --out_dir that holds one): its step, or one line on what is wrong."""
+    if not paths:
+        raise SystemExit("usage: python checkpoint.py CKPT [CKPT ...]: a ckpt.pt, or the --out_dir holding one")
+    for p in paths:
+        path = os.path.join(p, "ckpt.pt") if os.path.isdir(p) else p
+        if not os.path.isfile(path):
+            raise SystemExit(f"no checkpoint at {path}; pass a ckpt.pt that train.py wrote, or its --out_dir")
         try:
-            s = load(p)
+            s = load(path)
         except (OSError, ValueError) as e:
             raise SystemExit(str(e)) from None
-        print(f"{p}: ok, step {s['step']}")
+        print(f"{path}: ok, step {s.get('step')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

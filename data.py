@@ -57,11 +57,12 @@ def _cpus():
 
 # ----------------------------------------------------------------------------- files and tokenizer
 
-def load_tokenizer(path):
-    """A sentencepiece model with an EOS piece (documents end with EOS); the default is T5's: pad 0, eos 1."""
+def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR):
+    """A sentencepiece model with an EOS piece (documents end with EOS); the default is T5's: pad 0, eos 1. data_dir
+    is the folder a missing one could be trained on, for the message."""
     path = Path(path)
     fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
-           f"(python data.py train-tokenizer --data_dir {DEFAULT_DATA_DIR} --out data/spm), then pass --tokenizer")
+           f"(python data.py train-tokenizer --data_dir {data_dir} --out data/spm), then pass --tokenizer")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {path} not found; {fix}")
     sp = spm.SentencePieceProcessor()
@@ -79,6 +80,9 @@ def find_shards(data_dir, split):
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     folder = Path(data_dir)
+    if folder.is_file():
+        raise FileNotFoundError(f"--data_dir {folder} is a file; pass the folder that holds the shards "
+                                f"({folder.parent}?)")
     if not folder.is_dir():
         raise FileNotFoundError(f"data folder {folder} does not exist; pass --data_dir or run with --download")
     files = sorted({p for g in SHARD_GLOBS for p in folder.glob(g) if p.is_file()}, key=lambda p: p.name)

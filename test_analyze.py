@@ -162,6 +162,20 @@ def test_bad_flags_are_refused_before_work(corpus, dense_ckpt, tmp_path, capsys)
         assert message in capsys.readouterr().err
 
 
+def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_ckpt, tmp_path):  # noqa: F811
+    """The checkpoint is read once the model is built: one that is damaged, not full-rank, or of another size stops
+    the run with one line naming it, and nothing is written."""
+    damaged = tmp_path / "cut.pt"
+    damaged.write_bytes(open(dense_ckpt, "rb").read()[:5000])
+    for path, extra, message in [(sltrain_ckpt, [], "a sltrain checkpoint; pass a full-rank one"),
+                                 (damaged, [], "cannot be read"),
+                                 (dense_ckpt, ["--size", "60m"], "dim 64 differs from this model's 512")]:
+        argv = [*base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", "--init_from", str(path)), *extra]
+        with pytest.raises(SystemExit, match=rf"^--init_from {path}: .*{message}") as e:
+            train.main(argv)
+        assert "\n" not in str(e.value) and not (tmp_path / "out" / "ckpt.pt").exists()
+
+
 def test_curves_overlay(corpus, tmp_path):  # noqa: F811
     paths = []
     for i, lines in enumerate([[(10, 5.0), (20, 4.0)], [(10, 5.5), (20, 4.2), (20, 4.1)]]):

@@ -110,6 +110,10 @@ def test_find_shards_split_rule(corpus, tmp_path):
         data.find_shards(tmp_path, "validation")
     with pytest.raises(ValueError, match="split"):
         data.find_shards(folder, "valid")
+    shard = tmp_path / "c4-train.00000-of-01024.json.gz"  # a shard where its folder belongs
+    with pytest.raises(FileNotFoundError, match=rf"^--data_dir {shard} is a file; pass the folder that holds the "
+                                                rf"shards \({tmp_path}\?\)$"):
+        data.find_shards(shard, "train")
 
 
 def test_tokenizer_layout_and_errors(tok, tmp_path):
@@ -117,8 +121,10 @@ def test_tokenizer_layout_and_errors(tok, tmp_path):
     got = (sp.vocab_size(), sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id())
     assert got == (300, 0, 1, 2, -1), f"trained tokenizer layout {got}, want T5's (300, 0, 1, 2, -1)"
     assert data._Encoder(tok, L, 1).prefix_ok
-    with pytest.raises(FileNotFoundError, match="train-tokenizer"):
+    with pytest.raises(FileNotFoundError, match="train-tokenizer --data_dir data/c4 "):
         data.load_tokenizer(tmp_path / "none.model")
+    with pytest.raises(FileNotFoundError, match="train-tokenizer --data_dir my/shards "):  # the run's data folder
+        data.load_tokenizer(tmp_path / "none.model", "my/shards")
     (tmp_path / "bad.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="bad.model"):
         data.load_tokenizer(tmp_path / "bad.model")

@@ -151,6 +151,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     (["--delta", "1.5"], "delta must be in"),
     (["--rank", "64"], "rank must be in"),
     (["--model_config", "configs/llama_99m.json"], "expected configs/llama_<size>.json"),
+    (["--model_config", "configs/llama_60m.json"], "is size 60m, --size says tiny: drop one"),  # base_args' --size
 ])
 def test_bad_flags_fail_before_any_work(corpus, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -529,6 +530,19 @@ def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
         assert "\n" not in str(e.value), name
 
 
+def test_checkpoint_command_checks_a_file_or_its_folder(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path, 1))
+    capsys.readouterr()
+    checkpoint.main([str(tmp_path), str(tmp_path / "ckpt.pt")])
+    assert capsys.readouterr().out == f"{tmp_path}/ckpt.pt: ok, step 1\n" * 2
+    (tmp_path / "empty").mkdir()
+    for path, message in [(tmp_path / "missing.pt", f"no checkpoint at {tmp_path}/missing.pt; pass a ckpt.pt"),
+                          (tmp_path / "empty", f"no checkpoint at {tmp_path}/empty/ckpt.pt; pass"),
+                          (None, "usage: python checkpoint.py CKPT")]:
+        with pytest.raises(SystemExit, match=f"^{re.escape(message)}"):
+            checkpoint.main([] if path is None else [str(path)])
+
+
 @contextmanager
 def tmpfs(mnt, size):
     """A real disk of `size` bytes at mnt (skipped without root), unmounted lazily at the end, as a failed run may
@@ -705,6 +719,18 @@ def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 2, "--eval_only"))
     out = capsys.readouterr().out
     assert f"{tmp_path}/ckpt.pt at step 2 | val loss {val:.4f}" in out and "validation tokens" in out
+
+
+def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tmp_path, capsys):
+    """Evaluation depends on the model and the tokenizer alone: the training run's batch, schedule, optimizer and
+    seed need not be repeated (they were refused before), and another model is one line naming its flags."""
+    train.main(base_args(corpus, tmp_path, 2, "--optimizer", "adam8bit", "--seed", "5"))
+    capsys.readouterr()
+    train.main(base_args(corpus, tmp_path, 2, "--eval_only", "--total_batch_size", "4", "--max_length", "16"))
+    assert f"{tmp_path}/ckpt.pt at step 2 | val loss" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"^--eval_only: .* holds another model: method sltrain \(now full\); pass "
+                                         r"the --size, --method"):
+        train.main(base_args(corpus, tmp_path, 2, "--eval_only", "--method", "full"))
 
 
 def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path):

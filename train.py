@@ -59,7 +59,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def make_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
-    a("--size", default="60m", choices=list(SIZES), help="model size (the paper's LLaMA configs)")
+    a("--size", choices=list(SIZES), help="model size (the paper's LLaMA configs; default 60m)")
     a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain"], default="sltrain",
       help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), or W = s·BA + S")
     a("--rank", type=int, help="rank r of the factors (default: the paper's for the size)")
@@ -139,7 +139,10 @@ def get_args(argv=None):
         if not m or m.group(1) not in SIZES:
             p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in "
                     f"{list(SIZES)}")
+        if args.size not in (None, m.group(1)):
+            p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
         args.size = m.group(1)
+    args.size = args.size or "60m"
     if args.optimizer.endswith("_per_layer"):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
     steps, lr, _ = RECIPES[args.size]
@@ -338,6 +341,7 @@ RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total
                                                 "seed", "dtype", "data_dir", "tokenizer_sha256", "galore_rank",
                                                 "galore_update_gap", "galore_scale", "relora_reset", "relora_warmup",
                                                 "relora_prune", "init_from", "support", "freeze", "support_seed")
+EVAL_MUST_MATCH = ("size",) + MODEL_FIELDS + ("tokenizer_sha256",)
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile", "amp",
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
@@ -355,7 +359,9 @@ def load_for_resume(args, vocab_size, world):
     except ValueError as e:
         raise SystemExit(str(e)) from None
     old = ckpt["args"]
-    diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH if old.get(k) != getattr(args, k)]
+    # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
+    must_match = EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH
+    diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in must_match if old.get(k) != getattr(args, k)]
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
     if not args.eval_only and "optimizer" not in ckpt:
@@ -363,6 +369,9 @@ def load_for_resume(args, vocab_size, world):
                          f"or start a new lowrank or sltrain run from it with --init_from")
     if not args.eval_only and ckpt["world"] != world:
         diff.append(f"{ckpt['world']} processes (now {world})")
+    if diff and args.eval_only:
+        raise SystemExit(f"--eval_only: {path} holds another model: {', '.join(diff)}; pass the --size, --method, "
+                         "--rank, --alpha, --delta and tokenizer it was trained with")
     if diff:
         raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
                          "pass the same flags, tokenizer, data and device count, or a new --out_dir")
@@ -609,7 +618,7 @@ def setup(args):
     try:
         find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
-        vocab_size = load_tokenizer(args.tokenizer).get_piece_size()  # 32000 for T5's, as in the paper
+        vocab_size = load_tokenizer(args.tokenizer, args.data_dir).get_piece_size()  # 32000 for T5's, as the paper
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
     args.data_dir = os.path.abspath(args.data_dir)
@@ -627,7 +636,11 @@ def build(args, config, device, dtype, ddp, ckpt):
     raw_model = LLaMA(config, device=device).to(dtype)
     raw_model.activation_checkpointing = args.activation_checkpointing
     raw_model.autocast = torch.bfloat16 if args.amp else None
-    prepare_for_training(raw_model, args, resuming=bool(ckpt))  # --support_seed, --init_from, --freeze (analyze.py)
+    try:  # --support_seed, --init_from, --freeze (analyze.py)
+        prepare_for_training(raw_model, args, resuming=bool(ckpt))
+    except ValueError as e:  # an --init_from checkpoint that is damaged, not full-rank, or of another size
+        message = str(e) if str(e).startswith("--init_from") else f"--init_from {args.init_from}: {e}"
+        raise SystemExit(message if not ddp or dist.get_rank() == 0 else 1) from None
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
     model = raw_model.compile_blocks() if args.compile else raw_model  # in place: checkpoints keep their names
