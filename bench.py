@@ -56,6 +56,7 @@ import torch.nn as nn
 
 import galore
 import optim
+from checkpoint import atomic_file
 from devices import device_from_flag
 from estimate_memory import estimate, measure
 from export import dense_state
@@ -547,12 +548,10 @@ def record_error(result, section, e):
 
 
 def write_json(path, result):
-    """The results to path, through a temporary file in the same folder and os.replace: a kill mid-write leaves the
-    previous file whole."""
+    """The results to path, atomically (checkpoint.atomic_file): a kill mid-write leaves the previous file whole."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1, default=str)  # default=str: an odd value must not cost the file
-    os.replace(path + ".tmp", path)
+    with atomic_file(path) as f:
+        f.write(json.dumps(result, indent=1, default=str).encode())  # default=str: an odd value must not cost the file
 
 
 def ratio_text(v):

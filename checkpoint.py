@@ -15,7 +15,7 @@ import errno
 import hashlib
 import os
 import sys
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -74,30 +74,43 @@ class _Writes:
         self.f.flush()
 
 
-def save(path, state):
-    """Atomic: write path.tmp, fsync, rename over path. A kill leaves the old file or the new one, never a mix; a
-    write the filesystem refuses (a full disk, ...) removes the partial file, keeps the old one, raises SaveFailed."""
-    state = {**state, "sha256": digest(state).hexdigest()}
-    tmp, out = f"{path}.tmp", None
+@contextmanager
+def atomic_file(path):
+    """A binary file to write that appears at path whole or not at all: path.tmp, fsynced, renamed over path. A kill
+    leaves the old file or the new one, never a mix; an error (or Ctrl-C) in the writing removes path.tmp, a partial
+    file that would only fill the disk further, and leaves an earlier file at path as it was."""
+    tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
-            out = _Writes(f)
-            torch.save(state, out)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
+    except BaseException:
         with suppress(OSError):
-            os.remove(tmp)  # a partial file would only fill the disk further
+            os.remove(tmp)
+        raise
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself
+    finally:
+        os.close(dir_fd)
+
+
+def save(path, state):
+    """state, with its sha256, to path through atomic_file; a write the filesystem refuses (a full disk, ...) raises
+    SaveFailed, with the old file kept."""
+    state = {**state, "sha256": digest(state).hexdigest()}
+    out = None
+    try:
+        with atomic_file(path) as f:
+            out = _Writes(f)
+            torch.save(state, out)
+    except (OSError, RuntimeError) as e:
         cause = out.error if out and out.error else e
         if isinstance(cause, OSError):
             raise SaveFailed(path, cause, os.path.exists(path)) from None
         raise  # torch's own error, not the filesystem's
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def load(path):
@@ -141,12 +154,17 @@ def load_model(path, device="cpu"):
     return model.to(device=device, dtype=dtype).eval(), ckpt
 
 
+def checkpoint_file(path):
+    """path, or the ckpt.pt in it when it is a folder (a train.py --out_dir)."""
+    return os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+
+
 def main(paths):
     """Verify each checkpoint (a ckpt.pt, or the --out_dir that holds one): its step, or one line on what is wrong."""
     if not paths:
         raise SystemExit("usage: python checkpoint.py CKPT [CKPT ...]: a ckpt.pt, or the --out_dir holding one")
     for p in paths:
-        path = os.path.join(p, "ckpt.pt") if os.path.isdir(p) else p
+        path = checkpoint_file(p)
         if not os.path.isfile(path):
             raise SystemExit(f"no checkpoint at {path}; pass a ckpt.pt that train.py wrote, or its --out_dir")
         try:

@@ -21,12 +21,11 @@ import json
 import os
 import shutil
 import struct
-from contextlib import suppress
 from dataclasses import asdict
 
 import torch
 
-from checkpoint import SaveFailed, load_model, save
+from checkpoint import SaveFailed, atomic_file, load_model, save
 from model import LLaMA, ReLoRALinear
 from sllinear import SLLinear
 
@@ -37,7 +36,7 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 def save_safetensors(tensors, path):
     """{name: tensor} -> one .safetensors file, a tensor at a time (no copy of the whole model in host memory).
-    Atomic as checkpoint.save: a failed write removes the partial file and raises OSError."""
+    Atomic (checkpoint.atomic_file): a failed write leaves no partial file and raises OSError naming path."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         if t.dtype not in DTYPES:
@@ -47,19 +46,13 @@ def save_safetensors(tensors, path):
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    tmp = f"{path}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as f:
             f.write(struct.pack("<Q", len(text)))
             f.write(text)
             for t in tensors.values():
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian host
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
-        with suppress(OSError):
-            os.remove(tmp)
         raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
 
 

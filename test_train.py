@@ -623,6 +623,22 @@ def test_a_write_the_filesystem_refuses_is_one_line_and_keeps_what_was_saved(cor
     assert final_state(tmp_path)["step"] == 4
 
 
+def test_atomic_file_leaves_the_old_file_whole_on_any_error(tmp_path):
+    """checkpoint.atomic_file, under checkpoints, metrics rewrites, exports and bench results: an error or a Ctrl-C
+    while writing leaves the earlier file as it was and no partial one; a write that ends replaces it."""
+    path = tmp_path / "f"
+    path.write_bytes(b"old")
+    for error in (OSError(errno.EIO, "Input/output error"), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            with checkpoint.atomic_file(path) as f:
+                f.write(b"new, cut short")
+                raise error
+        assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["f"]
+    with checkpoint.atomic_file(path) as f:
+        f.write(b"new")
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f"]
+
+
 def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
     with small_disk(corpus, tmp_path, 1.5) as mnt:  # the second checkpoint, written beside the first, fails
         with pytest.raises(SystemExit, match="^disk full: could not write .*the previous checkpoint there is kept"):

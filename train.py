@@ -410,7 +410,7 @@ def set_hyperparameters(args, optimizers, scheduler):
 def resume_path(args):
     if args.resume in (None, "auto"):
         return os.path.join(args.out_dir, "ckpt.pt")
-    return os.path.join(args.resume, "ckpt.pt") if os.path.isdir(args.resume) else args.resume
+    return checkpoint.checkpoint_file(args.resume)
 
 
 def same_file(a, b):
@@ -454,14 +454,11 @@ def trim_metrics(source, step, path, eval_pending=False):
     if torn:
         print(f"{source}: dropped {torn} line(s) cut short by the end of the last run")
     try:
-        with open(f"{path}.tmp", "w") as f:
-            f.writelines(rows)
+        with checkpoint.atomic_file(path) as f:
+            f.write("".join(rows).encode())
     except OSError as e:  # a full disk: nothing is changed yet
-        with suppress(OSError):
-            os.remove(f"{path}.tmp")
         raise SystemExit(f"cannot write {path}.tmp ({e.strerror or e}); free space (or pass a new --out_dir on a disk "
                          "with room), then rerun with --resume") from None
-    os.replace(f"{path}.tmp", path)
 
 
 def diverged(why, last_good):
