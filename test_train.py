@@ -793,11 +793,10 @@ def test_compile_also_compiles_the_8bit_step(corpus, tmp_path, optimizer):
     for extra, compiled in (([], False), (["--compile"], True)):
         args = train.get_args(base_args(corpus, tmp_path, 2, "--method", "full", "--optimizer", optimizer, *extra))
         config = config_for("tiny", method="full", vocab_size=96)
-        model, _, optimizer_, _, per_layer = train.build(args, config, torch.device("cpu"), torch.float32, False, None)
-        optimizers = per_layer.optimizers.values() if per_layer else [optimizer_]
-        assert all(o.compile is compiled for o in optimizers), (optimizer, extra)
-        assert all((block._compiled_call_impl is not None) is compiled for block in model.layers), "and each block"
-        assert not hasattr(model, "_orig_mod"), "compiled in place: the checkpoint keeps its names"
+        run = train.build(args, config, torch.device("cpu"), torch.float32, False, None)
+        assert all(o.compile is compiled for o in run.optimizers), (optimizer, extra)
+        assert all((block._compiled_call_impl is not None) is compiled for block in run.model.layers), "each block"
+        assert not hasattr(run.model, "_orig_mod"), "compiled in place: the checkpoint keeps its names"
 
 
 def test_compiled_blocks_share_one_graph_and_keep_per_layer_updates():
@@ -880,14 +879,14 @@ def test_no_pageable_copy_to_the_device_in_a_step(monkeypatch, method, optimizer
     else:
         per, opt = None, make(list(model.parameters()))
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    run = train.Run(model, model, opt, scheduler, per, model.config, device, rank=0, world=1)
     batches = iter([(torch.randint(96, (2, 16)), torch.randint(-1, 96, (2, 16))) for _ in range(6)])
     syncs = HostSyncs()
     for _ in range(3):
         micro_batches, bad_line = train.read_update(batches, 2, device, 1)
         assert bad_line is None and all(x.is_pinned() and y.is_pinned() for x, y, _ in micro_batches)
         with syncs.watch():
-            loss, norm, n_total = train.train_step(SimpleNamespace(grad_clipping=1.0), model, model, opt, scheduler,
-                                                   per, micro_batches, device, 1)
+            loss, norm, n_total = train.train_step(SimpleNamespace(grad_clipping=1.0), run, micro_batches)
         assert loss.device == norm.device == n_total.device == device
     assert syncs.summary() == "none" and syncs.blocks == 3
 

@@ -25,7 +25,7 @@ import signal
 import time
 import warnings
 from contextlib import nullcontext, suppress
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from data import TrainLoader, download, find_shards, load_tokenizer, shard_names
 from devices import device_from_flag
 from estimate_memory import estimate
 from hostsync import HostSyncs
-from model import LLaMA, SIZES, config_for, describe, is_projection, relora_merge
+from model import LLaMA, LLaMAConfig, SIZES, config_for, describe, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
 
@@ -627,8 +627,27 @@ def setup(args):
     return ddp, rank, world, device, dtype, vocab_size
 
 
+@dataclass
+class Run:
+    """What build() makes and train() drives: the model, what updates it, and where it runs."""
+    model: torch.nn.Module  # what forward and backward go through: compiled blocks, in DDP under torchrun
+    raw_model: LLaMA  # the same weights, plain: checkpoints and evaluation
+    optimizer: torch.optim.Optimizer | None  # None with per-layer updates (or --eval_only)
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None
+    per_layer: object  # optim.PerLayer: the updates made inside backward, each layer's optimizer and schedule
+    config: LLaMAConfig
+    device: torch.device
+    rank: int
+    world: int
+
+    @property
+    def optimizers(self):
+        return list(self.per_layer.optimizers.values()) if self.per_layer else [self.optimizer]
+
+
 def build(args, config, device, dtype, ddp, ckpt):
-    """The model (raw, for checkpoints) and what trains it: DDP wrapper, optimizer, schedule or per-layer updates."""
+    """The Run: the model (raw, for checkpoints) and what trains it: DDP wrapper, optimizer, schedule or per-layer
+    updates, loaded from ckpt when there is one."""
     torch.manual_seed(args.seed)
     raw_model = LLaMA(config, device=device).to(dtype)
     raw_model.activation_checkpointing = args.activation_checkpointing
@@ -647,8 +666,9 @@ def build(args, config, device, dtype, ddp, ckpt):
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                         gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets, not twice
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     if args.eval_only:  # nothing trains: no optimizer, and a checkpoint of weights only will do
-        return model, raw_model, None, None, None
+        return Run(model, raw_model, None, None, None, config, device, rank, world)
     hyper = dict(lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
     make_optimizer = {"adamw": lambda params: AdamW(params, **hyper),
                       "adam8bit": lambda params: Adam8bit(params, **hyper, compile=args.compile)}.get(args.optimizer)
@@ -658,12 +678,13 @@ def build(args, config, device, dtype, ddp, ckpt):
     else:
         per_layer, optimizer = None, make_optimizer(list(raw_model.parameters()))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(args))
+    run = Run(model, raw_model, optimizer, scheduler, per_layer, config, device, rank, world)
     if ckpt:
         (per_layer or optimizer).load_state_dict(ckpt["optimizer"])
         if scheduler:
             scheduler.load_state_dict(ckpt["scheduler"])
-        set_hyperparameters(args, per_layer.optimizers.values() if per_layer else [optimizer], scheduler)
-    return model, raw_model, optimizer, scheduler, per_layer
+        set_hyperparameters(args, run.optimizers, scheduler)
+    return run
 
 
 # ----------------------------------------------------------------------------- the run
@@ -683,10 +704,10 @@ def main(argv=None):
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         vocab_size=vocab_size)
-    model, raw_model, optimizer, scheduler, per_layer = build(args, config, device, dtype, ddp, ckpt)
+    run = build(args, config, device, dtype, ddp, ckpt)
     if master:
         print(json.dumps(vars(args)))
-        print(describe(raw_model))
+        print(describe(run.raw_model))
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
         print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
@@ -704,20 +725,19 @@ def main(argv=None):
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if args.eval_only:
-            result = evaluate(raw_model, val, device, rank, world, stop)
+            result = evaluate(run.raw_model, val, device, rank, world, stop)
             if master and result:
                 print(f"{ckpt_path} at step {ckpt['step']} | val loss {result[0]:.4f} | val ppl {result[1]:.2f} | "
                       f"{result[2]:,} validation tokens ({len(val)} batches)")
         else:
-            train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world,
-                  stop)
+            train(args, run, ckpt, val, stop)
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if ddp:  # DDP's reducer (and the per-layer hooks on it) must go before the process group does
-            if per_layer:
-                per_layer.remove()
-            model = per_layer = None
+            if run.per_layer:
+                run.per_layer.remove()
+            run = None
             gc.collect()
             dist.destroy_process_group()
 
@@ -727,15 +747,15 @@ class Keeper:
     out_dir/ckpt.pt. A non-finite loss or gradient norm is flagged on the device (no host sync) and read at log and
     save steps (check_finite); before each save the parameters and the loss of one validation batch are checked too."""
 
-    def __init__(self, args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world):
-        self.args, self.model, self.val, self.config, self.device = args, raw_model, val, config, device
-        self.optimizer, self.scheduler = per_layer or optimizer, scheduler
-        self.master, self.ddp, self.world = rank == 0, world > 1, world
+    def __init__(self, args, run, ckpt, val):
+        self.args, self.model, self.val, self.config, self.device = args, run.raw_model, val, run.config, run.device
+        self.optimizer, self.scheduler = run.per_layer or run.optimizer, run.scheduler
+        self.master, self.ddp, self.world = run.rank == 0, run.world > 1, run.world
         self.path = os.path.join(args.out_dir, "ckpt.pt")
         self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
         start = ckpt["step"] if ckpt else 0
         self.last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
-        self.first_bad = torch.tensor(-1, device=device)  # the first update with a non-finite loss or norm
+        self.first_bad = torch.tensor(-1, device=run.device)  # the first update with a non-finite loss or norm
         self.metrics = None
         self.master_writes(lambda: self._open_metrics(ckpt, start))
 
@@ -829,36 +849,35 @@ class Keeper:
                 self.metrics.close()
 
 
-def train(args, model, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop):
+def train(args, run, ckpt, val, stop):
     """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
-    loop = Loop(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop)
+    loop = Loop(args, run, ckpt, val, stop)
     batches, syncs = iter(loop.loader), HostSyncs() if args.sync_debug else None
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != loop.total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
     try:
         if ckpt and ckpt.get("eval_pending") and not loop.pending_evaluation():
             return
         for step in range(loop.start, loop.total):
             data_state = loop.loader.state_dict()  # where this update's batches begin: a failed read saves this
-            micro_batches, bad_line = read_update(batches, args.gradient_accumulation, device, world)
+            micro_batches, bad_line = read_update(batches, args.gradient_accumulation, run.device, run.world)
             if bad_line:
                 loop.stop_at_bad_line(step, data_state, bad_line)
             with watching(step + 1):
-                step_loss, norm, n_total = train_step(args, model, raw_model, optimizer, scheduler, per_layer,
-                                                      micro_batches, device, world)
+                step_loss, norm, n_total = train_step(args, run, micro_batches)
                 loop.keeper.flag(step + 1, step_loss, norm)
                 loop.meter.add(step_loss, n_total)
-            relora_restart(args, raw_model, per_layer.optimizers.values() if per_layer else [optimizer], step + 1)
+            relora_restart(args, run.raw_model, run.optimizers, step + 1)
             if loop.after_update(step + 1, norm):
                 return
         loop.summary()
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
-        if syncs and rank == 0:
+        if syncs and run.rank == 0:
             print(f"sync_debug: {syncs.blocks} updates between log steps watched; host syncs: {syncs.summary()}")
         loop.keeper.close()
 
@@ -867,9 +886,10 @@ class Loop:
     """What train() does between updates: the loader (at the checkpoint's data position), the Keeper of metrics and
     checkpoints, the Meter of the loss; after each update the log row, the evaluation, the checkpoint and the stop."""
 
-    def __init__(self, args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world, stop):
-        self.args, self.model, self.val, self.device, self.stop = args, raw_model, val, device, stop
-        self.rank, self.world, self.master, self.lrs = rank, world, rank == 0, per_layer or scheduler
+    def __init__(self, args, run, ckpt, val, stop):
+        self.args, self.model, self.val, self.device, self.stop = args, run.raw_model, val, run.device, stop
+        rank, world = run.rank, run.world
+        self.rank, self.world, self.master, self.lrs = rank, world, rank == 0, run.per_layer or run.scheduler
         self.start, self.total = ckpt["step"] if ckpt else 0, args.num_training_steps
         self.loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                   seed=args.seed, rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
@@ -879,9 +899,9 @@ class Loop:
             except ValueError as e:
                 raise SystemExit(f"--resume {resume_path(args)}: {e}" if self.master else 1) from None
             torch.set_rng_state(ckpt["rng"])
-        self.keeper = Keeper(args, raw_model, optimizer, scheduler, per_layer, ckpt, val, config, device, rank, world)
+        self.keeper = Keeper(args, run, ckpt, val)
         carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
-        self.meter, self.last_eval = Meter(device, self.start, self.total, carried), {}
+        self.meter, self.last_eval = Meter(run.device, self.start, self.total, carried), {}
 
     def evaluate(self, done):
         """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
@@ -968,9 +988,10 @@ def on_host(x, y, device):
     return x, y, int((y != -1).sum())
 
 
-def train_step(args, model, raw_model, optimizer, scheduler, per_layer, micro_batches, device, world):
+def train_step(args, run, micro_batches):
     """One update over the micro-batches (from on_host); returns the update's loss, gradient norm and trained tokens
     (on device). Nothing in it makes the host wait for the device."""
+    model, per_layer, device, world = run.model, run.per_layer, run.device, run.world
     ddp, accum = world > 1, len(micro_batches)
     # weight each micro-batch by its counted targets over the whole update's, so the gradient is the
     # token-weighted mean over the global batch, whatever the padding, the accumulation or the device count
@@ -992,10 +1013,10 @@ def train_step(args, model, raw_model, optimizer, scheduler, per_layer, micro_ba
     if per_layer:
         return step_loss, per_layer.grad_norm(), n_total
     max_norm = args.grad_clipping if args.grad_clipping > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
     return step_loss, norm, n_total
 
 
