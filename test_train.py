@@ -209,15 +209,94 @@ def test_weights_only_checkpoint_is_evaluated_but_not_resumed(corpus, tmp_path, 
 
 
 def signal_in_update(monkeypatch, k):
-    """SIGTERM to this process while update k is computed, as a scheduler's would arrive."""
+    """SIGTERM to this process as update k's last micro-batch ends, as a scheduler's would arrive: the update is made,
+    then the run stops (signal_in_micro_batch: within an update)."""
     step, calls = train.train_step, []
 
     def step_and_signal(*args, **kwargs):
         calls.append(1)
+        result = step(*args, **kwargs)
         if len(calls) == k:
             os.kill(os.getpid(), signal.SIGTERM)
-        return step(*args, **kwargs)
+        return result
     monkeypatch.setattr(train, "train_step", step_and_signal)
+
+
+def signal_in_micro_batch(monkeypatch, n):
+    """SIGTERM to this process during the forward of the n-th micro-batch of training (in train_step)."""
+    step, forward, calls, stepping = train.train_step, LLaMA.forward, [], []
+
+    def step_watched(*args, **kwargs):
+        stepping.append(1)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            stepping.pop()
+
+    def forward_and_signal(self, *args, **kwargs):
+        if stepping:
+            calls.append(1)
+            if len(calls) == n:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(train, "train_step", step_watched)
+    monkeypatch.setattr(LLaMA, "forward", forward_and_signal)
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit_per_layer"]], ids=["adamw", "adam8bit-per-layer"])
+def test_a_signal_within_an_update_drops_it_and_the_resume_is_bit_exact(corpus, tmp_path, monkeypatch, capsys, extra):
+    # an update of many micro-batches can outlast a scheduler's grace period: a signal stops before the next one.
+    # total 8 = batch 4 x 2 micro-batches: forward 5 is the first micro-batch of update 3, forward 6 its last
+    every = ["--eval_every", "2", "--log_every", "1"]
+    train.main(base_args(corpus, tmp_path / "straight", 6, *every, *extra))
+    for n, saved in ((5, 2), (6, 3)):
+        out = tmp_path / f"forward{n}"
+        with monkeypatch.context() as m:
+            signal_in_micro_batch(m, n)
+            train.main(base_args(corpus, out, 6, *every, *extra))
+        said = capsys.readouterr().out
+        assert final_state(out)["step"] == saved and not final_state(out)["eval_pending"], said[-1500:]
+        assert ("stopped by SIGTERM within update 3, which the resumed run makes again: saved" in said) == (n == 5)
+        assert [r["step"] for r in metrics(out)[0]] == list(range(1, saved + 1)), "no row of the dropped update"
+        train.main(base_args(corpus, out, 6, "--resume", *every, *extra))
+        a, b = metrics(tmp_path / "straight"), metrics(out)
+        assert [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in a[0]] == \
+            [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in b[0]], n
+        assert a[1] == b[1], n
+        sa, sb = final_state(tmp_path / "straight")["model"], final_state(out)["model"]
+        for name, t in sa.items():
+            assert torch.equal(t, sb[name]), f"forward {n}: {name} differs by {(t - sb[name]).abs().max()}"
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["adamw", "adam8bit-per-layer"])
+def test_a_signal_on_another_rank_within_an_update_drops_it_here_too(monkeypatch, per_layer):
+    """Under torchrun the ranks agree on a signal at each micro-batch after the first. Faked here: a second rank, which
+    was signalled; this one was not, and drops the update with it: no parameter changed, no gradient kept."""
+    model = LLaMA(config_for("tiny", vocab_size=96))
+    model.no_sync = suppress  # DDP's: no all-reduce in the backward of a micro-batch but the last
+    if per_layer:
+        per, opt, scheduler = train.attach_per_layer(model, lambda ps: train.Adam8bit(ps, lr=1e-3)), None, None
+    else:
+        per, opt = None, train.AdamW(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    run = train.Run(model, model, opt, scheduler, per, model.config, torch.device("cpu"), rank=0, world=2)
+    flags = []
+
+    def all_reduce(t, op=None, group=None):
+        if t.dtype == torch.int64:  # the stop flag: the other rank's is set
+            flags.append(int(t))
+            t += 1
+        else:  # the update's target count: the other rank's equals this one's
+            t *= 2
+    monkeypatch.setattr(train.dist, "all_reduce", all_reduce)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    micro_batches = [(torch.randint(96, (2, 16)), torch.randint(96, (2, 16)), 32) for _ in range(3)]
+    stop = {"signal": None}
+    assert train.train_step(SimpleNamespace(grad_clipping=0.0), run, micro_batches, stop) is None
+    assert flags == [0] and stop["signal"] == "a signal on another rank", "agreed before the second micro-batch"
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert (per.steps if per_layer else scheduler.last_epoch) == 0
 
 
 def test_an_evaluation_a_stop_skipped_is_made_on_resume(corpus, tmp_path, monkeypatch):
@@ -324,7 +403,7 @@ def test_signal_to_the_process_group_with_workers_saves(corpus, tmp_path, sig):
 
 def test_sigterm_to_torchrun_group_saves_on_both_ranks(corpus, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "train.py"),
-           *base_args(corpus, tmp_path, 100_000, "--workers", "1")]
+           *base_args(corpus, tmp_path, 100_000, "--workers", "1", "--batch_size", "2")]  # 2 micro-batches per rank
     output = signal_group_at(start(cmd), "step 2/", signal.SIGTERM)
     assert "stopped by SIGTERM" in output and "killed by signal" not in output, output[-3000:]
     assert "broadcast_buffers" not in output  # DDP's FutureWarning, once per rank, says nothing about this run
@@ -761,7 +840,7 @@ def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path)
     proc = start([sys.executable, str(HERE / "train.py"), *args])
     output = signal_group_at(proc, "step 1/", signal.SIGINT)  # the log line comes just before the evaluation
     assert proc.returncode == 0, output[-3000:]
-    assert "SIGINT: stopping at the end of this update (or evaluation)" in output
+    assert "SIGINT: stopping before the next micro-batch (or in the evaluation)" in output
     assert "val loss" not in output, "the evaluation ran to its end after Ctrl-C"
     assert final_state(tmp_path / "out")["step"] == 1
 

@@ -714,13 +714,14 @@ def main(argv=None):
               f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s "
               f"counts trained (non-pad) tokens; mem is {mem}")
 
-    # ---- SIGTERM/SIGINT: said at once, then a checkpoint and a clean exit at the end of the current update
+    # ---- SIGTERM/SIGINT: said at once, then a checkpoint of the last whole update and a clean exit, before the
+    # next micro-batch: a scheduler's grace period may be shorter than an update of many micro-batches
     stop = {"signal": None}
 
     def on_signal(signum, frame):
         if master and stop["signal"] is None:  # os.write: a print here could re-enter a print in progress
-            os.write(1, f"{signal.Signals(signum).name}: stopping at the end of this update (or evaluation), with a "
-                        f"checkpoint\n".encode())
+            os.write(1, f"{signal.Signals(signum).name}: stopping before the next micro-batch (or in the evaluation), "
+                        f"with a checkpoint of the last whole update\n".encode())
         stop["signal"] = signal.Signals(signum).name
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -868,9 +869,13 @@ def train(args, run, ckpt, val, stop):
             if bad_line:
                 loop.stop_at_bad_line(step, data_state, bad_line)
             with watching(step + 1):
-                step_loss, norm, n_total = train_step(args, run, micro_batches)
-                loop.keeper.flag(step + 1, step_loss, norm)
-                loop.meter.add(step_loss, n_total)
+                result = train_step(args, run, micro_batches, stop)
+                if result:
+                    step_loss, norm, n_total = result
+                    loop.keeper.flag(step + 1, step_loss, norm)
+                    loop.meter.add(step_loss, n_total)
+            if result is None:
+                return loop.stop_within_update(step, data_state)
             relora_restart(args, run.raw_model, run.optimizers, step + 1)
             if loop.after_update(step + 1, norm):
                 return
@@ -935,6 +940,14 @@ class Loop:
         raise SystemExit(f"{bad_line}\nsaved {self.args.out_dir}/ckpt.pt at step {step}; after fixing the shard, "
                          "rerun with --resume" if self.master else 1)
 
+    def stop_within_update(self, step, data_state):
+        """A signal between the micro-batches of update step + 1, which is dropped: the checkpoint is that of update
+        `step`, with the data position where the dropped update began, so the resumed run does it again whole."""
+        self.save(step, data_state)
+        if self.master:
+            print(f"stopped by {self.stop['signal']} within update {step + 1}, which the resumed run makes again: "
+                  f"saved {self.args.out_dir}/ckpt.pt at step {step}; rerun with --resume")
+
     def after_update(self, done, norm):
         """Log (the only host syncs of the loop), evaluate, save, stop; True when the run stops here."""
         args = self.args
@@ -988,9 +1001,10 @@ def on_host(x, y, device):
     return x, y, int((y != -1).sum())
 
 
-def train_step(args, run, micro_batches):
+def train_step(args, run, micro_batches, stop=None):
     """One update over the micro-batches (from on_host); returns the update's loss, gradient norm and trained tokens
-    (on device). Nothing in it makes the host wait for the device."""
+    (on device). Nothing in it makes the host wait for the device. None if a signal (in stop) came before its last
+    micro-batch: then nothing was updated and the gradients so far are dropped."""
     model, per_layer, device, world = run.model, run.per_layer, run.device, run.world
     ddp, accum = world > 1, len(micro_batches)
     # weight each micro-batch by its counted targets over the whole update's, so the gradient is the
@@ -1001,6 +1015,14 @@ def train_step(args, run, micro_batches):
         dist.all_reduce(n_total)
     step_loss = torch.zeros((), device=device, dtype=torch.float64)
     for i, (x, y, _) in enumerate(micro_batches):
+        # a signal stops here, where no parameter has changed yet (per-layer updates step in the last backward);
+        # under DDP the ranks agree on it by a host all-reduce per micro-batch after the first, none without them
+        if i and stop and stopping(stop, world):
+            if per_layer:
+                per_layer.reset()
+            else:
+                run.optimizer.zero_grad(set_to_none=True)
+            return None
         last = i == accum - 1
         sync = model.no_sync() if ddp and not last else nullcontext()
         hold = per_layer.accumulating() if per_layer and not last else nullcontext()
