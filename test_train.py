@@ -944,6 +944,19 @@ def test_ranks_agree_on_a_signal_and_a_bad_line_on_the_host(monkeypatch, corpus)
     assert config.get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
 
 
+def test_ranks_agree_on_a_signal_that_arrives_just_after_they_compared(monkeypatch):
+    """A signal handled just after the all-reduce of the stop flags (Python runs handlers between bytecodes) is for the
+    next check: this rank answers as the other did, else it would stop alone and the other wait for it forever."""
+    stop = {"signal": None}
+
+    def all_reduce(t, op=None, group=None):  # nobody was signalled yet; then this rank's handler runs
+        stop["signal"] = "SIGTERM"
+    monkeypatch.setattr(train.dist, "all_reduce", all_reduce)
+    assert not train.stopping(stop, 2), "the other rank read 0 and goes on: so does this one"
+    monkeypatch.setattr(train.dist, "all_reduce", lambda t, op=None, group=None: None)
+    assert train.stopping(stop, 2) and stop["signal"] == "SIGTERM", "and both stop at the next check"
+
+
 @pytest.mark.parametrize("method,optimizer,per_layer", [("sltrain", "adam8bit", True), ("full", "adamw", False),
                                                         ("sltrain", "adamw", False)])
 def test_no_pageable_copy_to_the_device_in_a_step(monkeypatch, method, optimizer, per_layer):

@@ -508,10 +508,14 @@ def evaluate(model, batches, device, rank, world, stop):
 
 
 def stopping(stop, world):
-    """Whether any rank was signalled: every rank must stop at the same point, or the others would wait forever."""
-    if world > 1 and any_rank(stop["signal"] is not None):
+    """Whether any rank was signalled: every rank must stop at the same point, or the others would wait forever. Under
+    DDP the answer is the all-reduced one: a signal that arrives just after it is for the next check, on every rank."""
+    if world == 1:
+        return stop["signal"] is not None
+    if any_rank(stop["signal"] is not None):
         stop["signal"] = stop["signal"] or "a signal on another rank"
-    return stop["signal"] is not None
+        return True
+    return False
 
 
 def any_rank(flag):
