@@ -409,6 +409,11 @@ def test_sigterm_to_torchrun_group_saves_on_both_ranks(corpus, tmp_path):
     assert "broadcast_buffers" not in output  # DDP's FutureWarning, once per rank, says nothing about this run
     state = final_state(tmp_path)
     assert state["step"] >= 2 and state["world"] == 2 and all(state["data"])
+    steps = str(state["step"] + 1)  # the stop may have dropped an update in progress: the resumed run makes it
+    out = run_torchrun(base_args(corpus, tmp_path, steps, "--workers", "1", "--batch_size", "2", "--resume",
+                                 "--warmup_steps", "0"))
+    assert out.count("resuming from") == 1, "said once, by rank 0"
+    assert final_state(tmp_path)["step"] == state["step"] + 1
 
 
 def test_diverged_run_never_saves_a_non_finite_model_and_its_advice_works(corpus, tmp_path):

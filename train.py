@@ -347,9 +347,9 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
 
 
-def load_for_resume(args, vocab_size, world):
+def load_for_resume(args, vocab_size, world, master=True):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
-    listed in one refusal) or is honored and said so; args then records what this run does."""
+    listed in one refusal) or is honored and said so (by the master); args then records what this run does."""
     path = resume_path(args)
     if not os.path.exists(path):
         flag = "--eval_only" if args.eval_only else "--resume"
@@ -390,7 +390,9 @@ def load_for_resume(args, vocab_size, world):
         # continue the cosine from where it stood; at a ReLoRA restart its jag is at 0, the cosine is not
         args.lr_restart = [step, lr_lambda_for(argparse.Namespace(**old), jags=False)(step)]
     changed = [f"{k} {old.get(k)} -> {getattr(args, k)}" for k in RESUME_HONORED if old.get(k) != getattr(args, k)]
-    print(f"resuming from {path} at step {step}" + (f"; changed and honored: {', '.join(changed)}" if changed else ""))
+    if master:
+        print(f"resuming from {path} at step {step}"
+              + (f"; changed and honored: {', '.join(changed)}" if changed else ""))
     return ckpt, path
 
 
@@ -700,7 +702,7 @@ def main(argv=None):
     ckpt = None
     refuse_overwrite(args)
     if args.resume or args.eval_only:
-        ckpt, ckpt_path = load_for_resume(args, vocab_size, world)
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, master)
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
