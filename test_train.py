@@ -915,6 +915,14 @@ def test_no_host_sync_between_log_steps(corpus, tmp_path, capsys, extra):
     assert "sync_debug: 6 updates between log steps watched; host syncs: none" in capsys.readouterr().out
 
 
+def test_no_host_sync_between_log_steps_under_torchrun_with_accumulation(corpus, tmp_path):
+    # the ranks agree on a signal before every micro-batch after an update's first: an all-reduce of a host tensor,
+    # which waits for the other process, never for a device, and is read as host memory
+    out = run_torchrun(base_args(corpus, tmp_path, 6, "--batch_size", "2", "--log_every", "3", "--sync_debug"))
+    assert "batch 2 x 2 accum x 2" in out
+    assert "sync_debug: 4 updates between log steps watched; host syncs: none" in out
+
+
 def test_ranks_agree_on_a_signal_and_a_bad_line_on_the_host(monkeypatch, corpus):
     """Under torchrun the ranks agree each update on a signal and on a bad shard line. The flags are host tensors, and
     on GPUs the process group sends host tensors through gloo (beside NCCL for the gradients), so reading a flag never
