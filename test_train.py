@@ -268,6 +268,30 @@ def test_a_signal_within_an_update_drops_it_and_the_resume_is_bit_exact(corpus, 
             assert torch.equal(t, sb[name]), f"forward {n}: {name} differs by {(t - sb[name]).abs().max()}"
 
 
+def test_a_signal_during_a_save_stops_in_the_next_update_without_a_second_save(corpus, tmp_path, monkeypatch, capsys):
+    # the signal comes while the checkpoint of update 2 is written: update 3 begins, then stops at its second
+    # micro-batch; out_dir's checkpoint already holds update 2, and it is not written twice (at 7b, tens of GB)
+    save, saves, signalled = checkpoint.save, [], []
+
+    def save_and_signal(path, state):
+        saves.append(state["step"])
+        save(path, state)
+        if not signalled:
+            signalled.append(os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(checkpoint, "save", save_and_signal)
+    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2"))
+    assert saves == [2] and final_state(tmp_path)["step"] == 2
+    assert f"within update 3, which the resumed run makes again: saved {tmp_path}/ckpt.pt at step 2" in \
+        capsys.readouterr().out
+    saves.clear()
+    with monkeypatch.context() as m:  # the resumed run is signalled in its first update: nothing new to save
+        signal_in_micro_batch(m, 1)
+        train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume"))
+    assert saves == [] and final_state(tmp_path)["step"] == 2
+    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume"))
+    assert saves == [4, 6] and final_state(tmp_path)["step"] == 6
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["adamw", "adam8bit-per-layer"])
 def test_a_signal_on_another_rank_within_an_update_drops_it_here_too(monkeypatch, per_layer):
     """Under torchrun the ranks agree on a signal at each micro-batch after the first. Faked here: a second rank, which

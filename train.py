@@ -948,8 +948,12 @@ class Loop:
 
     def stop_within_update(self, step, data_state):
         """A signal between the micro-batches of update step + 1, which is dropped: the checkpoint is that of update
-        `step`, with the data position where the dropped update began, so the resumed run does it again whole."""
-        self.save(step, data_state)
+        `step`, with the data position where the dropped update began, so the resumed run does it again whole. If
+        out_dir's checkpoint holds that already (the signal came during its save, or the run resumed from it), it is
+        not written again: at 7b that would spend a scheduler's grace period on a second copy."""
+        kept = self.keeper.last_good
+        if not (kept and kept[1] == step and same_file(kept[0], self.keeper.path)):
+            self.save(step, data_state)
         if self.master:
             print(f"stopped by {self.stop['signal']} within update {step + 1}, which the resumed run makes again: "
                   f"saved {self.args.out_dir}/ckpt.pt at step {step}; rerun with --resume")
