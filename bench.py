@@ -411,7 +411,8 @@ def suite_optimizer(s, device, dtype):
 
 def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
-    and resumed (how close its end is to the straight run), --compile, and torchrun's NCCL (or gloo) path. Each run
+    (two micro-batches per update, so the signal may come within one) and resumed (how close its end is to the
+    straight run), --compile, and torchrun's NCCL (or gloo) path. Each run
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
     raises at the end, naming the runs that failed."""
     import shutil, subprocess  # only this section starts processes and writes files
@@ -431,26 +432,30 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         return done.stdout
 
+    halves = ["--batch_size", str(max(1, p["batch"] // 2))]  # 2 micro-batches per update: a signal can come within one
+
     def straight():
-        train("straight", "--num_training_steps", str(p["steps"]))
+        train("straight", "--num_training_steps", str(p["steps"]), *halves)
         losses = [r["loss"] for r in rows("straight") if "loss" in r]
         evals = [r["val_loss"] for r in rows("straight") if "val_loss" in r]
         return dict(first_loss=losses[0], last_loss=losses[-1], val_loss=evals,
                     loss_falls=losses[-1] < losses[0] and evals[-1] < evals[0])
 
     def sigterm_resume():  # SIGTERM as a scheduler sends it: to the whole process group, once the run is half way
-        cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"])]
+        cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"]), *halves]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         for line in proc.stdout:  # the log line of the half-way update, as it is printed
             if line.startswith(f"step {p['steps'] // 2}/"):
                 os.killpg(proc.pid, signal.SIGTERM)
                 break
-        proc.communicate()
+        said = proc.communicate()[0]
         stopped_at = max(r["step"] for r in rows("signalled"))
-        train("signalled", "--num_training_steps", str(p["steps"]), "--resume")
+        train("signalled", "--num_training_steps", str(p["steps"]), "--resume", *halves)
         last, straight_last = rows("signalled")[-1].get("val_loss"), result["straight"].get("val_loss", [None])[-1]
-        return dict(stopped_at=stopped_at, exit_code=proc.returncode, last_loss=last, straight_last_loss=straight_last,
+        stop = next((line for line in said.splitlines() if line.startswith("stopped by")), None)
+        return dict(stopped_at=stopped_at, exit_code=proc.returncode, stop=stop, last_loss=last,
+                    straight_last_loss=straight_last,
                     val_loss_diff=None if None in (last, straight_last) else abs(last - straight_last))
 
     short = str(p["short"])

@@ -151,6 +151,7 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     steps = bench.SUITES["tiny"]["program"]["steps"]  # the signal goes at half way: the run must stop before the end
     assert r["sigterm_resume"]["exit_code"] == 0 and steps // 2 <= r["sigterm_resume"]["stopped_at"] < steps
     assert r["sigterm_resume"]["val_loss_diff"] == 0.0  # exact on CPU
+    assert r["sigterm_resume"]["stop"].startswith("stopped by SIGTERM"), r["sigterm_resume"]
     assert r["sync_debug"]["line"] == "sync_debug: 2 updates between log steps watched; host syncs: none"
     assert r["torchrun"]["ok"] and r["compile"]["ok"] and r["compile"]["last_loss"] < r["straight"]["first_loss"]
     assert r["compile"]["sync_debug"].endswith("host syncs: none"), r["compile"]  # CUDA's own check; on CPU: none
