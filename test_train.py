@@ -246,17 +246,19 @@ def signal_in_micro_batch(monkeypatch, n):
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit_per_layer"]], ids=["adamw", "adam8bit-per-layer"])
 def test_a_signal_within_an_update_drops_it_and_the_resume_is_bit_exact(corpus, tmp_path, monkeypatch, capsys, extra):
     # an update of many micro-batches can outlast a scheduler's grace period: a signal stops before the next one.
-    # total 8 = batch 4 x 2 micro-batches: forward 5 is the first micro-batch of update 3, forward 6 its last
+    # total 8 = batch 4 x 2 micro-batches: forward 5 is the first micro-batch of update 3, forward 6 its last;
+    # forward 1 is the first of the run: its checkpoint holds the initial model
     every = ["--eval_every", "2", "--log_every", "1"]
     train.main(base_args(corpus, tmp_path / "straight", 6, *every, *extra))
-    for n, saved in ((5, 2), (6, 3)):
+    for n, saved in ((1, 0), (5, 2), (6, 3)):
         out = tmp_path / f"forward{n}"
         with monkeypatch.context() as m:
             signal_in_micro_batch(m, n)
             train.main(base_args(corpus, out, 6, *every, *extra))
         said = capsys.readouterr().out
         assert final_state(out)["step"] == saved and not final_state(out)["eval_pending"], said[-1500:]
-        assert ("stopped by SIGTERM within update 3, which the resumed run makes again: saved" in said) == (n == 5)
+        assert (f"stopped by SIGTERM within update {saved + 1}, which the resumed run makes again: saved" in said) == \
+            (n != 6)
         assert [r["step"] for r in metrics(out)[0]] == list(range(1, saved + 1)), "no row of the dropped update"
         train.main(base_args(corpus, out, 6, "--resume", *every, *extra))
         a, b = metrics(tmp_path / "straight"), metrics(out)
