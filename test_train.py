@@ -818,6 +818,17 @@ def test_bad_shard_line_saves_then_names_file_and_line(corpus, tmp_path):
     assert f"saved {tmp_path / 'out'}/ckpt.pt at step {step}" in str(e.value)
 
 
+def test_bad_shard_line_right_after_a_save_does_not_write_it_twice(corpus, tmp_path, monkeypatch):
+    # --save_every 1, the bad line in the second shard read: the last update is on disk when the line comes
+    save, saves = checkpoint.save, []
+    monkeypatch.setattr(checkpoint, "save", lambda path, state: (saves.append(state["step"]), save(path, state)))
+    bad = corpus_with_a_bad_line(corpus, tmp_path, "c4-train.00000-of-00002.json.gz")
+    with pytest.raises(SystemExit, match=r"c4-train.00000-of-00002.json.gz:101: not a JSON object"):
+        train.main(base_args(bad, tmp_path / "out", 10_000, "--workers", "1", "--save_every", "1"))
+    step = final_state(tmp_path / "out")["step"]
+    assert step > 0 and saves == list(range(1, step + 1)), saves
+
+
 def test_bad_shard_line_under_torchrun_stops_every_rank_after_saving(corpus, tmp_path):
     # the line belongs to one rank's share: the other must not wait for it in a collective forever. The shard is
     # the second one read (the first is 00001), so the run has trained a few updates when it gets there

@@ -762,6 +762,8 @@ class Keeper:
         self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
         start = ckpt["step"] if ckpt else 0
         self.last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
+        resumed_here = ckpt and same_file(resume_path(args), self.path)
+        self.on_disk = (start, ckpt.get("eval_pending", False)) if resumed_here else None  # (step, eval_pending) there
         self.first_bad = torch.tensor(-1, device=run.device)  # the first update with a non-finite loss or norm
         self.metrics = None
         self.master_writes(lambda: self._open_metrics(ckpt, start))
@@ -822,7 +824,10 @@ class Keeper:
     def save(self, step, data_state, eval_pending=False, meter_state=None):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
         norm flags, then the parameters and the loss of one fixed validation batch, so that no diverged model is
-        ever written over the last good one."""
+        ever written over the last good one. Nothing is written if out_dir's checkpoint holds this already (a stop
+        right after a save or a resume): at 7b a second copy would spend a scheduler's grace period."""
+        if self.on_disk == (step, eval_pending):
+            return
         self.check_finite()
         ok = all_finite(self.model, self.val[0], self.device)
         if self.ddp:  # the ranks hold the same model and should agree; if not, none may save alone
@@ -841,6 +846,7 @@ class Keeper:
         state["data"], state["meter"] = [d for d, _ in both], [m for _, m in both]
         self.master_writes(lambda: self._write_checkpoint(state))
         self.last_good[:] = self.path, step
+        self.on_disk = (step, eval_pending)
 
     def _write_checkpoint(self, state):
         try:
@@ -948,12 +954,8 @@ class Loop:
 
     def stop_within_update(self, step, data_state):
         """A signal between the micro-batches of update step + 1, which is dropped: the checkpoint is that of update
-        `step`, with the data position where the dropped update began, so the resumed run does it again whole. If
-        out_dir's checkpoint holds that already (the signal came during its save, or the run resumed from it), it is
-        not written again: at 7b that would spend a scheduler's grace period on a second copy."""
-        kept = self.keeper.last_good
-        if not (kept and kept[1] == step and same_file(kept[0], self.keeper.path)):
-            self.save(step, data_state)
+        `step`, with the data position where the dropped update began, so the resumed run does it again whole."""
+        self.save(step, data_state)
         if self.master:
             print(f"stopped by {self.stop['signal']} within update {step + 1}, which the resumed run makes again: "
                   f"saved {self.args.out_dir}/ckpt.pt at step {step}; rerun with --resume")
