@@ -8,6 +8,7 @@ Speed (and, on a GPU, memory) of SLTrain against dense training, always as ratio
     python bench.py --suite gpu --only layer optimizer                       # some of its sections
     python bench.py --suite tiny                                             # the same code at toy sizes, on CPU
     python bench.py --only inference --size 130m 350m 1b                      # Table 5 on a GPU: forward only
+    python bench.py --only step heavy host                                    # the optimizers alone
 
 Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
@@ -22,6 +23,13 @@ Sections (--only picks some):
                low-rank and GaLore 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's
                estimate of each
                (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
+  run only when --only names them, not in a suite:
+    step       one step of optim.AdamW, Adam8bit and Adam8bit(compile=True) ÷ torch's foreach AdamW on a 4096x4096
+               float32 tensor, on CPU
+    heavy      Adam8bit beside float32 AdamW on heavy-tailed gradients (200 steps, three cases), on CPU: the largest
+               update ÷ lr of each, and how far the 8-bit run ends from the float32 one
+    host       the host time per update of per-layer updates (AdamW, Adam8bit, compiled) for models with the layers
+               and trained tensors of each --size (default 60m 350m 7b) at toy width, and the aten operations
 
 --suite gpu: the layer at every projection shape of 60m/350m/1b/7b (N = 32768, bf16), with the parts of SLTrain's
 extra work timed alone; model: 350m train steps of the four methods with AdamW and 8-bit per-layer; model_compiled:
@@ -176,6 +184,160 @@ def bench_optimizer(size, device, dtype, rounds):
     times = interleave(variants, rounds, device)
     return dict(size=size, params_m=sum(p.numel() for p in base) / 1e6, dtype=str(dtype).removeprefix("torch."),
                 variants=summary(times, "torch.optim.AdamW"))
+
+
+# ----------------------------------------------------------------------------- the optimizers alone
+
+def bench_step(size=4096, steps=10, warmup=3, rounds=3):
+    """One step on a size x size float32 tensor on CPU for each optimizer, each in its own block of steps after a
+    warm-up (interleaving single steps would time the allocator), as ratios to torch's foreach AdamW. Each round keeps
+    the median step of each block; the best round counts, and range is the ratio's spread over rounds."""
+    makers = {
+        "torch.optim.AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=True),
+        "AdamW": lambda ps: optim.AdamW(ps, weight_decay=0.1),
+        "Adam8bit": lambda ps: optim.Adam8bit(ps, weight_decay=0.1),
+        "Adam8bit(compile=True)": lambda ps: optim.Adam8bit(ps, weight_decay=0.1, compile=True),  # compiles in warm-up
+    }
+    medians = {name: [] for name in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            torch.manual_seed(0)
+            p = nn.Parameter(torch.randn(size, size) * 0.02)
+            p.grad = torch.randn(size, size) * 1e-3
+            opt = make([p])
+            for _ in range(warmup):
+                opt.step()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            medians[name].append(sorted(times)[steps // 2])
+    reference = medians["torch.optim.AdamW(foreach=True)"]
+    variants = {}
+    for name, seconds in medians.items():
+        ratios = [s / r for s, r in zip(seconds, reference)]
+        variants[name] = dict(ms=min(seconds) * 1e3, ratio=min(seconds) / min(reference),
+                              range=(min(ratios), max(ratios)), rounds_ms=[s * 1e3 for s in seconds])
+    return dict(size=size, steps=steps, warmup=warmup, rounds=rounds, threads=torch.get_num_threads(),
+                variants=variants)
+
+
+HEAVY_CASES = ("short rows", "long rows", "values")
+
+
+def heavy_tailed(case, steps=200, lr=1e-3, make=None):
+    """Train one tensor for `steps` steps on gradients whose rows differ in scale by orders of magnitude (log-normal,
+    σ = 2.3, as the embedding rows of rare and common tokens do; a fixed drift plus fresh noise per entry) with
+    float32 AdamW and with make([p]) (Adam8bit by default). Returns (max |update|/lr of each, ||p8 - p32|| /
+    ||p32 - p0||). case: "short rows" (64 per row, 4 rows per block), "long rows" (1024, 4 blocks per row) or
+    "values" (a flat vector whose entries belong to random rows, as SLTrain's S does)."""
+    gen = torch.Generator().manual_seed(0)
+    shape, rows = {"short rows": ((512, 64), torch.arange(512 * 64) // 64),
+                   "long rows": ((64, 1024), torch.arange(64 * 1024) // 1024),
+                   "values": ((32768,), torch.randint(0, 1024, (32768,), generator=gen))}[case]
+    scale = torch.exp(2.3 * torch.randn(int(rows.max()) + 1, generator=gen))[rows].view(shape)
+    drift = 0.5 * torch.randn(shape, generator=gen)
+    p0 = 0.02 * torch.randn(shape, generator=gen)
+    params = [nn.Parameter(p0.clone()) for _ in range(2)]
+    opts = [optim.AdamW(params[:1], lr=lr), (make or (lambda ps: optim.Adam8bit(ps, lr=lr)))(params[1:])]
+    worst = [0.0, 0.0]
+    for _ in range(steps):
+        g = 1e-3 * scale * (drift + torch.randn(shape, generator=gen))
+        for i, (p, opt) in enumerate(zip(params, opts)):
+            before, p.grad = p.detach().clone(), g.clone()
+            opt.step()
+            worst[i] = max(worst[i], (p - before).abs().max().item() / lr)
+    p32, p8 = params
+    return worst[0], worst[1], ((p8 - p32).norm() / (p32 - p0).norm()).item()
+
+
+def bench_heavy(steps=200, lr=1e-3):
+    """heavy_tailed for each case: {case: dict(adamw=..., adam8bit=..., distance=...)}."""
+    rows = {}
+    for case in HEAVY_CASES:
+        adamw, adam8bit, distance = heavy_tailed(case, steps, lr)
+        rows[case] = dict(adamw=adamw, adam8bit=adam8bit, distance=distance)
+    return dict(steps=steps, lr=lr, cases=rows)
+
+
+def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
+    """Host time of per-layer updates: a training step of a model with the layers and trained tensors of `size`
+    (a 350m SLTrain model: 24 blocks, 555 tensors) at the tiny size's width, with per-layer updates, minus the same
+    step without them, for AdamW, Adam8bit and Adam8bit(compile=True) (every tensor a projection has takes the 8-bit
+    path, as at full width). At that width the arithmetic is negligible and what remains is what the host issues
+    for every tensor of every update: Python, dispatch and, on a GPU, kernel launches, whatever the tensors' sizes.
+    On CPU the 8-bit step takes the path it takes on a GPU (whole tensors, small ones together), not the chunked
+    one. Returns {name: (ms per update, operations per update)} (operations: the aten calls, views included; None
+    for compiled code, whose kernels run below the dispatcher)."""
+    device = torch.device(device)
+    small = 65  # the norms (64 wide here) keep float32 moments, as they do at full width; the rest is 8-bit
+    makers = {"none": None, "AdamW": lambda ps: optim.AdamW(ps, lr=1e-3),
+              "Adam8bit": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small),
+              "Adam8bit(compile=True)": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, compile=True)}
+    config = config_for("tiny", method=method, n_layers=config_for(size).n_layers, vocab_size=256)
+    idx = torch.randint(256, (1, 17), device=device)
+    times, chunked = {}, set(optim.CHUNKED_DEVICES)
+    optim.CHUNKED_DEVICES.discard(device.type)
+    try:
+        for name, make in makers.items():
+            torch.manual_seed(0)
+            times[name] = _host_step_time(LLaMA(config, device=device), make, idx, rounds, ops="compile" not in name)
+    finally:
+        optim.CHUNKED_DEVICES.update(chunked)
+    (none, none_ops) = times.pop("none")
+    return {name: ((t - none) * 1e3, None if n is None else n - none_ops) for name, (t, n) in times.items()}
+
+
+def count_ops(fn):
+    """The number of aten operations fn() issues, views included: on a GPU, about the kernel launches and what else
+    the host must do for each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _host_step_time(model, make, idx, rounds, ops):
+    """(best seconds, aten operations if ops else None) of a training step of model with per-layer updates by make
+    (none if make is None)."""
+    sync = torch.cuda.synchronize if idx.device.type == "cuda" else lambda: None
+    per_layer = optim.attach_per_layer(model, make) if make else None
+
+    def step():
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        if per_layer is None:
+            model.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # the state appears, and compiled code compiles, here
+        step()
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times), count_ops(step) if ops else None
+
+
+def bench_host(device, sizes, rounds=5):
+    """per_layer_host_time at each size for full and sltrain, with each model's count of trained tensors."""
+    rows = []
+    for size in sizes:
+        for method in ("full", "sltrain"):
+            model = LLaMA(config_for(size, method=method), device="meta")
+            rows.append(dict(size=size, method=method, tensors=sum(p.requires_grad for p in model.parameters()),
+                             host=per_layer_host_time(device, size, method, rounds)))
+    return dict(device=str(device), rounds=rounds, rows=rows)
 
 
 # ----------------------------------------------------------------------------- the GPU suite
@@ -385,7 +547,7 @@ def suite_memory(s, device, progress=lambda partial: None):
 
 def suite_optimizer(s, device, dtype):
     """optim.Adam8bit step, eager and compiled, ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the
-    host's time per update of per-layer updates for the model section's size (optim.per_layer_host_time): what
+    host's time per update of per-layer updates for the model section's size (per_layer_host_time): what
     bounds a per-layer GPU step when it exceeds the device's time."""
     torch.manual_seed(0)
     base = [torch.randn(shape, device=device, dtype=dtype) * 0.02 for shape in s["optimizer_shapes"]]
@@ -405,7 +567,7 @@ def suite_optimizer(s, device, dtype):
                        s["rounds"], device)  # the compiled step compiles in the warm-up
     return dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                 variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"],
-                host_ms_per_update={m: optim.per_layer_host_time(device, s["model_size"], m)
+                host_ms_per_update={m: per_layer_host_time(device, s["model_size"], m)
                                     for m in ("full", "sltrain")})
 
 
@@ -713,6 +875,34 @@ def machine(device):
     return info
 
 
+def report_step(r):
+    S = r["step"]
+    print(f"one optimizer step on a {S['size']}x{S['size']} tensor, CPU, {S['threads']} threads, median of "
+          f"{S['steps']} steps after {S['warmup']} warm-up, best of {S['rounds']} rounds")
+    for name, v in S["variants"].items():
+        print(f"{name:>32}: {v['ms']:7.1f} ms/step  {v['ratio']:5.2f}x [{v['range'][0]:.2f}-{v['range'][1]:.2f}]")
+
+
+def report_heavy(r):
+    H = r["heavy"]
+    print(f"{H['steps']} steps on heavy-tailed gradients (row scales exp(2.3·N(0,1))), lr {H['lr']:g}")
+    for case, v in H["cases"].items():
+        print(f"{case:>10}: max |update|/lr AdamW {v['adamw']:.2f}, Adam8bit {v['adam8bit']:.2f}; "
+              f"||p8 - p32|| / ||p32 - p0|| {v['distance']:.3f}")
+
+
+def report_host(r):
+    H = r["host"]
+    print(f"per-layer updates on {H['device']}: the host's time per update (a step with them minus one without, best "
+          f"of {H['rounds']}) of models with the layers and trained tensors of each size at tiny width, and the aten "
+          "operations")
+    for row in H["rows"]:
+        print(f"  {row['size']} {row['method']} ({row['tensors']} tensors): " + " | ".join(
+            f"{name} {ms:.1f} ms{'' if n is None else f', {n} ops'}" for name, (ms, n) in row["host"].items()))
+    if H["device"] == "cpu":
+        print("  (compiled, on CPU: mostly the time of inductor's CPU kernels, slower than eager, not the host's)")
+
+
 def report(r):
     if "layer" in r:
         L, v = r["layer"], r["layer"]["variants"]
@@ -732,16 +922,30 @@ def report(r):
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
     report_inference(r)
     report_memory(r)
-    print("x: median over rounds of the per-round ratio [lowest-highest round]")
+    for key, show in (("step", report_step), ("heavy", report_heavy), ("host", report_host)):
+        if key in r:
+            show(r)
+    if r.keys() & {"layer", "model", "optimizer", "inference"}:
+        print("x: median over rounds of the per-round ratio [lowest-highest round]")
+
+
+OPTIMIZER_TOOLS = ("step", "heavy", "host")  # outside the default sections: run when --only names them
+CPU_ONLY = ("step", "heavy")
+USED_BY = {"--size": {"model", "optimizer", "inference", "host"}, "--batch_size": {"model", "inference"},
+           "--max_length": {"model", "inference"}, "--quick": {"model", "optimizer"},
+           "--rounds": {"layer", "model", "optimizer", "inference", "step", "host"}}
 
 
 def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix, before any work; returns the device. A suite
     has its own sizes and rounds (SUITES), so the flags that set them for the single sections are refused with it."""
+    only = set(args.only or ())
+    if only & set(CPU_ONLY) and args.device not in (None, "cpu"):
+        parser.error(f"--only {' '.join(sorted(only & set(CPU_ONLY)))} times the optimizers on CPU: drop --device "
+                     f"{args.device}, or run the other sections in a command of their own")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = device_from_flag(parser.error, args.device)
     cuda = device.type == "cuda"
-    only = set(args.only or ())
     if args.suite:
         flags = {"--size": args.size, "--batch_size": args.batch_size, "--max_length": args.max_length,
                  "--rounds": args.rounds, "--quick": args.quick or None}
@@ -751,6 +955,9 @@ def check_args(parser, args):
                          f"{'them' if len(given) > 1 else 'it'}, or drop --suite")
         if args.suite == "gpu" and not cuda:
             parser.error("--suite gpu measures bf16 on a GPU; run it on a CUDA machine, or use --suite tiny on CPU")
+        if only & set(OPTIMIZER_TOOLS):
+            parser.error(f"--only {' '.join(sorted(only & set(OPTIMIZER_TOOLS)))}: not sections of a suite; drop "
+                         "--suite (the suite's optimizer section has the host time)")
         if (args.tokenizer or "program" in only) and not args.data_dir:
             parser.error("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
     else:
@@ -764,6 +971,10 @@ def check_args(parser, args):
                          "CPU, python estimate_memory.py --measure counts memory instead)")
         if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
             parser.error("--batch_size, --max_length and --rounds must be >= 1")
+        for flag, users in USED_BY.items():
+            if only and getattr(args, flag[2:]) not in (None, False) and not only & users:
+                parser.error(f"{flag} is for the {', '.join(sorted(users))} sections, and --only has none of them: "
+                             f"drop {flag}")
     args.tokenizer = args.tokenizer or "data/t5_spiece.model"
     args.max_length, args.rounds = args.max_length or 256, args.rounds or 7
     return device
@@ -781,19 +992,23 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
     parser.add_argument("--only", nargs="+",
                         choices=["layer", "model", "model_compiled", "amp", "optimizer", "memory", "inference",
-                                 "program"],
-                        help="run only these sections (default: all that apply to the device; program: --suite only)")
+                                 "program", *OPTIMIZER_TOOLS],
+                        help="run only these sections (default: all that apply to the device, without step, heavy "
+                             "and host; model_compiled, amp, program: --suite only)")
     parser.add_argument("--size", nargs="+", default=None, choices=list(SIZES),
-                        help="sizes for the model section (default: 60m on CPU, tiny with --quick, 350m 1b on CUDA)")
+                        help="sizes for the model, optimizer and inference sections (default: 60m on CPU, tiny with "
+                             "--quick, 350m 1b on CUDA) and host (default: 60m 350m 7b)")
     parser.add_argument("--batch_size", type=int, default=None, help="sequences per train step (default: 4, CUDA 16)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: 256)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per section (default: 7)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per section (default: 7; step 3, host 5)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (torch.set_num_threads); 1 gives steadier ratios on a shared machine")
     parser.add_argument("--json", action="store_true", help="print the results as JSON after the table")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     args = parser.parse_args()
+    rounds_given = args.rounds
     device = check_args(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -821,6 +1036,12 @@ def main():
         result["inference"] = [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
                                                                       batch_size), args.max_length, device, dtype,
                                                args.rounds) for s in sizes]
+    if "step" in sections:
+        result["step"] = bench_step(rounds=rounds_given or 3)
+    if "heavy" in sections:
+        result["heavy"] = bench_heavy()
+    if "host" in sections:
+        result["host"] = bench_host(device, args.size or ("60m", "350m", "7b"), rounds_given or 5)
     if not args.suite:
         report(result)
     if args.json:

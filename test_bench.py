@@ -4,6 +4,7 @@ The benchmark suite's code at toy sizes on CPU, so that a GPU session spends its
     python -m pytest -q test_bench.py
 """
 
+import functools
 import json
 import math
 
@@ -187,6 +188,12 @@ def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
     (["--size", "61m"], "invalid choice: '61m' (choose from"),
     (["--rounds", "0"], "must be >= 1"),
     (["--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["--suite", "tiny", "--only", "host"], "--only host: not sections of a suite; drop --suite"),
+    (["--only", "step", "layer", "--device", "cuda"], "--only step times the optimizers on CPU: drop --device cuda"),
+    (["--only", "layer", "--size", "60m"], "--size is for the host, inference, model, optimizer sections"),
+    (["--only", "heavy", "--rounds", "3"], "and --only has none of them: drop --rounds"),
+    (["--only", "step", "--batch_size", "4"], "drop --batch_size"),
+    (["--only", "host", "--quick"], "drop --quick"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     if argv[:2] == ["--suite", "gpu"] and torch.cuda.is_available():
@@ -198,3 +205,35 @@ def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
         bench.main()
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_the_optimizer_tools_run_and_report(monkeypatch, capsys, tmp_path):
+    """--only step heavy host: the optimizers alone, outside the default sections; each reports its table, and the
+    flags that they take (--size, --rounds) are honored."""
+    monkeypatch.setattr(bench, "bench_step", functools.partial(bench.bench_step, size=64, steps=2, warmup=1))
+    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "step", "heavy", "host", "--size", "tiny", "--rounds", "2",
+                                     "--device", "cpu", "--out", str(tmp_path / "tools.json")])
+    bench.main()
+    out = capsys.readouterr().out
+    r = json.loads((tmp_path / "tools.json").read_text())
+    assert set(r) >= {"step", "heavy", "host"} and not set(r) & {"layer", "model", "optimizer", "inference"}
+    step = r["step"]
+    assert step["rounds"] == 2 and set(step["variants"]) == {"torch.optim.AdamW(foreach=True)", "AdamW", "Adam8bit",
+                                                             "Adam8bit(compile=True)"}
+    assert step["variants"]["torch.optim.AdamW(foreach=True)"]["ratio"] == 1.0
+    assert all(len(v["rounds_ms"]) == 2 and v["ms"] > 0 and v["range"][0] <= v["range"][1]
+               for v in step["variants"].values())
+    heavy = r["heavy"]["cases"]
+    assert set(heavy) == set(bench.HEAVY_CASES)
+    assert all(v["adam8bit"] <= 10 and v["distance"] <= 0.5 for v in heavy.values()), heavy  # test_optim's bars
+    host = r["host"]
+    assert host["rounds"] == 2 and [(row["size"], row["method"]) for row in host["rows"]] == [("tiny", "full"),
+                                                                                            ("tiny", "sltrain")]
+    for row in host["rows"]:
+        assert set(row["host"]) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"}
+        assert row["host"]["Adam8bit"][1] > row["host"]["AdamW"][1] > 0  # 8-bit issues more operations per tensor
+        assert row["host"]["Adam8bit(compile=True)"][1] is None
+    assert "one optimizer step on a 64x64 tensor" in out and "best of 2 rounds" in out
+    assert "200 steps on heavy-tailed gradients" in out and out.count("max |update|/lr") == 3
+    assert "tiny sltrain (" in out and "x: median" not in out
+

@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from bench import count_ops, heavy_tailed
 from hostsync import HostSyncs
 from model import LLaMA, config_for
 from sllinear import SLLinear
 from galore import GaLore
-from optim import (AdamW, Adam8bit, attach_per_layer, count_ops, dequantize_blockwise, dynamic_map, heavy_tailed,
-                   quantize_blockwise)
+from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, dynamic_map, quantize_blockwise
 
 VOCAB = 256
 
