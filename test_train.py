@@ -24,6 +24,7 @@ import torch
 
 import checkpoint
 import data
+import flags
 import train
 from hostsync import HostSyncs
 from test_hostsync import mark_pinning
@@ -541,7 +542,7 @@ def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, cap
     assert re.search(r"needs about \d+\.\d GB per process, more than 80% of .* pass --batch_size \d+$",
                      capsys.readouterr().err.strip())
     args = train.get_args(["--size", "60m", "--device", "cpu"])
-    assert args.batch_size == train.CPU_MICRO  # not the GPU micro-batch of 128
+    assert args.batch_size == flags.CPU_MICRO  # not the GPU micro-batch of 128
 
 
 @pytest.mark.parametrize("extra", [[], ["--amp"], ["--optimizer", "adam8bit", "--per_layer"]])
@@ -579,7 +580,7 @@ def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
             train.get_args(["--size", "1b", "--method", "full", "--device", "cuda", "--optimizer", "galore_adamw",
                             "--galore_rank", galore_rank, "--batch_size", "1"])  # 1: no smaller one to search
         needs.append(float(re.search(r"needs about (\d+\.\d) GB", capsys.readouterr().err)[1]))
-    rows = [train.estimate("1b", "galore", rank, batch_size=1, index_dtype="int32") for rank in (64, 2048)]
+    rows = [flags.estimate("1b", "galore", rank, batch_size=1, index_dtype="int32") for rank in (64, 2048)]
     assert needs[1] > needs[0] + 1
     assert needs[1] - needs[0] == pytest.approx(rows[1]["optim_gb"] - rows[0]["optim_gb"], abs=0.11)
 
@@ -587,7 +588,7 @@ def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
 def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch, capsys):
     """--freeze lowrank trains V alone: a GPU with room for that run but not for the whole model's takes it."""
     argv = ["--size", "1b", "--method", "sltrain", "--device", "cuda", "--batch_size", "1"]  # no smaller one to search
-    rows = [train.estimate("1b", "sltrain", batch_size=1, index_dtype="int32", freeze=f) for f in ("lowrank", None)]
+    rows = [flags.estimate("1b", "sltrain", batch_size=1, index_dtype="int32", freeze=f) for f in ("lowrank", None)]
     free = (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9  # between the two needs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

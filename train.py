@@ -9,7 +9,8 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     python train.py --size 60m --method full --optimizer galore_adamw   # the baselines: GaLore, and ReLoRA
     python train.py --size 60m --method relora
 
-Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line.
+Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line, and is
+checked before any work (flags.py).
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
 """
 
@@ -19,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import resource
 import signal
 import time
@@ -33,262 +33,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from analyze import prepare_for_training
 import checkpoint
+import flags
 from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
-from devices import device_from_flag
-from estimate_memory import estimate
+from flags import resume_path, same_file
 from hostsync import HostSyncs
-from model import LLaMA, LLaMAConfig, SIZES, config_for, describe, is_projection, relora_merge
+from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
 
-# size -> (training steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts
-RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
-           "350m": (65_000, 3e-3, 64), "1b": (140_000, 3e-3, 32), "7b": (150_000, 5e-4, 8)}
 MODEL_FIELDS = ("method", "rank", "alpha", "delta")
-CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help shows every flag's default, except where the help line already says what it is."""
-
-    def _get_help_string(self, action):
-        shown = "default" in action.help or action.default in (None, False, argparse.SUPPRESS)
-        return action.help if shown else action.help + " (default: %(default)s)"
-
-
-def make_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    a = p.add_argument
-    a("--size", choices=list(SIZES), help="model size (the paper's LLaMA configs; default 60m)")
-    a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain"], default="sltrain",
-      help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), or W = s·BA + S")
-    a("--rank", type=int, help="rank r of the factors (default: the paper's for the size)")
-    a("--delta", "--sp_ratio", type=float, help="sparsity: fraction of entries in S (default 0.03; 7b 0.05)")
-    a("--alpha", "--lora_alpha", type=float, help="low-rank scale s = alpha/r (default: the paper's for the size)")
-    a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer",
-                                                "galore_adamw", "galore_adam8bit", "galore_adamw_per_layer",
-                                                "galore_adam8bit_per_layer"],
-      help="optimizer (written from scratch: optim.py, galore.py); *_per_layer is --per_layer; galore_* needs "
-           "--method full")
-    a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
-    a("--grad_clipping", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
-    a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
-    a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU)")
-    a("--amp", action="store_true", help="mixed precision: float32 parameters and optimizer state, bf16 autocast "
-      "for forward and backward (the default on GPU is the paper's pure bf16)")
-    a("--compile", action="store_true", help="torch.compile each transformer block (model.compile_blocks: one "
-      "graph for all, per-layer memory kept) and 8-bit Adam's step (fused kernels; for GPUs: on a CPU inductor's "
-      "code for it is slower than eager)")
-    a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
-      "should be none; hostsync.py) and print them at the end")
-    a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
-    a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
-    a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
-      f"at most {CPU_MICRO} on CPU)")
-    a("--total_batch_size", type=int, default=512, help="sequences per update, over all devices and micro-batches")
-    a("--gradient_accumulation", type=int, help="micro-batches per update (default: derived)")
-    a("--max_length", type=int, default=256, help="tokens per sequence")
-    a("--num_training_steps", type=int, help="optimizer updates (default: the paper's for the size)")
-    a("--warmup_steps", type=int, help="linear warmup updates (default: 10%% of the steps; on resume, the run's)")
-    a("--min_lr_ratio", type=float, default=0.1, help="the cosine schedule ends at this fraction of --lr")
-    a("--scheduler", default="cosine", choices=["cosine"], help="learning-rate schedule (warmup, then cosine)")
-    a("--weight_decay", type=float, default=0.0, help="decoupled weight decay")
-    a("--beta1", type=float, default=0.9, help="Adam beta1")
-    a("--beta2", type=float, default=0.999, help="Adam beta2")
-    a("--eval_every", type=int, default=1000, help="evaluate validation perplexity every this many updates")
-    a("--eval_tokens", type=int, default=10_000_000, help="validation tokens (the first N of the validation shards)")
-    a("--eval_only", action="store_true", help="evaluate the --resume checkpoint (default out_dir/ckpt.pt) and exit")
-    a("--save_every", type=int, default=1000, help="write a checkpoint every this many updates")
-    a("--out_dir", "--save_dir", default="out", help="checkpoint and metrics.jsonl folder")
-    a("--resume", "--continue_from", nargs="?", const="auto",
-      help="continue from a checkpoint, or the ckpt.pt in a folder (default out_dir/ckpt.pt)")
-    a("--overwrite", action="store_true", help="replace a checkpoint already in out_dir: start afresh, or continue "
-      "another run's --resume PATH there")
-    a("--stop_after", type=int, help="end this run after this many updates, with a checkpoint (job time limits)")
-    a("--data_dir", default="data/c4", help="folder of C4 shards (c4-train.*.json.gz, c4-validation.*.json.gz)")
-    a("--tokenizer", default="data/t5_spiece.model", help="sentencepiece model (T5's: 32000 pieces)")
-    a("--download", action="store_true", help="fetch missing C4 shards and the T5 tokenizer first")
-    a("--pack", action="store_true", help="pack documents into full windows (default: the paper's padding)")
-    a("--workers", type=int, default=1, help="data loader worker processes (0: load in the main process)")
-    a("--log_every", type=int, default=10, help="print and record a log line every this many updates")
-    a("--seed", type=int, default=42, help="seed for initialization, support and data order")
-    a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
-    a("--init_from", help="start a lowrank/sltrain model at a full-rank checkpoint: s·BA = its best rank-r "
-      "approximation, S = the residual on the support (analyze.py)")
-    a("--support", default="random", choices=["random", "top"],
-      help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
-    a("--freeze", choices=["lowrank"],
-      help="train only the sparse values V: B, A (with --init_from: L0), embeddings, norms and head stay")
-    a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
-    a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
-    a("--galore_update_gap", type=int, default=200, help="GaLore: recompute each projection every this many updates")
-    a("--galore_scale", type=float, default=0.25, help="GaLore: scale of the update projected back")
-    a("--relora_reset", type=int, default=2000, help="ReLoRA: merge BA into W0 and restart every this many updates")
-    a("--relora_warmup", type=int, default=50, help="ReLoRA: updates of linear lr warmup after each restart")
-    a("--relora_prune", type=float, default=0.99,
-      help="ReLoRA: fraction of the restarted factors' Adam moments zeroed, smallest magnitudes first")
-    return p
 
 
 def get_args(argv=None):
-    """The flags, every one checked here before any work: a bad value is one line naming the fix."""
-    p = make_parser()
-    args = p.parse_args(argv)
-    if args.model_config:
-        m = re.search(r"llama_(\w+)\.json$", args.model_config)
-        if not m or m.group(1) not in SIZES:
-            p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in "
-                    f"{list(SIZES)}")
-        if args.size not in (None, m.group(1)):
-            p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
-        args.size = m.group(1)
-    args.size = args.size or "60m"
-    if args.optimizer.endswith("_per_layer"):
-        args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
-    steps, lr, _ = RECIPES[args.size]
-    args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
-    galore = args.optimizer.startswith("galore")
-    args.lr = (1e-2 if galore else lr) if args.lr is None else args.lr  # GaLore's paper: lr 0.01
-    positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
-                "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after")
-    for name in positive:
-        if getattr(args, name) is not None and not getattr(args, name) > 0:  # `not >` also refuses NaN
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
-        if getattr(args, name) is not None and not getattr(args, name) >= 0:
-            p.error(f"--{name} must be >= 0, got {getattr(args, name)}")
-    for name, low, high in (("min_lr_ratio", 0, 1), ("beta1", 0, 0.999999), ("beta2", 0, 0.999999)):
-        if not low <= getattr(args, name) <= high:
-            p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
-                    f"got {getattr(args, name)}")
-    if args.max_length < 2:
-        p.error(f"--max_length must be at least 2 (an input token and its target), got {args.max_length}")
-    if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps:
-        p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
-    if args.per_layer and args.grad_clipping > 0:
-        p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
-                "drop --grad_clipping or drop --per_layer")
-    if args.init_from and (args.method == "full" or not os.path.isfile(args.init_from)):
-        p.error(f"--init_from {args.init_from}: needs --method lowrank or sltrain and an existing full-rank ckpt.pt")
-    if args.support == "top" and not (args.init_from and args.method == "sltrain"):
-        p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
-    if args.freeze and args.method != "sltrain":
-        p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
-    if args.support_seed is not None and args.method != "sltrain":
-        p.error(f"--support_seed draws the sparse supports: it needs --method sltrain, not {args.method}")
-    if args.amp and args.dtype == "bfloat16":
-        p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
-    if args.eval_only and args.overwrite:
-        p.error("--eval_only reads a checkpoint and --overwrite replaces it: drop one of them")
-    if args.resume and args.overwrite and same_file(resume_path(args), os.path.join(args.out_dir, "ckpt.pt")):
-        p.error("--resume continues the checkpoint in --out_dir and --overwrite replaces it: drop one of them")
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        p.error(f"--out_dir {args.out_dir} is a file: pass a folder")
-    try:
-        model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
-        LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
-    except ValueError as e:
-        p.error(str(e))
-    args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
-    check_baseline_flags(p, args, model_config)
-    resolve_device_and_batch(p, args)
-    if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
-        args.warmup_steps = int(0.1 * args.num_training_steps)
-    args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
-    return args
-
-
-def check_baseline_flags(p, args, config):
-    """GaLore's and ReLoRA's flags (the baselines of Table 1)."""
-    galore = args.optimizer.startswith("galore")
-    args.galore_rank = args.rank if args.galore_rank is None else args.galore_rank  # an explicit 0 is refused below
-    if galore and args.method != "full":
-        p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
-    if galore and not 0 < args.galore_rank <= min(config.dim, config.ffn_dim):
-        p.error(f"--galore_rank must be in [1, {min(config.dim, config.ffn_dim)}], got {args.galore_rank}")
-    if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
-        p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
-    if not 0 <= args.relora_prune <= 1:
-        p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
-
-
-def resolve_device_and_batch(p, args):
-    """The device, then the batch arithmetic (total = batch_size x accumulation x world, exactly), then memory."""
-    local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = device_from_flag(p.error, args.device, "auto, cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        device = cuda_device(p, args, device, local_rank)
-    if args.batch_size is None:
-        args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
-        if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
-            micro = RECIPES[args.size][2] if device.type == "cuda" else CPU_MICRO
-            args.batch_size = max(1, min(args.batch_size, micro))
-    per_micro = args.batch_size * world
-    if args.batch_size <= 0 or args.total_batch_size % per_micro:
-        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size "
-                f"{args.batch_size} x {world} devices; pick sizes that divide")
-    accum = args.total_batch_size // per_micro
-    if args.gradient_accumulation not in (None, accum):
-        p.error(f"--gradient_accumulation {args.gradient_accumulation} x --batch_size {args.batch_size} x "
-                f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
-    args.gradient_accumulation = accum
-    check_memory(p, args, device, world)
-
-
-def cuda_device(p, args, device, local_rank):
-    """The GPU this process trains on, always with its index: torch.cuda.set_device and DDP's device_ids need one.
-    Plain --device cuda means the local rank's GPU (cuda:0 without torchrun); one GPU named for several processes
-    of one machine is refused (device_from_flag refused an index that is not there)."""
-    count, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device.index is None:
-        if local_rank >= count:
-            p.error(f"torchrun started {local_world} processes on this machine, which has {count} CUDA GPU(s): "
-                    f"pass --nproc_per_node={count}")
-        device = torch.device("cuda", local_rank)
-    elif local_world > 1:
-        p.error(f"--device {args.device}: under torchrun each of this machine's {local_world} processes takes the GPU "
-                f"of its local rank; pass --device cuda (or auto)")
-    args.device = str(device)
-    torch.cuda.set_device(device)  # before any other CUDA call, which would otherwise make a context on cuda:0 too
-    return device
-
-
-def check_memory(p, args, device, world):
-    """Refuse, before anything is built, a run whose estimated peak (estimate_memory.py at this run's settings) exceeds
-    the memory it has, naming a --batch_size that fits. On CPU: 80% of the machine's memory, shared by the ranks;
-    beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of its free memory (other
-    processes' and CUDA's own context already taken out), the rest left to the allocator; beyond it CUDA would run
-    out of memory once the model is built."""
-    if device.type == "cuda":
-        available, share = torch.cuda.mem_get_info(device)[0], 0.95
-        where = f"the {available / 1e9:.1f} GB free on {device}"
-    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
-        share, where = 0.8, f"this machine's {available / 1e9:.1f} GB"
-    else:
-        return
-    galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
-
-    method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
-
-    def need(batch, checkpointing=args.activation_checkpointing):  # sllinear's int32 indices (below 2^31 entries)
-        return estimate(args.size, method, rank, args.delta, index_dtype="int32",
-                        optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
-                        max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
-                        amp=args.amp, freeze=args.freeze)["train_gb"] * 1e9
-    needed = need(args.batch_size)
-    if needed <= share * available:
-        return
-    fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0
-                 and need(b) <= share * available), None)
-    fix = f"pass --batch_size {fits}" if fits else "pick a smaller --size or more memory"
-    if not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
-        fix += " or add --activation_checkpointing"
-    p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB "
-            f"per process, more than {share:.0%} of {where}; {fix}")
+    """The flags, each checked before any work (flags.py), with this file's usage above them in --help."""
+    return flags.get_args(argv, __doc__)
 
 
 def lr_lambda_for(args, jags=True):
@@ -407,16 +165,6 @@ def set_hyperparameters(args, optimizers, scheduler):
         for group in scheduler.optimizer.param_groups:
             group["lr"] = args.lr * factor
         scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
-
-
-def resume_path(args):
-    if args.resume in (None, "auto"):
-        return os.path.join(args.out_dir, "ckpt.pt")
-    return checkpoint.checkpoint_file(args.resume)
-
-
-def same_file(a, b):
-    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def refuse_overwrite(args):
