@@ -25,7 +25,8 @@ import sys
 import torch
 import torch.nn as nn
 
-from checkpoint import load_model
+from checkpoint import atomic_file, load_model
+from data import load_tokenizer, validation_batches
 from model import RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
 
@@ -204,8 +205,8 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
         out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 20}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
         out.append(f'<text x="{lx + 26}" y="{ly + 4}">{esc(label)}</text>')
     out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+    with atomic_file(path) as f:  # whole or not at all: a full disk leaves an earlier figure as it was
+        f.write(("\n".join(out) + "\n").encode())
 
 
 # ----------------------------------------------------------------------------- Table 2: pruning a dense model
@@ -380,6 +381,11 @@ def get_args(argv=None):
         p.error(f"--threshold must be a positive number, got {args.threshold}")  # `not <`: NaN is refused too
     if args.command == "spectrum" and args.figures and os.path.exists(args.figures) and not os.path.isdir(args.figures):
         p.error(f"--figures {args.figures} is a file; pass a folder (it is created if missing)")
+    if args.command == "prune" and args.tokenizer:
+        try:
+            load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as e:
+            p.error(f"--tokenizer: {e}")
     if args.command == "prune":
         if not 0 <= args.delta < 1:
             p.error(f"--delta must be in [0, 1), got {args.delta}")
@@ -390,6 +396,15 @@ def get_args(argv=None):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")
         if os.path.isdir(args.out):
             p.error(f"--out {args.out} is a folder; pass a file in it, such as {os.path.join(args.out, 'curves.svg')}")
+    # the folder written into, made now: one that cannot be is refused before any SVD or file is read
+    folder = {"spectrum": getattr(args, "figures", None), "curves": os.path.dirname(getattr(args, "out", "") or "")}
+    if folder.get(args.command):
+        try:
+            os.makedirs(folder[args.command], exist_ok=True)
+        except OSError as e:
+            flag = "--figures" if args.command == "spectrum" else "--out"
+            p.error(f"{flag} {getattr(args, flag[2:])}: cannot create {folder[args.command]} ({e.strerror}); pass a "
+                    "folder you can write to")
     return args
 
 
@@ -464,7 +479,6 @@ def main(argv=None):
                 print(f"wrote {path}", file=sys.stderr)
         return
 
-    from data import validation_batches
     run = ckpt.get("args", {})
     data_dir = run.get("data_dir") if args.data_dir is None else args.data_dir
     tokenizer = run.get("tokenizer") if args.tokenizer is None else args.tokenizer
@@ -472,6 +486,13 @@ def main(argv=None):
         raise SystemExit(f"analyze.py prune: {args.ckpt} does not record its validation data; pass --data_dir and "
                          "--tokenizer")
     eval_tokens = run.get("eval_tokens", 10_000_000) if args.eval_tokens is None else args.eval_tokens
+    try:
+        pieces = load_tokenizer(tokenizer).get_piece_size()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"analyze.py prune: {e}") from None
+    if pieces != model.config.vocab_size:
+        raise SystemExit(f"analyze.py prune: tokenizer {tokenizer} has {pieces} pieces but the model "
+                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
     try:
         batches = validation_batches(data_dir, tokenizer, args.batch_size, max_length=run.get("max_length", 256),
                                      eval_tokens=eval_tokens, pack=run.get("pack", False))

@@ -19,13 +19,13 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import struct
 from dataclasses import asdict
 
 import torch
 
 from checkpoint import SaveFailed, atomic_file, load_model, save
+from data import load_tokenizer
 from model import LLaMA, ReLoRALinear
 from sllinear import SLLinear
 
@@ -119,30 +119,41 @@ def hf_config(config, max_length, dtype, eos_id):
 def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     """Write config.json, model.safetensors (in dtype, default the model's) and the tokenizer (sentencepiece model +
     tokenizer_config.json)."""
-    from data import load_tokenizer
     run = ckpt.get("args", {})
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError("the checkpoint names no tokenizer; pass --tokenizer")
     sp = load_tokenizer(tokenizer)
+    if sp.get_piece_size() != model.config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer} has {sp.get_piece_size()} pieces but the model "
+                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
+    with open(tokenizer, "rb") as f:
+        spm = f.read()  # read first: --tokenizer may be the tokenizer.model of this very folder
     os.makedirs(out_dir, exist_ok=True)
     tensors = {hf_name(k): v for k, v in dense_state(model, dtype).items()}
     save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
     config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id())
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.model"))
+    write_whole(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2).encode())
+    write_whole(os.path.join(out_dir, "tokenizer.model"), spm)
     # T5's tokenizer class reads a sentencepiece unigram model with its own normalizer, so its ids are ours (the
     # LLaMA class re-reads the model as BPE and is not). No extra ids: the vocabulary stays the model's. It appends
     # EOS, which ends every training document: right for scoring documents; pass add_special_tokens=False for prompts
     eos, unk = sp.id_to_piece(sp.eos_id()), sp.id_to_piece(max(sp.unk_id(), 0))
     tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
            "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(0), "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tok, f, indent=2)
+    write_whole(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(tok, indent=2).encode())
     return sorted(os.listdir(out_dir))
+
+
+def write_whole(path, data):
+    """bytes to path, whole or not at all (checkpoint.atomic_file), a failed write raising OSError naming path."""
+    try:
+        with atomic_file(path) as f:
+            f.write(data)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
 
 
 def export_merged(model, ckpt, path, dtype=None):
@@ -177,6 +188,19 @@ def main(argv=None):
     if args.merged and not os.path.isdir(os.path.dirname(args.merged) or "."):
         p.error(f"--merged {args.merged}: no folder {os.path.dirname(args.merged)}; create it or pass a file in an "
                 "existing folder")
+    if args.tokenizer and not args.out:
+        p.error("--tokenizer is for the Hugging Face folder: add --out FOLDER, or drop --tokenizer (--merged keeps the "
+                "run's tokenizer)")
+    if args.tokenizer:
+        try:
+            load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as e:
+            p.error(f"--tokenizer: {e}")
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out {args.out}: cannot create the folder ({e.strerror}); pass a folder you can write to")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         model, ckpt = load_model(args.ckpt)

@@ -5,8 +5,8 @@ Generate text from a checkpoint that train.py (or export.py --merged) wrote, wit
     python sample.py out/ckpt.pt --temperature 0.8 --top_k 200 --seed 1337 --device cuda
 
 Sampling as nanoGPT's: the logits of the last position divided by the temperature, cut to the top k, softmax, one
-draw; the context is cropped to the training sequence length (max_length - 1 inputs: x = seq[:-1]), past which
-rotary positions were never seen.
+draw; the context is cropped to the positions training saw (max_length - 1 inputs in the paper's padded rows,
+max_length with --pack), past which rotary positions were never seen.
 --temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device.
 A sample ends at its first end of document (EOS), so it may be shorter than --max_new_tokens: training documents end
 there (paper mode never shows the model a token after EOS), and what followed would be a second, unrelated document.
@@ -63,22 +63,25 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     if sp.get_piece_size() != model.config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer} has {sp.get_piece_size()} pieces but the model "
                          f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
-    # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document, as every
-    # training document does
+    # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
+    # every training document follows one; the paper's padded rows never predict a document's first token, so there
+    # the first draw is from an untrained position (give a prompt)
     prompted = bool(sp.encode(prompt))
     ids = sp.encode(prompt) if prompted else [sp.eos_id()]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     g = torch.Generator().manual_seed(seed)
-    context = run.get("max_length", 256) - 1  # training saw max_length - 1 positions
+    context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw
     eos = sp.eos_id()
     out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g, eos_id=eos)
     typed, texts = sp.decode(ids) if prompted else "", []
+    # the prompt as typed, less the whitespace at its end, which the tokenizer drops (the model saw none there)
+    head = prompt if typed != typed.rstrip() else prompt.rstrip()
     for row in out.tolist():
         new = row[len(ids):]
         new = new[:new.index(eos)] if eos in new else new  # the sample ends with its document
         text = sp.decode((ids if prompted else []) + new)
         # the prompt as typed: decoded, a character outside the vocabulary would show as ⁇
-        texts.append(prompt + text[len(typed):] if text.startswith(typed) else text)
+        texts.append(head + text[len(typed):] if text.startswith(typed) else text)
     return texts
 
 

@@ -15,7 +15,7 @@ import analyze
 import train
 from checkpoint import load_model
 from sllinear import SLLinear
-from test_train import base_args, corpus  # noqa: F401  (corpus is a fixture)
+from test_train import base_args, corpus, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def test_curves_bad_inputs_are_one_line_naming_the_fix(tmp_path, capsys):
     assert "is a folder" in refusal(capsys, ["curves", good, "--out", str(tmp_path)])
     assert "--labels for 1 files" in refusal(capsys, ["curves", good, "--labels", "a", "b"])
     (tmp_path / "file").write_text("")
-    assert "cannot write --out" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
+    assert "cannot create" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
 
 
 def test_curves_creates_its_folder_and_leaves_out_non_finite_points(tmp_path, capsys):
@@ -331,3 +331,36 @@ def test_curves_creates_its_folder_and_leaves_out_non_finite_points(tmp_path, ca
     assert "non-finite at step(s) 20; left out of the plot" in capsys.readouterr().err
     polyline = ET.parse(out).getroot().find("{http://www.w3.org/2000/svg}polyline")
     assert len(polyline.get("points").split()) == 2 and "nan" not in polyline.get("points")
+
+
+def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, capsys):
+    """A write the filesystem refuses (a file past the process's size limit, as a full disk) is one line, and the
+    SVG written before stays whole: figures are written through checkpoint.atomic_file."""
+    small = write_metrics(tmp_path / "small" / "metrics.jsonl", [{"step": 10, "val_ppl": 50.0}])
+    big = write_metrics(tmp_path / "big" / "metrics.jsonl", [{"step": s, "val_ppl": 50.0 - s / 100} for s in
+                                                              range(1, 1001)])
+    out = tmp_path / "curves.svg"
+    analyze.main(["curves", small, "--out", str(out)])
+    before = out.read_bytes()
+    assert len(before) < 4096
+    with file_size_limit(4096):
+        assert "cannot write --out" in refusal(capsys, ["curves", big, "--out", str(out)])
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["big", "curves.svg", "small"]
+
+
+def test_output_folders_are_checked_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
+    def refuse_to_load(path, *args, **kwargs):
+        raise AssertionError(f"{path} was loaded before the arguments were checked")
+
+    monkeypatch.setattr(analyze, "load_model", refuse_to_load)
+    (tmp_path / "a_file").write_text("")
+    got = refusal(capsys, ["spectrum", str(tmp_path / "ckpt.pt"), "--figures", str(tmp_path / "a_file" / "figs")])
+    assert "--figures" in got and "cannot create" in got and "pass a folder you can write to" in got, got
+    got = refusal(capsys, ["prune", str(tmp_path / "ckpt.pt"), "--tokenizer", str(tmp_path / "none.model")])
+    assert "error: --tokenizer: tokenizer" in got and "not found" in got, got
+
+
+def test_prune_refuses_a_tokenizer_of_another_size(dense_ckpt, other_tokenizer, capsys):
+    got = refusal(capsys, ["prune", dense_ckpt, "--tokenizer", other_tokenizer])
+    assert got == (f"analyze.py prune: tokenizer {other_tokenizer} has 80 pieces but the model 96; pass the "
+                   "--tokenizer it was trained with"), got

@@ -16,7 +16,7 @@ import export
 import sample
 import train
 from checkpoint import load_model
-from test_train import base_args, corpus, file_size_limit  # noqa: F401  (corpus is a fixture)
+from test_train import base_args, corpus, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_sample_is_deterministic_under_a_seed(sl_ckpt):
 def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     """A prompt of spaces (it encodes to nothing) starts a document as an empty one does; a prompt is shown as typed,
     characters outside the vocabulary included; a tiny temperature is greedy, not NaN; the context never passes the
-    max_length - 1 positions training saw (its --max_length is 32)."""
+    positions training saw (its --max_length is 32: 31 in paper mode, 32 with --pack)."""
     assert len(sample.sample(sl_ckpt, "   ", num_samples=1, max_new_tokens=3)) == 1
     typed = "the naïve café 日本 🤗"
     assert all(t.startswith(typed) for t in sample.sample(sl_ckpt, typed, num_samples=2, max_new_tokens=3))
@@ -60,6 +60,10 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     monkeypatch.setattr(sample, "load_model", lambda path, device: (Spy(), ckpt))
     sample.sample(sl_ckpt, "the", max_new_tokens=40)
     assert max(seen) == ckpt["args"]["max_length"] - 1 == 31, max(seen)
+    seen.clear()
+    ckpt["args"]["pack"] = True  # packed windows train on max_length positions: x = window[:-1] of max_length + 1
+    sample.sample(sl_ckpt, "the", max_new_tokens=40)
+    assert max(seen) == 32, max(seen)
 
 
 def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
@@ -164,7 +168,12 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
     cases = [(["--out", str(tmp_path / "a_file")], "is a file; pass a folder"),
              (["--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "nodir" / "x.pt")],
               f"no folder {tmp_path / 'nodir'}; create it or pass a file in an existing folder"),
-             (["--merged", str(tmp_path)], f"is a folder; pass a file in it, such as {tmp_path / 'dense.pt'}")]
+             (["--merged", str(tmp_path)], f"is a folder; pass a file in it, such as {tmp_path / 'dense.pt'}"),
+             (["--out", str(tmp_path / "a_file" / "hf")], "cannot create the folder (Not a directory); pass a folder"),
+             (["--merged", str(tmp_path / "m.pt"), "--tokenizer", str(tmp_path / "t.model")],
+              "--tokenizer is for the Hugging Face folder: add --out FOLDER, or drop --tokenizer"),
+             (["--out", str(tmp_path / "a_file"), "--tokenizer", str(tmp_path / "t.model")], "is a file"),
+             (["--out", str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "t.model")], "--tokenizer: tokenizer")]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             export.main([str(tmp_path / "ckpt.pt"), *argv])
@@ -253,3 +262,30 @@ def test_transformers_tokenizer_gives_our_ids(sl_ckpt, tmp_path):
         ids = sp.encode(text)
         assert tok(text, add_special_tokens=False)["input_ids"] == ids, "the exported tokenizer must give our ids"
         assert tok(text)["input_ids"] == ids + [sp.eos_id()], "a document ends with EOS, as in training"
+
+
+def test_export_refuses_a_tokenizer_of_another_size_before_writing(sl_ckpt, other_tokenizer, tmp_path):
+    with pytest.raises(SystemExit, match="has 80 pieces but the model 96; pass the --tokenizer it was trained with"):
+        export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", other_tokenizer])
+    assert not any((tmp_path / "hf").iterdir()), "nothing is written into the folder"
+
+
+def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path):
+    """Re-exporting into a folder, with its own tokenizer.model as --tokenizer (the run's may be gone), rewrites every
+    file whole."""
+    hf = tmp_path / "hf"
+    export.main([sl_ckpt, "--out", str(hf)])
+    spm = (hf / "tokenizer.model").read_bytes()
+    export.main([sl_ckpt, "--out", str(hf), "--tokenizer", str(hf / "tokenizer.model"), "--dtype", "bfloat16"])
+    assert (hf / "tokenizer.model").read_bytes() == spm
+    assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert export.load_safetensors(str(hf / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+
+
+def test_sample_shows_the_prompt_without_the_whitespace_the_model_never_saw(sl_ckpt):
+    plain = sample.sample(sl_ckpt, "the", num_samples=1, max_new_tokens=4, temperature=0)
+    assert plain[0].startswith("the") and len(plain[0]) > 3
+    for prompt in ("the ", "the  ", "the\n"):
+        assert sample.sample(sl_ckpt, prompt, num_samples=1, max_new_tokens=4, temperature=0) == plain, prompt
+    assert sample.sample(sl_ckpt, " the", num_samples=1, max_new_tokens=4, temperature=0) == [" " + plain[0]]

@@ -53,6 +53,12 @@ def corpus(tmp_path_factory):
     return str(folder), str(tokenizer)
 
 
+@pytest.fixture(scope="module")
+def other_tokenizer(corpus, tmp_path_factory):
+    """A tokenizer of another size (80 pieces) on the same corpus: what a run was not trained with."""
+    return str(data.train_tokenizer(corpus[0], tmp_path_factory.mktemp("tok80") / "spm", vocab_size=80))
+
+
 def base_args(corpus, out, steps, *extra):
     folder, tokenizer = corpus
     return ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(out),
