@@ -494,22 +494,28 @@ def print_measured(results, device, args):
 
 def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix; then the defaults that depend on --measure."""
-    if args.batch_size < 0 or args.max_length < 1 or (args.steps is not None and args.steps < 1):
-        parser.error("--batch_size must be >= 0, --max_length and --steps >= 1")
+    if ((args.batch_size is not None and args.batch_size < (1 if args.measure else 0))
+            or (args.max_length is not None and args.max_length < 1) or (args.steps is not None and args.steps < 1)):
+        parser.error("--batch_size must be >= 0 (>= 1 with --measure, which runs training steps), --max_length and "
+                     "--steps >= 1")
     if not args.measure and (args.steps is not None or args.device is not None):
         parser.error("--steps and --device say how --measure runs: add --measure or drop them")
     if args.measure and args.index_dtype is not None:
         parser.error("--measure counts the indices the model stores (int32 below 2^31 entries): drop --index_dtype")
-    if args.activation_checkpointing and not (args.batch_size or args.measure):
-        parser.error("--activation_checkpointing changes the activations, which --batch_size 0 leaves out: "
-                     "pass --batch_size")
+    for flag, given in (("--activation_checkpointing", args.activation_checkpointing),
+                        ("--max_length", args.max_length is not None)):
+        if given and not (args.batch_size or args.measure):
+            parser.error(f"{flag} changes the activations, which --batch_size 0 (the default) leaves out: pass "
+                         "--batch_size")
     if args.amp and args.dtype == "bfloat16":
         parser.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     args.dtype = args.dtype or ("float32" if args.amp else "bfloat16")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device_from_flag(parser.error, args.device, "cpu, cuda or cuda:N, where --measure runs")
-    args.index_dtype, args.steps = args.index_dtype or "int64", args.steps or 3
     check_model_flags(parser, args)
+    args.index_dtype, args.steps = args.index_dtype or "int64", args.steps or 3
+    args.batch_size = (2 if args.measure else 0) if args.batch_size is None else args.batch_size
+    args.max_length = args.max_length or 256
 
 
 def check_model_flags(parser, args):
@@ -521,9 +527,13 @@ def check_model_flags(parser, args):
                      "--method lowrank, relora, galore or sltrain")
     if args.freeze and methods != ("sltrain",):
         parser.error("--freeze lowrank trains only SLTrain's sparse values: pass --method sltrain")
-    if args.delta is not None and "sltrain" not in methods:
-        parser.error(f"--delta is SLTrain's sparse fraction, which --method {args.method} has none of: drop it, or "
-                     "pass --method sltrain")
+    for flag, given in (("--delta", args.delta is not None), ("--index_dtype", args.index_dtype is not None)):
+        if given and "sltrain" not in methods:
+            parser.error(f"{flag} is of SLTrain's sparse part, which --method {args.method} has none of: drop it, or "
+                         "pass --method sltrain")
+    if args.freeze and args.delta == 0:
+        parser.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above "
+                     "0, or drop --freeze")
     sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
     # the models the estimate builds: sltrain's, a low-rank one for lowrank and relora; galore's rank is its own
     checked = ["sltrain"] * ("sltrain" in methods) + ["lowrank"] * bool({"lowrank", "relora"} & {*methods})
@@ -552,10 +562,11 @@ def main():
                         help="adamw: 2 bf16 moments; adam8bit: 8-bit moments, ~2.03 bytes per parameter")
     parser.add_argument("--per_layer", action="store_true",
                         help="per-layer updates: only one layer's gradients are alive at a time")
-    parser.add_argument("--batch_size", type=int, default=0,
+    parser.add_argument("--batch_size", type=int, default=None,
                         help="sequences per step for the activation estimate; 0 leaves activations out "
                              "(--measure: default 2)")
-    parser.add_argument("--max_length", type=int, default=256, help="tokens per sequence (the paper's 256)")
+    parser.add_argument("--max_length", type=int, default=None,
+                        help="tokens per sequence, with --batch_size (default: the paper's 256)")
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="activations as train.py --activation_checkpointing keeps them: each block's input, "
                              "one block recomputed")
@@ -577,7 +588,6 @@ def main():
     if args.measure:
         if args.size == "all":
             args.size = "tiny"
-        args.batch_size = args.batch_size or 2
         methods = ALL_METHODS if args.method == "all" else (args.method,)
         device = torch.device(args.device)
         results = {}

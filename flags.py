@@ -167,6 +167,9 @@ def get_args(argv=None, description=None):
     except ValueError as e:
         p.error(str(e))
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
+    if args.freeze and args.delta == 0:
+        p.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above 0, or "
+                "drop --freeze")
     check_baseline_flags(p, args, model_config)
     resolve_device_and_batch(p, args)
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup

@@ -75,8 +75,6 @@ class GaLore(torch.optim.Optimizer):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if inner not in ("adamw", "adam8bit"):
             raise ValueError(f"inner must be adamw or adam8bit, got {inner!r}")
-        if update_gap < 1:
-            raise ValueError(f"update_gap must be >= 1, got {update_gap}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank, update_gap=update_gap,
@@ -85,11 +83,21 @@ class GaLore(torch.optim.Optimizer):
         self.inner, self.compile = inner, compile  # compile: the 8-bit update as in Adam8bit(compile=True)
         if inner == "adam8bit":
             _build_tables(self)
-        for group in self.param_groups:
-            for p in group["params"] if group["rank"] is not None else []:
-                if p.dim() != 2 or not 0 < group["rank"] <= min(p.shape):
-                    raise ValueError(f"GaLore projects 2-D weights to a rank in [1, min(m, n)]; got rank "
-                                     f"{group['rank']} for a {tuple(p.shape)} parameter: put it in a rank=None group")
+
+    def add_param_group(self, group):
+        """Every group, the constructor's and any added later, checked: an int rank within each weight's sides (or
+        None), an int update_gap >= 1."""
+        group = dict(group, params=[group["params"]] if torch.is_tensor(group["params"]) else list(group["params"]))
+        gap, rank = group.get("update_gap", self.defaults["update_gap"]), group.get("rank", self.defaults["rank"])
+        if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
+            raise ValueError(f"update_gap must be an int >= 1, got {gap!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise ValueError(f"rank must be an int (or None for plain Adam), got {rank!r}")
+        for p in group["params"] if rank is not None else []:
+            if p.dim() != 2 or not 0 < rank <= min(p.shape):
+                raise ValueError(f"GaLore projects 2-D weights to a rank in [1, min(m, n)]; got rank {rank} for a "
+                                 f"{tuple(p.shape)} parameter: put it in a rank=None group")
+        super().add_param_group(group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()
     def step(self, closure=None):

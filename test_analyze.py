@@ -156,6 +156,7 @@ def test_bad_flags_are_refused_before_work(corpus, dense_ckpt, tmp_path, capsys)
                            (["--support", "top"], "--support top"),
                            (["--method", "full", "--freeze", "lowrank"], "--freeze lowrank"),
                            (["--method", "lowrank", "--freeze", "lowrank"], "--freeze lowrank"),
+                           (["--freeze", "lowrank", "--delta", "0"], "which --delta 0 removes: pass a --delta above 0"),
                            (["--method", "lowrank", "--support_seed", "3"], "--support_seed")]:
         with pytest.raises(SystemExit):
             train.get_args(base_args(corpus, tmp_path, 1, *extra))

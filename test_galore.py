@@ -187,3 +187,26 @@ def test_train_flags():
     assert args.lr == 3e-3
     with pytest.raises(SystemExit):
         train.get_args(["--optimizer", "galore_adamw"])  # sltrain weights: GaLore needs --method full
+
+
+def test_every_param_group_is_checked_when_it_is_added():
+    """The constructor's groups and those added later (add_param_group, as a schedule of layers would) get the same
+    checks, at once, not at the first step: an int rank within the weight's sides, an int update_gap >= 1."""
+    W, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8))
+    opt = GaLore([{"params": [W], "rank": 4}])
+    for group, message in [({"params": [b], "rank": 2}, r"2-D weights .* \(8,\) parameter"),
+                           ({"params": [torch.nn.Parameter(torch.randn(8, 8))], "rank": 50},
+                            r"rank in \[1, min\(m, n\)\]; got rank 50"),
+                           ({"params": [torch.nn.Parameter(torch.randn(8, 8))], "rank": 2.5}, "rank must be an int"),
+                           ({"params": [torch.nn.Parameter(torch.randn(8, 8))], "update_gap": 2.5},
+                            "update_gap must be an int >= 1, got 2.5")]:
+        with pytest.raises(ValueError, match=message):
+            opt.add_param_group(group)
+    for kwargs, message in [({"rank": 2.5}, "rank must be an int"), ({"update_gap": 0}, "update_gap must be an int"),
+                            ({"rank": True}, "rank must be an int")]:
+        with pytest.raises(ValueError, match=message):
+            GaLore([W], **kwargs)
+    opt.add_param_group({"params": [b]})  # rank None: plain Adam
+    W.grad, b.grad = torch.randn(8, 12), torch.randn(8)
+    opt.step()
+    assert opt.state[W]["projector"].shape == (8, 4) and "projector" not in opt.state[b]
