@@ -18,6 +18,7 @@ Batches follow nanoGPT: x and y are (B, T) torch.long and y is x shifted by one.
   packed: documents joined with EOS, cut into non-overlapping windows of max_length+1; T = max_length, no -1.
 """
 import argparse
+import atexit
 import errno
 import gzip
 import hashlib
@@ -85,7 +86,12 @@ def find_shards(data_dir, split):
                                 f"({folder.parent}?)")
     if not folder.is_dir():
         raise FileNotFoundError(f"data folder {folder} does not exist; pass --data_dir or run with --download")
-    files = sorted({p for g in SHARD_GLOBS for p in folder.glob(g) if p.is_file()}, key=lambda p: p.name)
+    found = {p for g in SHARD_GLOBS for p in folder.glob(g)}
+    dangling = sorted(p.name for p in found if p.is_symlink() and not p.exists())
+    if dangling:  # an unmounted data store: training on the rest would drop those shards without a word
+        raise FileNotFoundError(f"{folder}: {', '.join(dangling)} link(s) to nothing; mount their target, or "
+                                "remove the link(s)")
+    files = sorted((p for p in found if p.is_file()), key=lambda p: p.name)
     shards = [p for p in files if ("validation" in p.name) == (split == "validation")]
     if not shards:
         rule = "contains" if split == "validation" else "does not contain"
@@ -117,6 +123,11 @@ def _text(path, lineno, raw):
         what = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f'{path}:{lineno}: no "text" string (got {what}); every line needs {{"text": "..."}}: '
                          f"fix or delete that line (python data.py stats checks a whole folder)")
+    try:
+        doc["text"].encode()  # JSON's \ud800 escapes make strings that are not text, which the tokenizer refuses
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path}:{lineno}: the text is not valid Unicode ({e.reason} at character {e.start}): fix "
+                         f"or delete that line (python data.py stats checks a whole folder)") from None
     return doc["text"]
 
 
@@ -242,6 +253,11 @@ class _Blocks(IterableDataset):
             epoch, first_shard, first_block = epoch + 1, 0, 0
 
 
+def one_line(error):
+    """A DataLoader worker's exception carries the worker's whole traceback; its last line is the message."""
+    return str(error).strip().splitlines()[-1].removeprefix("ValueError: ")
+
+
 def _leave_signals_to_main(_):
     """Schedulers (timeout, SLURM, torchrun) signal the whole process group: a worker killed by SIGTERM or SIGINT
     would take the main process down before it saves. Workers ignore both; the main process stops them."""
@@ -317,6 +333,9 @@ class TrainLoader:
             blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
                                 worker_init_fn=_leave_signals_to_main)
         stream = iter(blocks)
+        stop = getattr(stream, "_shutdown_workers", None)
+        if stop:  # at exit too, for an iterator never closed: multiprocessing's own exit would SIGTERM and wait
+            atexit.register(stop)
         try:
             need = self.batch_size * (self.max_length + 1 if self.pack else 1)  # rows, or tokens when packed
             parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
@@ -338,7 +357,9 @@ class TrainLoader:
                 self._pos = tuple(parts[0][:4])  # set before yielding, so state_dict() after a batch resumes after it
                 yield _batch(torch.cat(got), self.batch_size, self.pad_id, self.pack)
         finally:  # stop the workers now, by their queue: they ignore SIGTERM, so a later terminate() would not
-            getattr(stream, "_shutdown_workers", lambda: None)()
+            if stop:
+                stop()
+                atexit.unregister(stop)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -483,6 +504,15 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
         what = "is not a C4 en shard name" if len(bad) == 1 else "are not C4 en shard names"
         raise ValueError(f"{', '.join(map(repr, bad))} {what}; they look like c4-train.00000-of-01024.json.gz "
                          f"and c4-validation.00000-of-00008.json.gz")
+    if Path(data_dir).exists() and not Path(data_dir).is_dir():
+        raise ValueError(f"{data_dir} is a file; pass a folder for the shards")
+    if tokenizer_path is not None and Path(tokenizer_path).is_dir():
+        raise ValueError(f"tokenizer {tokenizer_path} is a folder; pass the file to write, such as "
+                         f"{Path(tokenizer_path) / 'spiece.model'}")
+    above = [p for p in [*Path(tokenizer_path or ".").parents, *Path(data_dir).parents] if p.exists()]
+    if any(not p.is_dir() for p in above):
+        raise ValueError(f"{next(p for p in above if not p.is_dir())} is a file where a folder of the paths should be; "
+                         "pass other paths")
     for name in names:
         path = Path(data_dir) / name
         if recheck and path.exists() and not _gzip_ok(path):
@@ -501,12 +531,32 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
 def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
     """Train a unigram sentencepiece model on the first max_docs training documents, laid out as T5's
     (pad 0, eos 1, unk 2, no bos), so the repo runs with no download at all. Returns the .model path."""
-    texts = itertools.islice(_texts(find_shards(data_dir, "train")), max_docs)
+    shards = find_shards(data_dir, "train")
+    texts = itertools.islice(_texts(shards), max_docs)
     lines = (line for t in texts for line in t.split("\n") if line.strip())  # paragraphs fit max_sentence_length
+    first = next(lines, None)
+    if first is None:
+        raise ValueError(f"the train shards of {data_dir} hold no text; download them again (python data.py download "
+                         f"--out {data_dir})")
+    failed = []
+
+    def checked():  # a bad line raises inside sentencepiece, which would keep only its own source line of it
+        try:
+            yield first
+            yield from lines
+        except ValueError as e:
+            failed.append(e)
+            raise
+
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
-    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=str(out_prefix), vocab_size=vocab_size,
-                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-                                   num_threads=_cpus(), minloglevel=2)
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=checked(), model_prefix=str(out_prefix),
+                                       vocab_size=vocab_size, model_type="unigram", pad_id=0, eos_id=1, unk_id=2,
+                                       bos_id=-1, num_threads=_cpus(), minloglevel=2)
+    except RuntimeError:
+        if failed:
+            raise failed[0] from None
+        raise
     return Path(f"{out_prefix}.model")
 
 
@@ -515,18 +565,20 @@ def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
 def stats(data_dir, tokenizer_path, max_length=256):
     """Read and tokenize every document of every shard (a full check of a folder), one line per shard."""
     sp = load_tokenizer(tokenizer_path)
+    shards = find_shards(data_dir, "train") + find_shards(data_dir, "validation")  # both, before any reading
     print(f"{'shard':<48} {'docs':>8} {'tokens':>12} {'tok/doc':>8} {'paper tok/doc':>13} {'truncated':>9}")
     bad = 0
-    for split in ("train", "validation"):
-        for path in find_shards(data_dir, split):
-            try:
-                n = np.array([len(x) for t in _chunks(_texts([path]), 1024) for x in sp.encode(t, num_threads=_cpus())])
-            except ValueError as e:  # a finding, not a crash: report it and go on to the next shard
-                print(f"{path.name:<48} {e}")
-                bad += 1
-                continue
-            print(f"{path.name:<48} {len(n):>8,} {n.sum():>12,} {n.mean():>8.1f} "
-                  f"{np.minimum(n + 1, max_length).mean():>13.1f} {(n + 1 > max_length).mean():>9.1%}")
+    for path in shards:
+        try:
+            n = np.array([len(x) for t in _chunks(_texts([path]), 1024) for x in sp.encode(t, num_threads=_cpus())])
+            if len(n) == 0:
+                raise ValueError(f"{path} holds no documents; remove it or download it again")
+        except ValueError as e:  # a finding, not a crash: report it and go on to the next shard
+            print(f"{path.name:<48} {e}")
+            bad += 1
+            continue
+        print(f"{path.name:<48} {len(n):>8,} {n.sum():>12,} {n.mean():>8.1f} "
+              f"{np.minimum(n + 1, max_length).mean():>13.1f} {(n + 1 > max_length).mean():>9.1%}")
     return bad
 
 
@@ -555,8 +607,9 @@ def main(argv=None):
     d = sub.add_parser("download", help="fetch C4 shards and T5's spiece.model from Hugging Face (resumable)")
     d.add_argument("--out", default=DEFAULT_DATA_DIR, help="folder for the shards")
     d.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="where to put spiece.model ('' to skip it)")
-    d.add_argument("--train_shards", type=int, default=1, help="fetch the first N train shards (of 1024)")
-    d.add_argument("--validation_shards", type=int, default=1, help="fetch the first N validation shards (of 8)")
+    d.add_argument("--train_shards", type=int, default=None, help="fetch the first N train shards (of 1024; default 1)")
+    d.add_argument("--validation_shards", type=int, default=None,
+                   help="fetch the first N validation shards (of 8; default 1)")
     d.add_argument("--shards", nargs="+", help="exact shard names instead, e.g. c4-train.00007-of-01024.json.gz")
     d.add_argument("--base_url", default=None, help=f"mirror to fetch from (default $HF_ENDPOINT or {HF_ENDPOINT})")
     t = sub.add_parser("train-tokenizer", help="train a sentencepiece model on the training shards (offline)")
@@ -584,7 +637,9 @@ def main(argv=None):
     elif args.command == "train-tokenizer":
         try:
             print(f"trained {train_tokenizer(args.data_dir, args.out, args.vocab_size, args.max_docs)}")
-        except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: sentencepiece's, e.g. too many pieces
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"train-tokenizer: {e}") from None
+        except RuntimeError as e:  # sentencepiece's, e.g. too many pieces for the text
             message = str(e).strip().splitlines()[-1].rsplit("] ", 1)[-1]  # without sentencepiece's source line
             raise SystemExit(f"train-tokenizer: {message}") from None
     elif args.command == "stats":
@@ -598,14 +653,20 @@ def main(argv=None):
         try:
             bench(args.data_dir, args.tokenizer, args.batch_size, args.max_length, args.pack, args.num_workers,
                   args.seconds)
-        except (OSError, ValueError) as e:
-            raise SystemExit(str(e)) from None
+        except (OSError, ValueError) as e:  # a worker's carries its traceback: the message is its last line
+            raise SystemExit(one_line(e)) from None
     else:
         p.print_help()  # a bare `python data.py` explains itself rather than doing something surprising
 
 
 def check_args(p, args):
     """Every number checked before any work (or network): a bad one is one line naming the fix."""
+    if args.command == "download":
+        if args.shards and (args.train_shards is not None or args.validation_shards is not None):
+            p.error("--shards names the shards to fetch, --train_shards and --validation_shards count them: pass one "
+                    "or the other")
+        args.train_shards = 1 if args.train_shards is None else args.train_shards
+        args.validation_shards = 1 if args.validation_shards is None else args.validation_shards
     at_least = {"download": dict(train_shards=0, validation_shards=0), "train-tokenizer": dict(max_docs=1),
                 "stats": dict(max_length=2), "bench": dict(max_length=2, batch_size=1, num_workers=0)}
     for name, low in at_least.get(args.command, {}).items():

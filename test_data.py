@@ -10,6 +10,7 @@ import http.server
 import io
 import itertools
 import json
+import os
 import random
 import re
 import subprocess
@@ -270,6 +271,8 @@ def test_bad_input_names_file_line_and_fix(tok, tmp_path):
         "not_json": ("\n".join(good[:2] + ["{oops"] + good[2:]), r"\.json\.gz:3: not a JSON object.*fix or delete"),
         "no_text": ("\n".join(good[:1] + ['{"date": "2019"}'] + good[1:]), r'\.json\.gz:2: no "text"'),
         "first_line": ("\n".join(["[1, 2]"] + good), r'\.json\.gz:1: no "text"'),
+        "surrogate": ("\n".join(good[:3] + ['{"text": "half a pair \\ud800 of surrogates"}'] + good[3:]),
+                      r"\.json\.gz:4: the text is not valid Unicode \(surrogates not allowed at character 12\)"),
     }
     for name, (content, message) in cases.items():
         folder = tmp_path / name
@@ -461,13 +464,22 @@ def test_commands(corpus, tok, capsys):
     (["bench", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
     (["bench", "--seconds", "0"], "--seconds must be positive"),
     (["bench", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),
+    (["download", "--shards", "c4-train.00005-of-01024.json.gz", "--train_shards", "3"],
+     "--shards names the shards to fetch, --train_shards and --validation_shards count them: pass one or the other"),
+    (["download", "--out", "A_FILE"], "is a file; pass a folder for the shards"),
+    (["download", "--tokenizer", "A_FOLDER"], "is a folder; pass the file to write, such as"),
+    (["download", "--tokenizer", "A_FILE/spiece.model"], "is a file where a folder of the paths should be"),
 ])
 def test_bad_command_input_is_one_line_before_any_work(corpus, tok, tmp_path, capsys, argv, message):
     """Bad numbers are refused before any work (the download's before any network); what the work raises, a missing
     folder or sentencepiece's error, is one line too."""
-    argv = [str(tmp_path / "missing") if a == "MISSING" else a for a in argv]
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_folder").mkdir()
+    paths = {"MISSING": tmp_path / "missing", "A_FILE": tmp_path / "a_file", "A_FOLDER": tmp_path / "a_folder"}
+    argv = [str(paths[a.split("/")[0]]) + a[len(a.split("/")[0]):] if a.split("/")[0] in paths else a for a in argv]
     folder = [] if "--data_dir" in argv or argv[0] == "download" else ["--data_dir", str(corpus[0])]
-    where = {"download": ["--out", str(tmp_path / "c4"), "--tokenizer", ""],
+    defaults = {"--out": str(tmp_path / "c4"), "--tokenizer": ""}  # what the case does not name itself
+    where = {"download": [x for flag, value in defaults.items() if flag not in argv for x in (flag, value)],
              "train-tokenizer": ["--out", str(tmp_path / "spm")],
              "stats": ["--tokenizer", str(tok)], "bench": ["--tokenizer", str(tok)]}[argv[0]]
     with pytest.raises(SystemExit) as e:
@@ -543,3 +555,56 @@ def test_stats_reports_a_bad_line_without_a_traceback(tok, tmp_path, capsys):
         data.main(["stats", "--data_dir", str(tmp_path), "--tokenizer", str(tok)])
     out = capsys.readouterr().out
     assert f"{bad}:2: not a JSON object" in out and "c4-validation.00000-of-00001.json.gz" in out
+
+
+def test_data_commands_say_a_bad_shard_in_one_line(tok, tmp_path, capsys):
+    """bench with workers (whose errors carry their traceback), train-tokenizer (sentencepiece wraps what the reading
+    raises), stats (an empty shard, which training refuses, and both splits looked up before any reading)."""
+    rng = random.Random(3)
+    bad, empty, no_val = tmp_path / "bad", tmp_path / "empty", tmp_path / "no_val"
+    for folder in (bad, empty, no_val):
+        folder.mkdir()
+    good = [json.dumps({"text": t}) for t in make_docs(0, 200, rng)]
+    (bad / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress("\n".join(good[:150] + ["{oops"]).encode()))
+    write_shard(bad / "c4-validation.00000-of-00008.json.gz", make_docs(0, 10, rng))
+    (empty / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(b"\n"))
+    write_shard(empty / "c4-validation.00000-of-00008.json.gz", make_docs(0, 10, rng))
+    write_shard(no_val / "c4-train.00000-of-01024.json.gz", make_docs(0, 10, rng))
+    line = r".*c4-train.00000-of-01024.json.gz:151: not a JSON object"
+    for argv, message in [
+        (["bench", "--data_dir", str(bad), "--tokenizer", str(tok), "--num_workers", "2", "--batch_size", "64",
+          "--seconds", "5"], line),
+        (["train-tokenizer", "--data_dir", str(bad), "--out", str(tmp_path / "spm"), "--vocab_size", "60"],
+         "train-tokenizer: " + line),
+        (["train-tokenizer", "--data_dir", str(empty), "--out", str(tmp_path / "spm"), "--vocab_size", "60"],
+         "train-tokenizer: the train shards of .* hold no text; download them again"),
+        (["stats", "--data_dir", str(no_val), "--tokenizer", str(tok)], "no validation shards in"),
+        (["stats", "--data_dir", str(empty), "--tokenizer", str(tok)], r"1 shard\(s\) failed")]:
+        with pytest.raises(SystemExit) as e:
+            data.main(argv)
+        said = str(e.value.code)
+        assert re.match(message, said) and "\n" not in said and "Traceback" not in said, said
+        out = capsys.readouterr().out
+        if argv[0] == "stats":
+            assert "c4-train" not in out or "holds no documents; remove it or download it again" in out, out
+    assert not list(tmp_path.glob("spm*")), "a tokenizer trained on part of the data was left"
+
+
+def test_a_shard_link_to_nothing_is_refused(tok, tmp_path):
+    """A shard that links into an unmounted store is said, not dropped from training."""
+    write_shard(tmp_path / "c4-train.00000-of-01024.json.gz", make_docs(0, 20, random.Random(0)))
+    (tmp_path / "c4-train.00001-of-01024.json.gz").symlink_to(tmp_path / "store" / "missing.json.gz")
+    with pytest.raises(FileNotFoundError, match=r"c4-train.00001-of-01024.json.gz link\(s\) to nothing; mount"):
+        data.TrainLoader(tmp_path, tok, 4, L)
+
+
+def test_loader_workers_end_with_a_script_that_never_closes_its_iterator(corpus, tok, tmp_path):
+    """Workers ignore SIGTERM (the main process saves first); a script that leaves its iterator open at exit must
+    still end, and promptly: multiprocessing's exit would SIGTERM them and wait forever."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import data\nbatches = iter(data.TrainLoader({str(corpus[0])!r}, {str(tok)!r}, 4, 32, "
+                      f"num_workers=2))\nx, y = next(batches)\nprint('got', tuple(x.shape))\n")
+    here = str(Path(__file__).resolve().parent)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=here,
+                         env={**os.environ, "PYTHONPATH": here})
+    assert run.returncode == 0 and "got (4, 31)" in run.stdout, run.stderr[-2000:]

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from analyze import prepare_for_training
 import checkpoint
 import flags
-from data import TrainLoader, download, find_shards, load_tokenizer, shard_names, validation_batches
+from data import TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names, validation_batches
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge
@@ -336,11 +336,6 @@ def peak_mem_gb(device):
     """Peak CUDA memory allocated on a GPU; on CPU the process's peak resident set size (RSS)."""
     return (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
-
-
-def one_line(error):
-    """A DataLoader worker's exception carries the worker's whole traceback; its last line is the message."""
-    return str(error).strip().splitlines()[-1].removeprefix("ValueError: ")
 
 
 # ----------------------------------------------------------------------------- setup
