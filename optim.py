@@ -32,6 +32,8 @@ PIECE = 1 << 20
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
+    if torch.is_tensor(lr):  # torch's fused and capturable paths take one; these steps read lr as a number
+        raise ValueError("lr must be a number, got a tensor: pass float(lr)")
     if not lr >= 0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -106,6 +108,12 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict):
+        for group in state_dict["param_groups"]:  # a torch.optim.AdamW state may ask for what this AdamW lacks
+            unknown = [flag for flag in ("amsgrad", "maximize") if group.get(flag)]
+            if unknown or torch.is_tensor(group.get("lr")):
+                what = f"{'=True, '.join(unknown)}=True" if unknown else "a tensor lr"
+                raise ValueError(f"this state is of an AdamW with {what}, which optim.AdamW does not have: continue "
+                                 "with torch.optim.AdamW, or start the optimizer afresh")
         super().load_state_dict(state_dict)
         for state in self.state.values():  # torch.optim.AdamW's state keeps its step as a tensor; ours, an int
             if torch.is_tensor(state.get("step")):
@@ -450,6 +458,11 @@ class PerLayer:
 
     def __init__(self, model, make_optimizer, lr_lambda=None, max_grad_norm_per_param=None):
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        if self.ddp is not None and self.ddp.find_unused_parameters:
+            # the communication hook sees a bucket of gradients, zeros where a parameter went unused, and cannot tell
+            # those from real ones: it would step them (decay, momentum) where DDP with one optimizer would not
+            raise ValueError("per-layer updates under DDP need every parameter used in every step: wrap the model "
+                             "with find_unused_parameters=False, or freeze (requires_grad=False) what goes unused")
         module = model.module if self.ddp is not None else model
         module = getattr(module, "_orig_mod", module)  # names of the uncompiled model: checkpoints load either way
         self.names = {p: name for name, p in module.named_parameters() if p.requires_grad}

@@ -26,6 +26,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 
 def scaled_mm(a, b, scale):
@@ -80,6 +81,7 @@ class SLLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative (create_graph=True) is refused in one line, not failed deep inside
     def backward(ctx, grad_y):
         x, *params, indices = ctx.saved_tensors
         B, A, values = _cast(ctx.dtype, *params)

@@ -869,6 +869,16 @@ def _ddp_worker():
         per_layer.remove()
         del ref, per, per_layer, opt, sched
         gc.collect()
+    # unused parameters come to the hook as zeros in a bucket, indistinguishable from a real gradient: refused
+    unused = DDP(tiny_llama(), find_unused_parameters=True)
+    try:
+        attach_per_layer(unused, OPTIMIZERS["AdamW"])
+        failures.append("find_unused_parameters=True was not refused")
+    except ValueError as e:
+        if "find_unused_parameters=False" not in str(e):
+            failures.append(f"find_unused_parameters=True refused with: {e}")
+    del unused
+    gc.collect()
     dist.destroy_process_group()
     if failures:
         print(f"rank {rank} FAILED:\n" + "\n".join(failures), flush=True)
@@ -880,3 +890,18 @@ if __name__ == "__main__":
         sys.exit("this is the torchrun worker of test_per_layer_ddp_matches_global_ddp; run: python -m pytest -q "
                  "test_optim.py")
     _ddp_worker()
+
+
+def test_what_these_optimizers_lack_is_refused():
+    """A tensor lr (torch's fused and capturable paths take one), and a torch.optim.AdamW state with amsgrad or
+    maximize, would be stepped as something else: each is refused in one line that names the fix."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    for make in (lambda lr: AdamW([p], lr=lr), lambda lr: Adam8bit([p], lr=lr), lambda lr: GaLore([p], lr=lr)):
+        with pytest.raises(ValueError, match=r"lr must be a number, got a tensor: pass float\(lr\)"):
+            make(torch.tensor(0.01))
+    for flag in ("amsgrad", "maximize"):
+        ref = torch.optim.AdamW([p], lr=1e-2, **{flag: True})
+        p.grad = torch.randn(8, 8)
+        ref.step()
+        with pytest.raises(ValueError, match=f"with {flag}=True, which optim.AdamW does not have: continue with torch"):
+            AdamW([p], lr=1e-2).load_state_dict(ref.state_dict())

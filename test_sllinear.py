@@ -524,3 +524,14 @@ def test_loss_saves_the_logits_not_float32_log_probabilities():
     # ours at its most: the gradient (bf16) and one float32 chunk (as many bytes: half the logits); the old way
     # holds the float32 log-probabilities, their gradient and the float32 gradient of the logits at once
     assert ours <= 2.2 * bf16 and before >= 6 * bf16, (ours / bf16, before / bf16)
+
+
+def test_a_second_derivative_is_refused_in_one_line():
+    """create_graph=True (a gradient penalty, a Hessian-vector product) is not supported: backward forms W in place
+    of the weight gradient. The second backward says so, as torch's once_differentiable functions do."""
+    torch.manual_seed(0)
+    layer = SLLinear(12, 10, rank=3, delta=0.2, alpha=8)
+    x = torch.randn(5, 12, requires_grad=True)
+    (g,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        g.square().sum().backward()
