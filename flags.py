@@ -10,6 +10,7 @@ arithmetic (total = micro-batch x accumulation x devices), and whether the run f
 import argparse
 import os
 import re
+import sys
 
 import torch
 
@@ -21,6 +22,9 @@ from model import LLaMA, SIZES, config_for
 # size -> (training steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts
 RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
            "350m": (65_000, 3e-3, 64), "1b": (140_000, 3e-3, 32), "7b": (150_000, 5e-4, 8)}
+# the baselines' own flags (GaLore's paper and ReLoRA's): their defaults, filled in once the method is known
+BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 2000, "relora_warmup": 50,
+             "relora_prune": 0.99}
 CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
 
 
@@ -32,8 +36,22 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return action.help if shown else action.help + " (default: %(default)s)"
 
 
+class Parser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same flags and finds the same fault: rank 0 says it, once. A fault of one
+    rank's own (its GPU: not there, or without room) is said by that rank: error_here."""
+
+    def error(self, message):
+        if int(os.environ.get("RANK", "0")) != 0:
+            self.exit(2)
+        super().error(message)
+
+    def error_here(self, message):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def make_parser(description=None):
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = Parser(description=description, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--size", choices=list(SIZES), help="model size (the paper's LLaMA configs; default 60m)")
     a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain"], default="sltrain",
@@ -97,12 +115,16 @@ def make_parser(description=None):
       help="train only the sparse values V: B, A (with --init_from: L0), embeddings, norms and head stay")
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
     a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
-    a("--galore_update_gap", type=int, default=200, help="GaLore: recompute each projection every this many updates")
-    a("--galore_scale", type=float, default=0.25, help="GaLore: scale of the update projected back")
-    a("--relora_reset", type=int, default=2000, help="ReLoRA: merge BA into W0 and restart every this many updates")
-    a("--relora_warmup", type=int, default=50, help="ReLoRA: updates of linear lr warmup after each restart")
-    a("--relora_prune", type=float, default=0.99,
-      help="ReLoRA: fraction of the restarted factors' Adam moments zeroed, smallest magnitudes first")
+    a("--galore_update_gap", type=int,
+      help=f"GaLore: recompute each projection every this many updates (default {BASELINES['galore_update_gap']})")
+    a("--galore_scale", type=float, help=f"GaLore: scale of the update projected back (default "
+      f"{BASELINES['galore_scale']})")
+    a("--relora_reset", type=int, help=f"ReLoRA: merge BA into W0 and restart every this many updates (default "
+      f"{BASELINES['relora_reset']})")
+    a("--relora_warmup", type=int, help=f"ReLoRA: updates of linear lr warmup after each restart (default "
+      f"{BASELINES['relora_warmup']})")
+    a("--relora_prune", type=float, help="ReLoRA: fraction of the restarted factors' Adam moments zeroed, smallest "
+      f"magnitudes first (default {BASELINES['relora_prune']})")
     return p
 
 
@@ -161,6 +183,12 @@ def get_args(argv=None, description=None):
         p.error("--resume continues the checkpoint in --out_dir and --overwrite replaces it: drop one of them")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir} is a file: pass a folder")
+    unused = {"full": ["delta", "alpha"] + ([] if galore else ["rank"]), "lowrank": ["delta"], "relora": ["delta"],
+              "sltrain": []}[args.method]
+    given = [f"--{name}" for name in unused if getattr(args, name) is not None]
+    if given:
+        p.error(f"{', '.join(given)}: not used by --method {args.method} (--delta is sltrain's, --alpha and --rank "
+                "the factors'); drop it, or pass the --method that uses it")
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
         LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
@@ -181,6 +209,16 @@ def get_args(argv=None, description=None):
 def check_baseline_flags(p, args, config):
     """GaLore's and ReLoRA's flags (the baselines of Table 1)."""
     galore = args.optimizer.startswith("galore")
+    for owner, used, names in (("GaLore's", galore, ("galore_rank", "galore_update_gap", "galore_scale")),
+                               ("ReLoRA's", args.method == "relora",
+                                ("relora_reset", "relora_warmup", "relora_prune"))):
+        given = [f"--{name}" for name in names if getattr(args, name) is not None]
+        if given and not used:
+            fix = "--optimizer galore_adamw (or another galore_*)" if owner == "GaLore's" else "--method relora"
+            them = "them" if len(given) > 1 else "it"
+            p.error(f"{', '.join(given)}: {owner}, which this run does not use; drop {them}, or pass {fix}")
+    for name, default in BASELINES.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     args.galore_rank = args.rank if args.galore_rank is None else args.galore_rank  # an explicit 0 is refused below
     if galore and args.method != "full":
         p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
@@ -224,7 +262,7 @@ def cuda_device(p, args, device, local_rank):
     count, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if device.index is None:
         if local_rank >= count:
-            p.error(f"torchrun started {local_world} processes on this machine, which has {count} CUDA GPU(s): "
+            p.error_here(f"torchrun started {local_world} processes on this machine, which has {count} CUDA GPU(s): "
                     f"pass --nproc_per_node={count}")
         device = torch.device("cuda", local_rank)
     elif local_world > 1:
@@ -267,8 +305,9 @@ def check_memory(p, args, device, world):
     fix = f"pass --batch_size {fits}" if fits else "pick a smaller --size or more memory"
     if not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
         fix += " or add --activation_checkpointing"
-    p.error(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB "
-            f"per process, more than {share:.0%} of {where}; {fix}")
+    say = p.error_here if device.type == "cuda" else p.error  # a GPU's free memory is its rank's own to say
+    say(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB per process, "
+        f"more than {share:.0%} of {where}; {fix}")
 
 
 def resume_path(args):

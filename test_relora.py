@@ -151,3 +151,19 @@ def test_raising_the_steps_at_a_restart_continues_the_cosine_not_the_jag(corpus,
         expected = 0.0 if row["step"] % 2 == 0 else \
             1e-2 * (floor + (top - floor) * cosine((row["step"] - 4) / (16 - 4)))
         assert row["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15), (row, expected)
+
+
+def test_a_run_that_ended_at_a_restart_makes_it_when_resumed_longer(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """A run's last update makes no restart (nothing trains after it); when a resume raises --num_training_steps,
+    that restart is due, and is made before the first new update, with the step's generator as in a straight run."""
+    merges = []
+    merge = train.relora_merge
+    monkeypatch.setattr(train, "relora_merge", lambda model, g: (merges.append(g.initial_seed()), merge(model, g))[1])
+    extra = ["--method", "relora", "--relora_reset", "3", "--relora_warmup", "1", "--warmup_steps", "1"]
+    train.main(base_args(corpus, tmp_path / "straight", 9, *extra))
+    assert merges == [42 + 3, 42 + 6], merges
+    merges.clear()
+    train.main(base_args(corpus, tmp_path / "split", 6, *extra))
+    assert merges == [42 + 3], merges  # none after update 6, the last
+    train.main(base_args(corpus, tmp_path / "split", 9, "--resume", *extra))
+    assert merges == [42 + 3, 42 + 6], merges

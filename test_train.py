@@ -500,6 +500,11 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     (["--device", "cuda"], "no usable CUDA GPU; pass --device cpu"),
     (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters"),
+    (["--method", "lowrank", "--delta", "0.5"], "--delta: not used by --method lowrank"),
+    (["--method", "full", "--rank", "7", "--alpha", "99"], "--alpha, --rank: not used by --method full"),
+    (["--relora_reset", "5", "--relora_prune", "0.5"], "--relora_reset, --relora_prune: ReLoRA's, which this run"),
+    (["--galore_rank", "4"], "--galore_rank: GaLore's, which this run does not use; drop it, or pass --optimizer"),
+    (["--method", "full", "--galore_scale", "9"], "--galore_scale: GaLore's"),
 ])
 def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
     if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
@@ -516,7 +521,7 @@ def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, 
     ("auto", dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2"), "cuda:1"),
     ("cuda", dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), "cuda:1"),
     ("cuda:2", {}, "this machine has 2 CUDA GPU(s), cuda:0 to cuda:1; pass one of those"),
-    ("cuda:0", dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), "pass --device cuda (or auto)"),
+    ("cuda:0", dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), "pass --device cuda (or auto)"),
     ("auto", dict(RANK="3", LOCAL_RANK="3", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4"), "pass --nproc_per_node=2"),
 ])
 def test_a_gpu_is_always_named_with_its_index(monkeypatch, capsys, device, env, expected):
@@ -1090,3 +1095,52 @@ def test_out_dir_inside_a_file_and_changed_shards_are_one_line(corpus, tmp_path)
     (folder / "c4-train.00002-of-00003.json.gz").write_bytes((folder / "c4-train.00000-of-00002.json.gz").read_bytes())
     with pytest.raises(SystemExit, match=f"^--resume {tmp_path}/out/ckpt.pt: the checkpoint's loader had shards="):
         train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--resume"))
+
+
+def test_a_diverged_model_is_never_evaluated_or_recorded(corpus, tmp_path):
+    """The loss goes to inf/NaN at once (lr 1e9): the run stops at the first evaluation, before it, and
+    metrics.jsonl holds no non-finite number (strict JSON, which NaN is not)."""
+    with pytest.raises(SystemExit, match="non-finite loss or gradient norm at step"):
+        train.main(base_args(corpus, tmp_path, 10, "--lr", "1e9", "--warmup_steps", "0", "--log_every", "5",
+                             "--eval_every", "2"))
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}")
+    rows = [json.loads(line, parse_constant=refuse) for line in open(tmp_path / "metrics.jsonl")]
+    assert not any("val_loss" in r for r in rows), rows
+
+
+def test_a_signal_before_the_first_update_or_in_eval_only_is_one_line(corpus, tmp_path, monkeypatch):
+    train.main(base_args(corpus, tmp_path, 2))
+    with monkeypatch.context() as m:  # Ctrl-C while the validation data loads
+        m.setattr(train, "validation_batches", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(SystemExit, match="^interrupted before the first update: nothing was saved$"):
+            train.main(base_args(corpus, tmp_path / "new", 2))
+    with monkeypatch.context() as m:  # a signal in --eval_only's evaluation: no result, and an exit that says so
+        evaluate = train.evaluate
+        m.setattr(train, "evaluate", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), evaluate(*a))[1])
+        with pytest.raises(SystemExit, match="^stopped by SIGTERM in the evaluation: no result; run --eval_only"):
+            train.main(base_args(corpus, tmp_path, 2, "--eval_only"))
+
+
+def test_a_late_signal_does_not_turn_a_finished_run_into_a_kill(corpus, tmp_path):
+    """A scheduler may signal again while the process exits (DDP teardown, the interpreter's own exit): the run
+    has ended and said so, and its exit status stays 0."""
+    late = ("import atexit, os, runpy, signal, sys; "
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), print('exit survived', flush=True))); "
+            f"sys.argv = ['train.py'] + {base_args(corpus, tmp_path, 2)!r}; "
+            "runpy.run_path('train.py', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", late], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "exit survived" in run.stdout, (run.returncode, run.stderr[-2000:])
+
+
+def test_under_torchrun_only_rank_0_says_what_is_wrong(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")  # what torchrun sets; without WORLD_SIZE no process group is made
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, 2, "--lr", "0"))
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, 2, "--resume"))  # no checkpoint there
+    assert e.value.code == 1
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="--resume: no checkpoint at"):
+        train.main(base_args(corpus, tmp_path, 2, "--resume"))

@@ -15,6 +15,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 """
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -438,14 +439,27 @@ def build(args, config, device, dtype, ddp, ckpt):
 
 # ----------------------------------------------------------------------------- the run
 
-def main(argv=None):
-    args = get_args(argv)
+def rank_0_speaks(fn):
+    """Under torchrun every rank meets the same bad input and would say so: rank 0 does; the others exit 1."""
+    @functools.wraps(fn)
+    def said_once(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as e:
+            if isinstance(e.code, str) and int(os.environ.get("RANK", "0")) != 0:
+                raise SystemExit(1) from None
+            raise
+    return said_once
+
+
+def prepare(args):
+    """Everything before the first update: processes, data checks, the checkpoint to resume, validation data and the
+    Run, the config printed. Returns (ddp, ckpt, its path, validation batches, run)."""
     ddp, rank, world, device, dtype, vocab_size = setup(args)
-    master = rank == 0
-    ckpt = None
+    ckpt = ckpt_path = None
     refuse_overwrite(args)
     if args.resume or args.eval_only:
-        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, master)
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0)
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
@@ -454,7 +468,7 @@ def main(argv=None):
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         vocab_size=vocab_size)
     run = build(args, config, device, dtype, ddp, ckpt)
-    if master:
+    if rank == 0:
         print(json.dumps(vars(args)))
         print(describe(run.raw_model))
         amp = " + bf16 autocast" if args.amp else ""
@@ -462,34 +476,48 @@ def main(argv=None):
         print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
               f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s "
               f"counts trained (non-pad) tokens; mem is {mem}")
+    return ddp, ckpt, ckpt_path, val, run
+
+
+@rank_0_speaks
+def main(argv=None):
+    args = get_args(argv)
+    try:
+        ddp, ckpt, ckpt_path, val, run = prepare(args)
+    except KeyboardInterrupt:  # Ctrl-C while the data loads or the model is built: nothing to keep yet
+        raise SystemExit("interrupted before the first update: nothing was saved") from None
+    device, rank, world, master = run.device, run.rank, run.world, run.rank == 0
 
     # ---- SIGTERM/SIGINT: said at once, then a checkpoint of the last whole update and a clean exit, before the
     # next micro-batch: a scheduler's grace period may be shorter than an update of many micro-batches
     stop = {"signal": None}
+    what = "the evaluation" if args.eval_only else \
+        "before the next micro-batch (or in the evaluation), with a checkpoint of the last whole update"
 
     def on_signal(signum, frame):
         if master and stop["signal"] is None:  # os.write: a print here could re-enter a print in progress
-            os.write(1, f"{signal.Signals(signum).name}: stopping before the next micro-batch (or in the evaluation), "
-                        f"with a checkpoint of the last whole update\n".encode())
+            os.write(1, f"{signal.Signals(signum).name}: stopping {what}\n".encode())
         stop["signal"] = signal.Signals(signum).name
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if args.eval_only:
             result = evaluate(run.raw_model, val, device, rank, world, stop)
-            if master and result:
+            if result is None:
+                raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only again")
+            if master:
                 print(f"{ckpt_path} at step {ckpt['step']} | val loss {result[0]:.4f} | val ppl {result[1]:.2f} | "
                       f"{result[2]:,} validation tokens ({len(val)} batches)")
         else:
             train(args, run, ckpt, val, stop)
     finally:
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
         if ddp:  # DDP's reducer (and the per-layer hooks on it) must go before the process group does
             if run.per_layer:
                 run.per_layer.remove()
             run = None
             gc.collect()
             dist.destroy_process_group()
+        for sig, handler in old_handlers.items():  # after the teardown: a second signal must not cut it short
+            signal.signal(sig, handler)
 
 
 class Keeper:
@@ -616,6 +644,8 @@ def train(args, run, ckpt, val, stop):
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     try:
+        if ckpt and ckpt["step"] == ckpt["args"]["num_training_steps"]:  # the run it ends skipped its last restart,
+            relora_restart(args, run.raw_model, run.optimizers, ckpt["step"])  # due now that the run goes on
         if ckpt and ckpt.get("eval_pending") and not loop.pending_evaluation():
             return
         for step in range(loop.start, loop.total):
@@ -667,6 +697,8 @@ class Loop:
         """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
         t_eval = time.perf_counter()
         result = evaluate(self.model, self.val, self.device, self.rank, self.world, self.stop)  # agrees on a signal
+        if result and not math.isfinite(result[0]):  # finite parameters, yet the loss overflows: diverged too
+            raise diverged(f"the validation loss after step {done} is {result[0]}", self.keeper.last_good)
         if result:
             if self.master:
                 print(f"step {done}/{self.total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
@@ -717,6 +749,7 @@ class Loop:
             self.keeper.record(row)
         eval_due = done % args.eval_every == 0 or done == self.total
         if eval_due and not signalled:  # a signal asks for a quick exit: then the resumed run evaluates first
+            self.keeper.check_finite()  # a diverged model is neither evaluated nor recorded
             signalled = not self.evaluate(done)
         if done % args.save_every == 0 or done == self.total or signalled or planned:
             self.save(done, eval_pending=eval_due and signalled)
@@ -798,4 +831,8 @@ def train_step(args, run, micro_batches, stop=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # the run has ended, saved or said why: a late signal must not turn the exit into a kill
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
