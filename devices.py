@@ -17,6 +17,8 @@ def device_from_flag(error, name, expected="cpu, cuda or cuda:N"):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
         error(f"--device {name}: expected {expected}")
+    if device.type == "cpu" and device.index is not None:  # torch takes cpu:1 and runs on the one CPU device
+        error(f"--device {name}: the CPU has no index (torch.set_num_threads picks its cores); pass --device cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -47,6 +47,7 @@ def test_a_gpu_this_machine_lacks_is_one_line_in_every_command(monkeypatch, caps
     ("cuda:2", 2, "this machine has 2 CUDA GPU(s), cuda:0 to cuda:1"),
     ("tpu", 1, "expected cpu, cuda or cuda:N"), ("cuda:x", 1, "expected cpu, cuda or cuda:N"),
     ("mps", 1, "expected cpu, cuda or cuda:N"), ("", 1, "expected cpu, cuda or cuda:N"),
+    ("cpu:1", 0, "the CPU has no index"), ("cpu:0", 1, "the CPU has no index (torch.set_num_threads picks"),
 ])
 def test_device_from_flag(monkeypatch, name, gpus, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
