@@ -19,7 +19,7 @@ from contextlib import contextmanager, suppress
 
 import torch
 
-from model import LLaMA, LLaMAConfig
+from model import LLaMA, LLaMAConfig, METHODS
 
 
 def digest(obj, h=None):
@@ -140,10 +140,15 @@ def load_model(path, device="cpu"):
     if not {"model", "model_config"} <= set(ckpt):
         raise ValueError(f"{path} has no 'model' and 'model_config' entries: not written by train.py or "
                          "export.py --merged; pass one that was")
-    unknown = set(ckpt["model_config"]) - set(LLaMAConfig.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"{path}: unknown model_config fields {sorted(unknown)}; it was written by another "
-                         "version of model.py")
+    fields = set(LLaMAConfig.__dataclass_fields__)
+    unknown, missing = set(ckpt["model_config"]) - fields, fields - set(ckpt["model_config"])
+    if unknown or missing:  # a missing one would take its default: alpha or n_heads change no shape, only the model
+        what = ", ".join(f"{k} model_config fields {sorted(v)}" for k, v in (("unknown", unknown),
+                                                                             ("missing", missing)) if v)
+        raise ValueError(f"{path}: {what}; it was written by another version of model.py")
+    if ckpt["model_config"]["method"] not in METHODS:
+        raise ValueError(f"{path}: model_config method {ckpt['model_config']['method']!r} is none of {METHODS}; the "
+                         "file was written by another program")
     model = LLaMA(LLaMAConfig(**ckpt["model_config"]), device="meta")
     try:
         model.load_state_dict(ckpt["model"], strict=True, assign=True)  # the checkpoint's tensors, no copy

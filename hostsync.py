@@ -16,7 +16,9 @@ those ops, by name, while a block runs:
 It sees every op dispatched from Python, backward and optimizer hooks included, on any device (so the CPU tests can
 check a loop that is meant for the GPU). On CUDA it also turns on torch's own sync-debug mode, which warns from
 inside the CUDA calls, and counts those warnings. A torch.compile'd model hides its ops from the first check, not
-from the second.
+from the second; so does printing or formatting a tensor (torch formats with dispatch modes off). On a GPU run a
+value read of a tensor that already lives on the host (torch.optim's step counters) is counted too, though nothing
+waits for the GPU there.
 """
 
 import warnings
@@ -31,7 +33,7 @@ aten = torch.ops.aten
 # ops whose result the host must see: a value (item, bool, int) or a data-dependent size
 VALUE_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
                    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
-                   aten.repeat_interleave.Tensor, aten.equal.default}
+                   aten.repeat_interleave.Tensor, aten.equal.default, aten.allclose.default}
 
 
 # indexing ops, which need the host when an index is a boolean mask (the output size is its count of True)

@@ -289,3 +289,17 @@ def test_sample_shows_the_prompt_without_the_whitespace_the_model_never_saw(sl_c
     for prompt in ("the ", "the  ", "the\n"):
         assert sample.sample(sl_ckpt, prompt, num_samples=1, max_new_tokens=4, temperature=0) == plain, prompt
     assert sample.sample(sl_ckpt, " the", num_samples=1, max_new_tokens=4, temperature=0) == [" " + plain[0]]
+
+
+def test_a_checkpoint_whose_model_config_is_incomplete_or_foreign_is_refused(sl_ckpt, tmp_path):
+    """A field missing from model_config would take its default (alpha and n_heads change no weight's shape, only
+    what the model computes), and a method name no model has would build a layer of another kind: both refused."""
+    state = checkpoint.load(sl_ckpt)
+    for name, edit, message in [("no_alpha", lambda c: c.pop("alpha"), r"missing model_config fields \['alpha'\]"),
+                                ("typo", lambda c: c.update(method="sltrian"), "method 'sltrian' is none of")]:
+        config = dict(state["model_config"])
+        edit(config)
+        path = str(tmp_path / f"{name}.pt")
+        checkpoint.save(path, {k: v for k, v in state.items() if k != "sha256"} | {"model_config": config})
+        with pytest.raises(ValueError, match=message):
+            load_model(path)
