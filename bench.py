@@ -38,8 +38,9 @@ the same, compiled as train.py --compile, for full, lowrank and sltrain; amp (tr
 time of per-layer updates; inference; and, with --data_dir, program: train.py itself (a 60m 8-bit per-layer run,
 SIGTERM + --resume, --compile, --sync_debug, torchrun). --suite tiny runs the same code at toy sizes on CPU
 (test_bench.py). The sections model_compiled, amp and program exist only in a suite. A suite runs its sections one by
-one: after each, its table prints and --out is rewritten, with the section's seconds under "seconds"; a section that
-raises is recorded under "errors" and the next one runs; the command exits non-zero if any failed. The GPU suite has
+one: after each, its table prints and --out is rewritten, with the section's seconds under "seconds". With or without
+a suite, a section that raises is recorded under "errors", --out keeps what is done, the next one runs, and the
+command exits non-zero if any failed. The GPU suite has
 never run; BENCHMARKS.md splits it with --only into five shorter commands (how long each takes is an estimate).
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
@@ -309,7 +310,7 @@ def count_ops(fn):
 def _host_step_time(model, make, idx, rounds, ops):
     """(best seconds, aten operations if ops else None) of a training step of model with per-layer updates by make
     (none if make is None)."""
-    sync = torch.cuda.synchronize if idx.device.type == "cuda" else lambda: None
+    sync = (lambda: torch.cuda.synchronize(idx.device)) if idx.device.type == "cuda" else lambda: None
     per_layer = optim.attach_per_layer(model, make) if make else None
 
     def step():
@@ -612,6 +613,8 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
                 os.killpg(proc.pid, signal.SIGTERM)
                 break
         said = proc.communicate()[0]
+        if not os.path.exists(os.path.join(out_dir, "signalled", "metrics.jsonl")):  # it failed before training
+            raise RuntimeError(f"the run to signal failed (exit {proc.returncode}): {said.strip().splitlines()[-1:]}")
         stopped_at = max(r["step"] for r in rows("signalled"))
         train("signalled", "--num_training_steps", str(p["steps"]), "--resume", *halves)
         last, straight_last = rows("signalled")[-1].get("val_loss"), result["straight"].get("val_loss", [None])[-1]
@@ -915,8 +918,8 @@ def report(r):
               "(galore: galore.GaLore), "
               "throughput vs full")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}" for m in v))
-    if "optimizer" in r:
-        O, v = r["optimizer"], r["optimizer"]["variants"]
+    for O in r.get("optimizer", []):
+        v = O["variants"]
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
               "(for-loop on CPU, foreach on CUDA)")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
@@ -932,7 +935,7 @@ def report(r):
 OPTIMIZER_TOOLS = ("step", "heavy", "host")  # outside the default sections: run when --only names them
 CPU_ONLY = ("step", "heavy")
 USED_BY = {"--size": {"model", "optimizer", "inference", "host"}, "--batch_size": {"model", "inference"},
-           "--max_length": {"model", "inference"}, "--quick": {"model", "optimizer"},
+           "--max_length": {"model", "inference"}, "--quick": {"model", "optimizer", "inference"},
            "--rounds": {"layer", "model", "optimizer", "inference", "step", "host"}}
 
 
@@ -946,6 +949,8 @@ def check_args(parser, args):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = device_from_flag(parser.error, args.device)
     cuda = device.type == "cuda"
+    if cuda and device.index is not None:  # CUDA events record on the current device's stream: make it this one
+        torch.cuda.set_device(device)
     if args.suite:
         flags = {"--size": args.size, "--batch_size": args.batch_size, "--max_length": args.max_length,
                  "--rounds": args.rounds, "--quick": args.quick or None}
@@ -960,6 +965,11 @@ def check_args(parser, args):
                          "--suite (the suite's optimizer section has the host time)")
         if (args.tokenizer or "program" in only) and not args.data_dir:
             parser.error("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
+        if args.data_dir and not os.path.isdir(args.data_dir):
+            parser.error(f"--data_dir {args.data_dir}: no such folder; pass the folder of C4 shards (train.py's)")
+        tokenizer = args.tokenizer or "data/t5_spiece.model"
+        if args.data_dir and not os.path.isfile(tokenizer):
+            parser.error(f"--tokenizer {tokenizer}: no such file; pass the sentencepiece model")
     else:
         if args.data_dir or args.tokenizer:
             parser.error("--data_dir and --tokenizer are for a suite's program section: add --suite or drop them")
@@ -971,6 +981,8 @@ def check_args(parser, args):
                          "CPU, python estimate_memory.py --measure counts memory instead)")
         if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
             parser.error("--batch_size, --max_length and --rounds must be >= 1")
+        if args.quick and args.size:
+            parser.error("--quick picks the tiny model and --size the sizes: pass one of them")
         for flag, users in USED_BY.items():
             if only and getattr(args, flag[2:]) not in (None, False) and not only & users:
                 parser.error(f"{flag} is for the {', '.join(sorted(users))} sections, and --only has none of them: "
@@ -989,7 +1001,8 @@ def main():
     parser.add_argument("--data_dir", help="--suite: C4 shards for the train.py section (skipped without them)")
     parser.add_argument("--tokenizer", default=None,
                         help="--suite: the tokenizer for train.py (default: data/t5_spiece.model)")
-    parser.add_argument("--quick", action="store_true", help="the tiny model for the model and optimizer sections")
+    parser.add_argument("--quick", action="store_true",
+                        help="the tiny model for the model, optimizer and inference sections")
     parser.add_argument("--only", nargs="+",
                         choices=["layer", "model", "model_compiled", "amp", "optimizer", "memory", "inference",
                                  "program", *OPTIMIZER_TOOLS],
@@ -998,7 +1011,8 @@ def main():
     parser.add_argument("--size", nargs="+", default=None, choices=list(SIZES),
                         help="sizes for the model, optimizer and inference sections (default: 60m on CPU, tiny with "
                              "--quick, 350m 1b on CUDA) and host (default: 60m 350m 7b)")
-    parser.add_argument("--batch_size", type=int, default=None, help="sequences per train step (default: 4, CUDA 16)")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="sequences per train step (default: 4, 8 with --quick, CUDA 16)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: 256)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per section (default: 7; step 3, host 5)")
@@ -1014,7 +1028,7 @@ def main():
         torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
     sections = args.only or ["layer", "model", "optimizer", "inference"] + (["memory"] if cuda else [])
-    sizes = args.size or (["350m", "1b"] if cuda else ["tiny"] if args.quick else ["60m"])
+    sizes = args.size or (["tiny"] if args.quick else ["350m", "1b"] if cuda else ["60m"])
     batch_size = args.batch_size or (16 if cuda else 8 if args.quick else 4)
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
     result = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -1024,24 +1038,25 @@ def main():
     if args.suite:  # each section's table prints, and --out is written, as the section ends
         run_suite(args.suite, device, args.only, args.data_dir, args.tokenizer, result=result, out=args.out)
         sections = []
-    if "layer" in sections:
-        result["layer"] = bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds)
-    if "model" in sections:
-        result["model"] = [bench_model(s, batch_size, args.max_length, device, dtype, args.rounds) for s in sizes]
-    if "optimizer" in sections:
-        result["optimizer"] = bench_optimizer("tiny" if args.quick else sizes[0], device, dtype, args.rounds)
-    if "memory" in sections:
-        result["memory"] = suite_memory(SUITES["gpu"], device)
-    if "inference" in sections:
-        result["inference"] = [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
-                                                                      batch_size), args.max_length, device, dtype,
-                                               args.rounds) for s in sizes]
-    if "step" in sections:
-        result["step"] = bench_step(rounds=rounds_given or 3)
-    if "heavy" in sections:
-        result["heavy"] = bench_heavy()
-    if "host" in sections:
-        result["host"] = bench_host(device, args.size or ("60m", "350m", "7b"), rounds_given or 5)
+    run = {
+        "layer": lambda: bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds),
+        "model": lambda: [bench_model(s, batch_size, args.max_length, device, dtype, args.rounds) for s in sizes],
+        "optimizer": lambda: [bench_optimizer(s, device, dtype, args.rounds) for s in sizes],
+        "memory": lambda: suite_memory(SUITES["gpu"], device),
+        "inference": lambda: [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
+                                                                     batch_size), args.max_length, device, dtype,
+                                              args.rounds) for s in sizes],
+        "step": lambda: bench_step(rounds=rounds_given or 3),
+        "heavy": lambda: bench_heavy(),
+        "host": lambda: bench_host(device, args.size or ("60m", "350m", "7b"), rounds_given or 5)}
+    for section in [k for k in run if k in sections]:
+        try:  # as in a suite: a failed section is recorded, the others still run, and --out holds what is done
+            result[section] = run[section]()
+        except Exception as e:
+            record_error(result, section, e)
+        gc.collect()
+        if args.out:
+            write_json(args.out, result)
     if not args.suite:
         report(result)
     if args.json:

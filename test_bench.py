@@ -194,6 +194,9 @@ def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
     (["--only", "heavy", "--rounds", "3"], "and --only has none of them: drop --rounds"),
     (["--only", "step", "--batch_size", "4"], "drop --batch_size"),
     (["--only", "host", "--quick"], "drop --quick"),
+    (["--quick", "--size", "60m"], "--quick picks the tiny model and --size the sizes: pass one of them"),
+    (["--suite", "tiny", "--data_dir", "/nonexistent/c4"], "--data_dir /nonexistent/c4: no such folder"),
+    (["--suite", "tiny", "--data_dir", ".", "--tokenizer", "/nonexistent.model"], "/nonexistent.model: no such file"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     if argv[:2] == ["--suite", "gpu"] and torch.cuda.is_available():
@@ -237,3 +240,36 @@ def test_the_optimizer_tools_run_and_report(monkeypatch, capsys, tmp_path):
     assert "200 steps on heavy-tailed gradients" in out and out.count("max |update|/lr") == 3
     assert "tiny sltrain (" in out and "x: median" not in out
 
+
+
+def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys, tmp_path):
+    """Without --suite too: a section that raises (an OOM) is recorded, the others run, and --out holds what was
+    done; every --size is run by the sections that take sizes (the optimizer's too)."""
+    monkeypatch.setattr(bench, "bench_step", functools.partial(bench.bench_step, size=64, steps=2, warmup=1))
+    sizes = []
+    monkeypatch.setattr(bench, "bench_optimizer", lambda size, *a: sizes.append(size) or dict(
+        size=size, params_m=1.0, dtype="float32", variants={}))
+    monkeypatch.setattr(bench, "bench_inference", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    out = tmp_path / "r.json"
+    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "step", "optimizer", "inference", "--size", "tiny", "60m",
+                                     "--rounds", "1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="failed: inference"):
+        bench.main()
+    r = json.loads(out.read_text())
+    assert "step" in r and r["errors"]["inference"]["error"] == "RuntimeError: out of memory", r.get("errors")
+    assert sizes == ["tiny", "60m"] and [O["size"] for O in r["optimizer"]] == ["tiny", "60m"]
+    assert "one optimizer step on a 64x64 tensor" in capsys.readouterr().out
+
+
+def test_a_gpu_named_by_index_is_made_current(monkeypatch):
+    """CUDA events record on the current device's stream: --device cuda:1 makes cuda:1 current, or every time would
+    be of an idle cuda:0."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(str(d)))
+    monkeypatch.setattr(bench, "machine", lambda device: (_ for _ in ()).throw(SystemExit("checked")))
+    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cuda:1", "--only", "layer"])
+    with pytest.raises(SystemExit, match="checked"):
+        bench.main()
+    assert chosen == ["cuda:1"]
