@@ -3,7 +3,7 @@ The paper's analyses of trained weights (§3.1, Table 2, Figures 2, 4 and 9), on
 
     python analyze.py spectrum out/ckpt.pt --figures figs/          # singular values per projection, SVG per kind
     python analyze.py spectrum out/ckpt.pt --json                    # the same numbers as JSON
-    python analyze.py prune out/ckpt.pt --rank 128 --delta 0.03      # Table 2: full, L0, L0 + top / random δ
+    python analyze.py prune out/full/ckpt.pt --rank 128 --delta 0.03   # Table 2: full, L0, L0 + top / random δ
     python analyze.py curves run_a/metrics.jsonl run_b/metrics.jsonl --out figs/curves.svg   # Figure 4
 
 spectrum: σ of each projection's (merged) weight W. For an SLTrain weight W = s·BA + S with SVD W = UΣVᵀ, Σ splits
@@ -13,7 +13,7 @@ L0 and the share of its entries below a threshold (§3.1: 97% below 0.04 at 60m)
 residual is small and spread out. prune needs a full-rank checkpoint (export.py --merged makes one from any other).
 
 Training from a dense checkpoint (Table 2's last rows) lives here too, called by train.py:
-    python train.py --method sltrain --init_from full/ckpt.pt --freeze lowrank --support top
+    python train.py --method sltrain --init_from out/full/ckpt.pt --freeze lowrank --support top
 """
 
 import argparse

@@ -418,7 +418,7 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
                amp=False):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
-    step after it, optionally compiled as train.py --compile does it: each block (model.compile_blocks), and the
+    step after it, optionally compiled as train.py --compile does it: each block (LLaMA.compile_blocks), and the
     8-bit step."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)

@@ -2,7 +2,7 @@
 Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weights, on one device or many.
 
     python train.py --size 60m                                      # one device: CUDA if present, else CPU
-    torchrun --standalone --nproc_per_node=8 train.py --size 1b     # DDP (NCCL on GPUs, gloo on CPU)
+    torchrun --standalone --nproc_per_node=8 train.py --size 1b     # DDP over 8 GPUs (NCCL; gloo on CPU)
     python train.py --size 60m --optimizer adam8bit --per_layer     # the paper's memory-frugal setting
     python train.py --size 60m --resume                             # continue exactly from out/ckpt.pt
     python train.py --size 60m --eval_only                          # validation loss of out/ckpt.pt alone
