@@ -16,9 +16,9 @@ those ops, by name, while a block runs:
 It sees every op dispatched from Python, backward and optimizer hooks included, on any device (so the CPU tests can
 check a loop that is meant for the GPU). On CUDA it also turns on torch's own sync-debug mode, which warns from
 inside the CUDA calls, and counts those warnings. A torch.compile'd model hides its ops from the first check, not
-from the second; so does printing or formatting a tensor (torch formats with dispatch modes off). On a GPU run a
-value read of a tensor that already lives on the host (torch.optim's step counters) is counted too, though nothing
-waits for the GPU there.
+from the second; so does printing or formatting a tensor (torch formats with dispatch modes off). Given the
+loop's device (HostSyncs(device)), value reads of tensors already on the host (torch.optim's step counters) are
+left out off the CPU: nothing waits for the GPU there.
 """
 
 import warnings
@@ -68,14 +68,22 @@ def masked(func, args):
 
 
 class HostSyncs(TorchDispatchMode):
-    def __init__(self):
+    """device: the device the loop runs on. Off the CPU, reading a value of a tensor that lives on the host (a
+    counter kept there) waits for nothing and is not counted; by default (None) every value read is, so that a CPU
+    run can stand in for a GPU one."""
+
+    def __init__(self, device=None):
         super().__init__()
+        self.on_host_is_free = device is not None and torch.device(device).type != "cpu"
         self.counts, self.blocks = Counter(), 0
         self.shown = set()  # other warnings raised while watching: said once per place, as by default
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in VALUE_DEPENDENT or to_host(func, args, kwargs) or masked(func, args):
+        if func in VALUE_DEPENDENT and self.on_host_is_free and all(
+                _is_host(a.device) for a in args if isinstance(a, torch.Tensor)):
+            pass  # a value the host holds already
+        elif func in VALUE_DEPENDENT or to_host(func, args, kwargs) or masked(func, args):
             self.counts[func.name()] += 1
         elif from_pageable(func, args, kwargs):
             self.counts[func.name() + " from pageable memory"] += 1

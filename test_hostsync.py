@@ -6,6 +6,7 @@ hostsync.HostSyncs counts what makes the host wait for the device, and nothing e
 
 import warnings
 
+import pytest
 import torch
 
 from hostsync import HostSyncs
@@ -79,3 +80,21 @@ def test_copies_from_pageable_host_memory_to_a_device_are_counted(monkeypatch):
         torch.empty(4, device=device).to(device, torch.float64)
     assert syncs.counts == {"aten::_to_copy from pageable memory": 1, "aten::copy_ from pageable memory": 1}, \
         syncs.counts
+
+
+def test_on_a_device_a_value_the_host_holds_is_not_a_sync():
+    """With the loop's device given (meta stands in for a GPU), .item() of a host tensor waits for nothing and is
+    left out; of a device tensor it is counted. Without a device every read counts (a CPU run standing in)."""
+    host, device = torch.tensor(3.0), torch.ones((), device="meta")
+    syncs = HostSyncs(device="meta")
+    with syncs.watch():
+        host.item()
+        torch.equal(host, host)
+    read = torch.ops.aten._local_scalar_dense.default
+    with pytest.raises(Exception):  # counted first; a meta tensor then has no value to give
+        syncs.__torch_dispatch__(read, (torch.Tensor,), (device,))
+    assert syncs.counts == {"aten::_local_scalar_dense": 1}, syncs.counts
+    syncs = HostSyncs()
+    with syncs.watch():
+        host.item()
+    assert syncs.counts == {"aten::_local_scalar_dense": 1}, syncs.counts

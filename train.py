@@ -636,7 +636,7 @@ class Keeper:
 def train(args, run, ckpt, val, stop):
     """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
     loop = Loop(args, run, ckpt, val, stop)
-    batches, syncs = iter(loop.loader), HostSyncs() if args.sync_debug else None
+    batches, syncs = iter(loop.loader), HostSyncs(run.device) if args.sync_debug else None
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != loop.total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
