@@ -37,11 +37,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Under torchrun every rank parses the same flags and finds the same fault: rank 0 says it, once. A fault of one
-    rank's own (its GPU: not there, or without room) is said by that rank: error_here."""
+    """Under torchrun every rank parses the same flags and finds the same fault: local rank 0 says it, once per
+    machine (a path may exist on one machine's disk only). A fault of one rank's own (its GPU: not there, or without
+    room) is said by that rank: error_here."""
 
     def error(self, message):
-        if int(os.environ.get("RANK", "0")) != 0:
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             self.exit(2)
         super().error(message)
 

@@ -1134,13 +1134,31 @@ def test_a_late_signal_does_not_turn_a_finished_run_into_a_kill(corpus, tmp_path
 
 
 def test_under_torchrun_only_rank_0_says_what_is_wrong(corpus, tmp_path, monkeypatch, capsys):
+    """Once per machine: local rank 0 says it (a path may be on one machine's disk only: rank 8 of two machines of 8
+    says its own)."""
     monkeypatch.setenv("RANK", "1")  # what torchrun sets; without WORLD_SIZE no process group is made
+    monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit) as e:
         train.main(base_args(corpus, tmp_path, 2, "--lr", "0"))
     assert e.value.code == 2 and capsys.readouterr().err == ""
     with pytest.raises(SystemExit) as e:
         train.main(base_args(corpus, tmp_path, 2, "--resume"))  # no checkpoint there
     assert e.value.code == 1
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit, match="--resume: no checkpoint at"):
         train.main(base_args(corpus, tmp_path, 2, "--resume"))
+
+
+def test_a_checkpoint_that_stored_an_unused_flag_still_resumes(corpus, tmp_path):
+    """Runs before flags.py refused them could store --delta with lowrank, --rank with full, GaLore's flags without
+    GaLore: a resume does not compare what the run's method and optimizer do not read."""
+    train.main(base_args(corpus, tmp_path, 4, "--method", "lowrank", "--stop_after", "2"))
+    state = checkpoint.load(str(tmp_path / "ckpt.pt"))
+    state["args"].update(delta=0.0, galore_scale=9.0, relora_reset=5)  # as such a run stored them
+    checkpoint.save(str(tmp_path / "ckpt.pt"), {k: v for k, v in state.items() if k != "sha256"})
+    train.main(base_args(corpus, tmp_path, 4, "--method", "lowrank", "--resume"))
+    assert final_state(tmp_path)["step"] == 4
+    with pytest.raises(SystemExit, match="rank 16 \\(now 8\\)"):  # what the method reads is still compared
+        train.main(base_args(corpus, tmp_path / "other", 6, "--method", "lowrank", "--rank", "8", "--resume",
+                             str(tmp_path)))

@@ -106,6 +106,15 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
 
 
+def unused_by(args):
+    """The flags this run's method and optimizer do not read: not compared on resume (an older run may have stored
+    a value for them that flags.py now refuses to take)."""
+    unused = set() if args.method == "sltrain" else {"delta"}
+    unused |= {"rank", "alpha"} if args.method == "full" else set()
+    unused |= set() if args.optimizer.startswith("galore") else {"galore_rank", "galore_update_gap", "galore_scale"}
+    return unused | (set() if args.method == "relora" else {"relora_reset", "relora_warmup", "relora_prune"})
+
+
 def load_for_resume(args, vocab_size, world, master=True):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
     listed in one refusal) or is honored and said so (by the master); args then records what this run does."""
@@ -119,7 +128,7 @@ def load_for_resume(args, vocab_size, world, master=True):
         raise SystemExit(str(e)) from None
     old = ckpt["args"]
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
-    must_match = EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH
+    must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused_by(args)]
     diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in must_match if old.get(k) != getattr(args, k)]
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
@@ -440,13 +449,14 @@ def build(args, config, device, dtype, ddp, ckpt):
 # ----------------------------------------------------------------------------- the run
 
 def rank_0_speaks(fn):
-    """Under torchrun every rank meets the same bad input and would say so: rank 0 does; the others exit 1."""
+    """Under torchrun every rank meets the same bad input and would say so: local rank 0 does, once per machine (a
+    machine's own disk may lack what another's has); the others exit 1."""
     @functools.wraps(fn)
     def said_once(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except SystemExit as e:
-            if isinstance(e.code, str) and int(os.environ.get("RANK", "0")) != 0:
+            if isinstance(e.code, str) and int(os.environ.get("LOCAL_RANK", "0")) != 0:
                 raise SystemExit(1) from None
             raise
     return said_once
