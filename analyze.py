@@ -487,12 +487,9 @@ def main(argv=None):
                          "--tokenizer")
     eval_tokens = run.get("eval_tokens", 10_000_000) if args.eval_tokens is None else args.eval_tokens
     try:
-        pieces = load_tokenizer(tokenizer).get_piece_size()
+        load_tokenizer(tokenizer, pieces=model.config.vocab_size)
     except (OSError, ValueError) as e:
         raise SystemExit(f"analyze.py prune: {e}") from None
-    if pieces != model.config.vocab_size:
-        raise SystemExit(f"analyze.py prune: tokenizer {tokenizer} has {pieces} pieces but the model "
-                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
     try:
         batches = validation_batches(data_dir, tokenizer, args.batch_size, max_length=run.get("max_length", 256),
                                      eval_tokens=eval_tokens, pack=run.get("pack", False))

@@ -1061,8 +1061,7 @@ def main():
         report(result)
     if args.json:
         print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    if args.out:  # written after each section (run_suite's too): the file holds this result already
         print(f"wrote {args.out}")
     if result.get("errors"):
         raise SystemExit(f"failed: {', '.join(result['errors'])} (each error and its traceback are under \"errors\" in "

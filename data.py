@@ -58,9 +58,10 @@ def _cpus():
 
 # ----------------------------------------------------------------------------- files and tokenizer
 
-def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR):
+def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None):
     """A sentencepiece model with an EOS piece (documents end with EOS); the default is T5's: pad 0, eos 1. data_dir
-    is the folder a missing one could be trained on, for the message."""
+    is the folder a missing one could be trained on, for the message; pieces, a model's vocabulary size that the
+    tokenizer must have (a checkpoint read with another tokenizer would index past its embedding, or mean nothing)."""
     path = Path(path)
     fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
            f"(python data.py train-tokenizer --data_dir {data_dir} --out data/spm), then pass --tokenizer")
@@ -73,6 +74,9 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR):
         raise ValueError(f"{path} is not a readable sentencepiece model ({e}); {fix}") from None
     if sp.eos_id() < 0:
         raise ValueError(f"{path} has no EOS piece, which separates documents; {fix}")
+    if pieces is not None and sp.get_piece_size() != pieces:
+        raise ValueError(f"tokenizer {path} has {sp.get_piece_size()} pieces but the model {pieces}; pass the "
+                         "--tokenizer it was trained with")
     return sp
 
 

@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
@@ -34,6 +35,17 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 # ----------------------------------------------------------------------------- safetensors
 
+@contextmanager
+def whole(path):
+    """A binary file that appears at path whole or not at all (checkpoint.atomic_file); a failed write raises OSError
+    naming path."""
+    try:
+        with atomic_file(path) as f:
+            yield f
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
+
+
 def save_safetensors(tensors, path):
     """{name: tensor} -> one .safetensors file, a tensor at a time (no copy of the whole model in host memory).
     Atomic (checkpoint.atomic_file): a failed write leaves no partial file and raises OSError naming path."""
@@ -46,14 +58,11 @@ def save_safetensors(tensors, path):
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    try:
-        with atomic_file(path) as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for t in tensors.values():
-                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian host
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
+    with whole(path) as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for t in tensors.values():
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian host
 
 
 def load_safetensors(path):
@@ -123,10 +132,7 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError("the checkpoint names no tokenizer; pass --tokenizer")
-    sp = load_tokenizer(tokenizer)
-    if sp.get_piece_size() != model.config.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer} has {sp.get_piece_size()} pieces but the model "
-                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
+    sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size)
     with open(tokenizer, "rb") as f:
         spm = f.read()  # read first: --tokenizer may be the tokenizer.model of this very folder
     os.makedirs(out_dir, exist_ok=True)
@@ -135,25 +141,18 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
     config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id())
-    write_whole(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2).encode())
-    write_whole(os.path.join(out_dir, "tokenizer.model"), spm)
+    for name, data in (("config.json", json.dumps(config, indent=2).encode()), ("tokenizer.model", spm)):
+        with whole(os.path.join(out_dir, name)) as f:
+            f.write(data)
     # T5's tokenizer class reads a sentencepiece unigram model with its own normalizer, so its ids are ours (the
     # LLaMA class re-reads the model as BPE and is not). No extra ids: the vocabulary stays the model's. It appends
     # EOS, which ends every training document: right for scoring documents; pass add_special_tokens=False for prompts
     eos, unk = sp.id_to_piece(sp.eos_id()), sp.id_to_piece(max(sp.unk_id(), 0))
     tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
            "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(0), "clean_up_tokenization_spaces": False}
-    write_whole(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(tok, indent=2).encode())
+    with whole(os.path.join(out_dir, "tokenizer_config.json")) as f:
+        f.write(json.dumps(tok, indent=2).encode())
     return sorted(os.listdir(out_dir))
-
-
-def write_whole(path, data):
-    """bytes to path, whole or not at all (checkpoint.atomic_file), a failed write raising OSError naming path."""
-    try:
-        with atomic_file(path) as f:
-            f.write(data)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
 
 
 def export_merged(model, ckpt, path, dtype=None):

@@ -25,6 +25,11 @@ RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000
 # the baselines' own flags (GaLore's paper and ReLoRA's): their defaults, filled in once the method is known
 BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 2000, "relora_warmup": 50,
              "relora_prune": 0.99}
+# the flags one method or optimizer reads, and the fix to name when another run is given them
+READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain) or a galore_* --optimizer",
+           "alpha": "a --method with factors (lowrank, relora, sltrain)", "delta": "--method sltrain",
+           **dict.fromkeys(("galore_rank", "galore_update_gap", "galore_scale"), "a galore_* --optimizer"),
+           **dict.fromkeys(("relora_reset", "relora_warmup", "relora_prune"), "--method relora")}
 CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
 
 
@@ -184,12 +189,11 @@ def get_args(argv=None, description=None):
         p.error("--resume continues the checkpoint in --out_dir and --overwrite replaces it: drop one of them")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir} is a file: pass a folder")
-    unused = {"full": ["delta", "alpha"] + ([] if galore else ["rank"]), "lowrank": ["delta"], "relora": ["delta"],
-              "sltrain": []}[args.method]
-    given = [f"--{name}" for name in unused if getattr(args, name) is not None]
+    given = [name for name in unused_flags(args.method, args.optimizer) if getattr(args, name) is not None]
     if given:
-        p.error(f"{', '.join(given)}: not used by --method {args.method} (--delta is sltrain's, --alpha and --rank "
-                "the factors'); drop it, or pass the --method that uses it")
+        fixes = " or ".join(dict.fromkeys(READ_BY[name] for name in given))
+        p.error(f"{', '.join('--' + name for name in given)}: not read by --method {args.method} with --optimizer "
+                f"{args.optimizer}; drop {'them' if len(given) > 1 else 'it'}, or pass {fixes}")
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
         LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
@@ -207,17 +211,20 @@ def get_args(argv=None, description=None):
     return args
 
 
+def unused_flags(method, optimizer):
+    """The flags of READ_BY that this method and optimizer do not read, in READ_BY's order: refused when given, and
+    not compared on resume (a run from before the refusal may have stored a value for them)."""
+    galore = optimizer.startswith("galore")
+    read = {"rank", "alpha"} if method != "full" else {"rank"} if galore else set()
+    read |= {"delta"} if method == "sltrain" else set()
+    read |= {"galore_rank", "galore_update_gap", "galore_scale"} if galore else set()
+    read |= {"relora_reset", "relora_warmup", "relora_prune"} if method == "relora" else set()
+    return [name for name in READ_BY if name not in read]
+
+
 def check_baseline_flags(p, args, config):
     """GaLore's and ReLoRA's flags (the baselines of Table 1)."""
     galore = args.optimizer.startswith("galore")
-    for owner, used, names in (("GaLore's", galore, ("galore_rank", "galore_update_gap", "galore_scale")),
-                               ("ReLoRA's", args.method == "relora",
-                                ("relora_reset", "relora_warmup", "relora_prune"))):
-        given = [f"--{name}" for name in names if getattr(args, name) is not None]
-        if given and not used:
-            fix = "--optimizer galore_adamw (or another galore_*)" if owner == "GaLore's" else "--method relora"
-            them = "them" if len(given) > 1 else "it"
-            p.error(f"{', '.join(given)}: {owner}, which this run does not use; drop {them}, or pass {fix}")
     for name, default in BASELINES.items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     args.galore_rank = args.rank if args.galore_rank is None else args.galore_rank  # an explicit 0 is refused below

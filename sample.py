@@ -59,10 +59,7 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError(f"{ckpt_path} names no tokenizer; pass --tokenizer")
-    sp = load_tokenizer(tokenizer)
-    if sp.get_piece_size() != model.config.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer} has {sp.get_piece_size()} pieces but the model "
-                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
+    sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size)
     # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
     # every training document follows one; the paper's padded rows never predict a document's first token, so there
     # the first draw is from an untrained position (give a prompt)

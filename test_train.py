@@ -500,11 +500,15 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     (["--device", "cuda"], "no usable CUDA GPU; pass --device cpu"),
     (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters"),
-    (["--method", "lowrank", "--delta", "0.5"], "--delta: not used by --method lowrank"),
-    (["--method", "full", "--rank", "7", "--alpha", "99"], "--alpha, --rank: not used by --method full"),
-    (["--relora_reset", "5", "--relora_prune", "0.5"], "--relora_reset, --relora_prune: ReLoRA's, which this run"),
-    (["--galore_rank", "4"], "--galore_rank: GaLore's, which this run does not use; drop it, or pass --optimizer"),
-    (["--method", "full", "--galore_scale", "9"], "--galore_scale: GaLore's"),
+    (["--method", "lowrank", "--delta", "0.5"], "--delta: not read by --method lowrank with --optimizer adamw; "
+                                                "drop it, or pass --method sltrain"),
+    (["--method", "full", "--rank", "7", "--alpha", "99"], "--rank, --alpha: not read by --method full"),
+    (["--relora_reset", "5", "--relora_prune", "0.5"],
+     "--relora_reset, --relora_prune: not read by --method sltrain with --optimizer adamw; drop them, or pass --method "
+     "relora"),
+    (["--galore_rank", "4"], "--galore_rank: not read by --method sltrain with --optimizer adamw; drop it, or pass a "
+                             "galore_* --optimizer"),
+    (["--method", "full", "--galore_scale", "9"], "--galore_scale: not read by --method full"),
 ])
 def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
     if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():

@@ -106,15 +106,6 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
 
 
-def unused_by(args):
-    """The flags this run's method and optimizer do not read: not compared on resume (an older run may have stored
-    a value for them that flags.py now refuses to take)."""
-    unused = set() if args.method == "sltrain" else {"delta"}
-    unused |= {"rank", "alpha"} if args.method == "full" else set()
-    unused |= set() if args.optimizer.startswith("galore") else {"galore_rank", "galore_update_gap", "galore_scale"}
-    return unused | (set() if args.method == "relora" else {"relora_reset", "relora_warmup", "relora_prune"})
-
-
 def load_for_resume(args, vocab_size, world, master=True):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
     listed in one refusal) or is honored and said so (by the master); args then records what this run does."""
@@ -128,7 +119,8 @@ def load_for_resume(args, vocab_size, world, master=True):
         raise SystemExit(str(e)) from None
     old = ckpt["args"]
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
-    must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused_by(args)]
+    unused = flags.unused_flags(args.method, args.optimizer)  # an older run may have stored them
+    must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
     diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in must_match if old.get(k) != getattr(args, k)]
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
@@ -751,15 +743,17 @@ class Loop:
         planned = args.stop_after and done - self.start >= args.stop_after and done < self.total  # same on all ranks
         # stop on a signal where all ranks agree (here, or in evaluation): a later one waits for the next update
         signalled = stopping(self.stop, self.world)
-        if done % args.log_every == 0 or done == self.total:
+        log_due = done % args.log_every == 0 or done == self.total
+        eval_due = done % args.eval_every == 0 or done == self.total
+        evaluate_now = eval_due and not signalled  # a signal asks for a quick exit: the resumed run evaluates first
+        if log_due or evaluate_now:  # a diverged model is neither logged as if fine, nor evaluated, nor recorded
             self.keeper.check_finite()
+        if log_due:
             row = self.meter.row(done, self.lrs.get_last_lr()[0], norm, self.world > 1)
             if self.master:
                 print(self.meter.line(row), flush=True)
             self.keeper.record(row)
-        eval_due = done % args.eval_every == 0 or done == self.total
-        if eval_due and not signalled:  # a signal asks for a quick exit: then the resumed run evaluates first
-            self.keeper.check_finite()  # a diverged model is neither evaluated nor recorded
+        if evaluate_now:
             signalled = not self.evaluate(done)
         if done % args.save_every == 0 or done == self.total or signalled or planned:
             self.save(done, eval_pending=eval_due and signalled)
