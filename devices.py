@@ -1,6 +1,6 @@
 """
-The device a command runs on, from its --device flag (train.py, sample.py, estimate_memory.py --measure, bench.py):
-a name this machine can use, or one line that names the fix before anything is loaded or built.
+The device a command runs on, from its --device flag (train.py, sample.py, estimate_memory.py --measure, bench.py,
+suite.py): a name this machine can use, or one line that names the fix before anything is loaded or built.
 
     device = device_from_flag(parser.error, args.device)     # torch.device("cpu"), ("cuda"), ("cuda", 1), ...
 """

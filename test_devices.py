@@ -13,6 +13,7 @@ import torch
 import bench
 import estimate_memory
 import sample
+import suite
 import train
 from devices import device_from_flag
 
@@ -22,7 +23,7 @@ def one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
 
-@pytest.mark.parametrize("command", ["train", "sample", "estimate_memory", "bench"])
+@pytest.mark.parametrize("command", ["train", "sample", "estimate_memory", "bench", "suite"])
 def test_a_gpu_this_machine_lacks_is_one_line_in_every_command(monkeypatch, capsys, tmp_path, command):
     """cuda:1 where there is only cuda:0 is refused in one line that names the GPUs there are, before anything is
     loaded (sample.py is given a checkpoint that does not exist: loading it first would say so instead)."""
@@ -32,7 +33,8 @@ def test_a_gpu_this_machine_lacks_is_one_line_in_every_command(monkeypatch, caps
            "estimate_memory": lambda: (monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--measure",
                                                                           "--device", "cuda:1"]),
                                        estimate_memory.main()),
-           "bench": lambda: (monkeypatch.setattr(sys, "argv", ["bench.py", "--device", "cuda:1"]), bench.main())}
+           "bench": lambda: (monkeypatch.setattr(sys, "argv", ["bench.py", "--device", "cuda:1"]), bench.main()),
+           "suite": lambda: (monkeypatch.setattr(sys, "argv", ["suite.py", "tiny", "--device", "cuda:1"]), suite.main())}
     with pytest.raises(SystemExit):
         run[command]()
     err = capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""
+The GPU suite's code at toy sizes on CPU, so that a GPU session spends its minutes measuring, not debugging.
+
+    python -m pytest -q test_suite.py
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import suite
+from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
+
+
+def test_tiny_suite_runs_every_section_and_reports(tmp_path):
+    out = str(tmp_path / "tiny.json")
+    r = suite.run_suite("tiny", torch.device("cpu"), out=out)
+    s = suite.SUITES["tiny"]
+    sections = ["layer", "model", "model_compiled", "amp", "memory", "optimizer", "inference"]
+    assert list(r["seconds"]) == sections and "errors" not in r
+    assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
+    for L in r["layer"]:
+        assert L["floor"] == 1 + 4 * L["rank"] / (3 * s["tokens"])
+        v = L["variants"]
+        assert set(v) == {"dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather"}
+        assert all(row["ms"] > 0 for row in v.values()) and v["sltrain"]["ratio"] > 0
+        parts = v["form"]["ms"] + v["scatter"]["ms"]
+        assert L["accounted_ms"] == v["dense"]["ms"] + 2 * parts + v["factor_grads"]["ms"] + v["gather"]["ms"]
+    for key, methods in (("model", suite.METHODS), ("model_compiled", ("full", "lowrank", "sltrain"))):
+        v = r[key]["variants"]
+        assert r[key]["compiled"] is (key == "model_compiled") and v["full/adamw"]["ratio"] == 1.0
+        assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")}
+        assert all(x["tok_s"] > 0 for x in v.values())
+    mem = r["memory"]["tiny"]
+    assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
+                                    "galore/adam8bit/per_layer", "sltrain/adam8bit/per_layer"}
+    for name, row in mem["settings"].items():
+        parts = row["counted_gb"]  # the counted parts of the same run agree with the estimate to the byte's rounding
+        assert parts["train"] == pytest.approx(row["estimate_gb"], rel=1e-3), (name, row)
+        # the real peak (here the CPU profiler's): at the end of forward the activations are all alive, and without
+        # per-layer updates the gradients at the end of backward, each beside the parameters and optimizer state
+        alive = parts["param"] + parts["optim"] + max(parts["act"], parts["grad"])
+        assert alive <= parts["train"] and alive <= row["gb"], (name, row)
+        assert row["base_gb"] == 0  # on CPU the profiler counts from its start; on CUDA the BLAS workspaces
+        assert row["vs_estimate"] == pytest.approx((row["gb"] - row["base_gb"]) / row["estimate_gb"] - 1)
+    assert 0 < mem["reduction"] < 1
+    assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
+    for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops
+        assert set(host) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"}
+        # a difference of two timings: finite, but under load it may come out at or below zero at this size
+        assert all(math.isfinite(ms) for ms, _ in host.values()), host
+        assert host["Adam8bit"][1] > host["AdamW"][1] > 0 and host["Adam8bit(compile=True)"][1] is None
+    assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
+    for name, v in r["amp"]["settings"].items():  # --amp beside pure bf16 (on CPU: float32), side by side
+        assert v["bf16"]["ratio"] == 1.0 and v["amp"]["tok_s"] > 0 and v["amp"]["peak_gb"] is None, name
+        # each beside the estimate of its own setting: float32 here, and under autocast a mixed one
+        assert v["bf16"]["estimate_gb"] > 0 and v["amp"]["estimate_gb"] not in (0, v["bf16"]["estimate_gb"]), name
+    on_disk = json.load(open(out))
+    assert all(k in on_disk for k in sections) and list(on_disk["seconds"]) == sections
+    suite.report_suite(on_disk)  # the tables print from the JSON alone
+
+
+def test_a_failing_section_is_recorded_and_the_others_run(monkeypatch, tmp_path, capsys):
+    def broken(*args):
+        raise RuntimeError("CUDA out of memory (a test)")
+    monkeypatch.setattr(suite, "suite_optimizer", broken)
+    out = str(tmp_path / "suite.json")
+    monkeypatch.setattr("sys.argv", ["suite.py", "tiny", "--only", "layer", "optimizer", "inference", "--out", out])
+    with pytest.raises(SystemExit) as stopped:  # after writing the JSON, the command fails, naming the section
+        suite.main()
+    assert "failed: optimizer" in str(stopped.value.code)
+    r = json.load(open(out))
+    assert r["errors"]["optimizer"]["error"] == "RuntimeError: CUDA out of memory (a test)", r["errors"]
+    assert any("in broken" in line for line in r["errors"]["optimizer"]["traceback"])
+    assert "optimizer" not in r and r["layer"] and r["inference"]  # the section after the failed one ran too
+    assert list(r["seconds"]) == ["layer", "optimizer", "inference"] and r["command"].startswith("python suite.py tiny")
+    printed = capsys.readouterr().out
+    assert "optimizer failed" in printed and printed.index("layer: SLTrain") < printed.index("optimizer failed")
+
+
+def test_each_section_is_on_disk_before_the_next_runs(monkeypatch, tmp_path):
+    out, seen = str(tmp_path / "suite.json"), {}
+
+    def interrupted(*args):  # what a kill mid-section leaves: the file as it is now
+        seen.update(json.load(open(out)))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(suite, "suite_optimizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # not recorded as a section's error: it stops the run
+        suite.run_suite("tiny", torch.device("cpu"), ["layer", "optimizer", "inference"], out=out)
+    assert seen["layer"] and list(seen["seconds"]) == ["layer"], seen
+    assert json.load(open(out)) == seen  # nothing after the interrupt, the earlier section kept
+
+
+def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
+    """The memory section saves after each setting: a kill during the second leaves the first on disk."""
+    out, measure, calls = str(tmp_path / "suite.json"), suite.measure, []
+
+    def killed_on_the_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(*args)
+    monkeypatch.setattr(suite, "measure", killed_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        suite.run_suite("tiny", torch.device("cpu"), ["memory"], out=out)
+    saved = json.load(open(out))["memory"]["tiny"]
+    assert list(saved["settings"]) == ["full/adamw"] and saved["settings"]["full/adamw"]["gb"] > 0, saved
+    assert saved["reduction"] is None  # the SLTrain row was not measured yet
+    suite.report_memory({"memory": {"tiny": saved}})  # a partial section still prints
+
+
+def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at_another(monkeypatch, capsys):
+    """7b trains at delta 0.05 but the appendix counts its memory at 0.03: the section measures that too, after the
+    paper's settings and before GaLore's, with its own estimate and reduction. Here tiny (0.03) stands in, at 0.05;
+    measure stands in for the real one (test_tiny_suite_runs_every_section_and_reports runs that), the peak its
+    estimate plus a tenth."""
+    calls = []
+
+    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+        calls.append((method, delta))
+        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length)
+        parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
+        return dict(peak=1.1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
+    monkeypatch.setattr(suite, "measure", measured)
+    monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.05)
+    mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
+    rows = mem["settings"]
+    assert list(rows) == ["full/adamw", "sltrain/adam8bit/per_layer", "full/adam8bit/per_layer",
+                          "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05",
+                          "galore/adam8bit/per_layer"]
+    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 5
+    at, default, full = (rows[k] for k in ("sltrain/adam8bit/per_layer/delta=0.05", "sltrain/adam8bit/per_layer",
+                                           "full/adamw"))
+    assert at["estimate_gb"] > default["estimate_gb"] and at["vs_estimate"] == pytest.approx(0.1)
+    assert mem["reduction_at_paper_delta"] == pytest.approx(1 - at["estimate_gb"] / full["estimate_gb"])
+    assert mem["reduction"] == pytest.approx(1 - default["estimate_gb"] / full["estimate_gb"])
+    suite.report_memory({"memory": {"tiny": mem}})
+    assert f"sltrain at delta 0.05, the appendix's count: -{100 * mem['reduction_at_paper_delta']:.1f}%" in \
+        capsys.readouterr().out
+    monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra row
+    mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
+    assert len(mem["settings"]) == 5 and "reduction_at_paper_delta" not in mem
+
+
+def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
+    r = suite.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))["program"]
+    assert r["straight"]["loss_falls"], r["straight"]
+    steps = suite.SUITES["tiny"]["program"]["steps"]  # the signal goes at half way: the run must stop before the end
+    assert r["sigterm_resume"]["exit_code"] == 0 and steps // 2 <= r["sigterm_resume"]["stopped_at"] < steps
+    assert r["sigterm_resume"]["val_loss_diff"] == 0.0  # exact on CPU
+    assert r["sigterm_resume"]["stop"].startswith("stopped by SIGTERM"), r["sigterm_resume"]
+    assert r["sync_debug"]["line"] == "sync_debug: 2 updates between log steps watched; host syncs: none"
+    assert r["torchrun"]["ok"] and r["compile"]["ok"] and r["compile"]["last_loss"] < r["straight"]["first_loss"]
+    assert r["compile"]["sync_debug"].endswith("host syncs: none"), r["compile"]  # CUDA's own check; on CPU: none
+    print(r["compile"])
+    suite.report_suite({"program": r})
+
+
+def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
+    """Each train.py run of the program section is tried on its own and saved as it ends: here every run is refused
+    at once (an unknown size), and each keeps its own error beside the others, then the section raises naming them."""
+    s = dict(suite.SUITES["tiny"], program=dict(suite.SUITES["tiny"]["program"], size="nosuch"))
+    saved = []
+    with pytest.raises(RuntimeError, match="train.py runs failed: straight, sigterm_resume, compile, sync_debug, "
+                                           "torchrun"):
+        suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
+    assert [list(r) for r in saved] == [["straight"], ["straight", "sigterm_resume"],
+                                        ["straight", "sigterm_resume", "compile"],
+                                        ["straight", "sigterm_resume", "compile", "sync_debug"],
+                                        ["straight", "sigterm_resume", "compile", "sync_debug", "torchrun"]]
+    assert "invalid choice: 'nosuch'" in saved[-1]["torchrun"]["error"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["gpu"], "run tiny on CPU"),
+    ([], "the following arguments are required: suite"),
+    (["tiny", "--only", "host"], "invalid choice: 'host'"),  # bench.py's
+    (["tiny", "--size", "60m"], "unrecognized arguments: --size 60m"),  # a suite has its own sizes and rounds
+    (["tiny", "--only", "program"], "pass --data_dir"),
+    (["tiny", "--tokenizer", "data/t5_spiece.model"], "pass --data_dir"),
+    (["tiny", "--data_dir", "/nonexistent/c4"], "--data_dir /nonexistent/c4: no such folder"),
+    (["tiny", "--data_dir", ".", "--tokenizer", "/nonexistent.model"], "/nonexistent.model: no such file"),
+    (["tiny", "--device", "tpu"], "expected cpu, cuda or cuda:N"),
+])
+def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
+    if argv == ["gpu"] and torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    monkeypatch.setattr("sys.argv", ["suite.py", *argv])
+    with pytest.raises(SystemExit):
+        suite.main()
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
