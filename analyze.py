@@ -289,7 +289,7 @@ def init_from_dense(model, path, support="random"):
                 R = (W0 - L0).view(-1)
                 if support == "top":
                     module.indices.copy_(R.abs().topk(module.values.numel()).indices.sort().values)
-                module.values.copy_(R[module.indices.long()])
+                module.values.copy_(R[module.indices.long().cpu()])  # R is on the CPU, the model maybe not
         elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
             module.weight.copy_(source[name].weight)
     return ckpt

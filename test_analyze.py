@@ -93,12 +93,19 @@ def test_prune_refuses_a_factored_checkpoint(sltrain_ckpt):
         analyze.main(["prune", sltrain_ckpt, "--rank", "4", "--eval_tokens", "1000"])
 
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("support", ["random", "top"])
-def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support):
+def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support, device):
+    """Also with the model on a GPU, as train.py builds it there: the checkpoint loads on the CPU, so the support
+    (on the model's device) must pick the residual where it is."""
     from model import LLaMA, config_for
     dense, _ = load_model(dense_ckpt)
-    model = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=dense.config.vocab_size))
+    model = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=dense.config.vocab_size), device=device)
     analyze.init_from_dense(model, dense_ckpt, support=support)
+    model.cpu()
     for name, module in model.named_modules():
         if not isinstance(module, SLLinear):
             continue
