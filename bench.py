@@ -28,15 +28,17 @@ Sections (--only picks some):
 A section that raises is recorded under "errors", --out keeps what is done (rewritten after each section), the next
 one runs, and the command exits non-zero if any failed.
 
-How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, and the rounds
-interleave the variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is
-the median over rounds of the per-round ratio. suite.py times the same way, with these functions.
+How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, a call shorter than
+10 ms repeated back to back within it (time per call = the block's ÷ the calls), and the rounds interleave the
+variants, alternating their order, so that a shared, noisy machine slows them all alike; a ratio is the median over
+rounds of the per-round ratio. suite.py times the same way, with these functions.
 """
 
 import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -73,15 +75,28 @@ def timed(fn, device):
     return time.perf_counter() - t0
 
 
-def interleave(variants, rounds, device, warmup=2):
-    """{name: [seconds per round]}: warm-up calls of each variant, then rounds that run each once, order alternating."""
-    for fn in variants.values():
+def interleave(variants, rounds, device, warmup=2, min_block=0.01):
+    """{name: [seconds per call, one per round]}: warm-up calls of each variant, then rounds that run each in its
+    own block, order alternating. A call shorter than min_block seconds runs back to back in its block, as many
+    times as one timed call after the warm-up says make min_block, and the block's time is divided by them: a short
+    GPU call timed alone would count the host's launch of its kernels in front of them, where a real run overlaps
+    the two."""
+    calls = {}
+    for name, fn in variants.items():
         for _ in range(warmup):
             fn()
+        calls[name] = max(1, math.ceil(min_block / max(timed(fn, device), 1e-9)))
+
+    def block(fn, n):
+        def run():
+            for _ in range(n):
+                fn()
+        return run
+
     times = {name: [] for name in variants}
     for i in range(rounds):
         for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-            times[name].append(timed(variants[name], device))
+            times[name].append(timed(block(variants[name], calls[name]), device) / calls[name])
     return times
 
 

@@ -97,3 +97,21 @@ def test_a_gpu_named_by_index_is_made_current(monkeypatch):
     with pytest.raises(SystemExit, match="checked"):
         bench.main()
     assert chosen == ["cuda:1"]
+
+
+def test_short_calls_run_back_to_back_in_their_block(monkeypatch):
+    """A call shorter than min_block runs as many times in its block as make min_block, and the time is per call; a
+    long one runs once. (On a GPU a short call timed alone counts the host's launch latency in front of it.)"""
+    clock, calls = [0.0], {"short": 0, "long": 0}
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def costs(name, seconds):
+        def call():
+            calls[name] += 1
+            clock[0] += seconds
+        return call
+
+    times = bench.interleave({"short": costs("short", 0.001), "long": costs("long", 0.05)}, rounds=3,
+                             device=torch.device("cpu"), warmup=1, min_block=0.01)
+    assert times["short"] == pytest.approx([0.001] * 3) and times["long"] == pytest.approx([0.05] * 3), times
+    assert calls == {"short": 1 + 1 + 3 * 10, "long": 1 + 1 + 3}  # warm-up, the timed call that sizes the block, rounds
