@@ -14,9 +14,12 @@ Sections (--only picks some; default all, program only with --data_dir):
                     (paper: sltrain/full = 0.945)
     model_compiled  the same, compiled as train.py --compile, for full, lowrank and sltrain
     amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
-    memory          peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank, low-rank and
-                    GaLore 8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
+    memory          peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and low-rank
+                    8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
                     (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
+    memory_galore   (last) the same for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
+                    (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
+                    command
     optimizer       the 8-bit step, eager and compiled, ÷ fused AdamW on the 7b shapes, and the host time of
                     per-layer updates
     inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
@@ -62,11 +65,12 @@ SUITES = {
                               compile=True),  # per block and the 8-bit step: ~half a minute of inductor on CPU
                  inference_sizes=("tiny",)),
 }
-# (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting
-# (in this order: the paper's headline pair first; GaLore, whose first step takes an SVD of every projection, runs
-# after every other setting of every size)
+# (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting,
+# the paper's headline pair first. GaLore's row has a section of its own, memory_galore: its first step takes an SVD
+# of every projection (224 at 7b), minutes on a GPU, which a command with a time limit may rather spend elsewhere.
 MEMORY_SETTINGS = (("full", "adamw", False), ("sltrain", "adam8bit", True), ("full", "adam8bit", True),
-                   ("lowrank", "adam8bit", True), ("galore", "adam8bit", True))
+                   ("lowrank", "adam8bit", True))
+GALORE_SETTING = ("galore", "adam8bit", True)
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
 # Figure 3 does not give its delta; the appendix's memory count for 7b has 194.28M sparse values, delta 0.03, where
 # 7b trains at 0.05 (§4.1). Where a size's delta differs, the memory section adds an SLTrain row at this one.
@@ -207,25 +211,24 @@ def _reduction(rows, name):
     return 1 - ours / full if full and ours else None
 
 
-def suite_memory(s, device, progress=lambda partial: None):
+def suite_memory(s, device, progress=lambda partial: None, galore=False, full=None):
     """Peak memory of one bf16 training step at batch 1 (CUDA: max_memory_allocated; CPU: the profiler's memory
     events, estimate_memory.cpu_peak) of each setting, beside estimate_memory's estimate of the same setting and the
     bytes counted in the same run (parameters, optimizer state, the most gradients alive, saved activations): the
     peak less what these add up to (train) is what the step's temporaries (the logits' gradient, W in backward, the
     optimizer's pieces) add. On CUDA the peak includes what the process held before the model (the BLAS
     workspaces: estimate_memory.measure), reported as base: the estimate is compared with the peak less the base,
-    the reduction against full AdamW is of the whole peaks. progress gets the result after each setting."""
-    result = {size: dict(settings={}, reduction=None, paper_reduction=PAPER_REDUCTION.get(size))
+    the reduction against full AdamW is of the whole peaks. progress gets the result after each setting.
+    galore: GaLore's row alone at each size (memory_galore), its reduction against the full AdamW peak of full, the
+    memory section's result, where that has one."""
+    result = {size: dict(settings={}, reduction=None, paper_reduction=None if galore else PAPER_REDUCTION.get(size))
               for size in s["memory_sizes"]}
-    # every size's settings first, then the rows at the appendix's delta, then GaLore (an SVD of every projection
-    # at its first step): a command cut short loses GaLore's rows, not the paper's
-    main = [(size, *setting, None) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS
-            if setting[0] != "galore"]
-    paper_delta = [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA) for size in s["memory_sizes"]
-                   if config_for(size).delta != PAPER_MEMORY_DELTA]
-    galore = [(size, *setting, None) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS
-              if setting[0] == "galore"]
-    for size, method, optimizer, per_layer, delta in main + paper_delta + galore:
+    # every size's settings first, then the rows at the appendix's delta: a command cut short loses those
+    settings = [(size, *GALORE_SETTING, None) for size in s["memory_sizes"]] if galore else \
+        [(size, *setting, None) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS] + \
+        [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA) for size in s["memory_sizes"]
+         if config_for(size).delta != PAPER_MEMORY_DELTA]
+    for size, method, optimizer, per_layer, delta in settings:
         rows = result[size]["settings"]
         name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}{'' if delta is None else f'/delta={delta}'}"
         est = estimate(size, method, None, delta, "int32", optimizer, per_layer, 1, s["max_length"])
@@ -242,7 +245,9 @@ def suite_memory(s, device, progress=lambda partial: None):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        result[size]["reduction"] = _reduction(rows, "sltrain/adam8bit/per_layer")
+        if galore:
+            rows = dict((full or {}).get(size, {}).get("settings", {}), **rows)
+        result[size]["reduction"] = _reduction(rows, name if galore else "sltrain/adam8bit/per_layer")
         if delta is not None:
             result[size]["reduction_at_paper_delta"] = _reduction(rows, name)
         progress(result)
@@ -377,8 +382,9 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
     run = dict(layer=lambda p: suite_layer(s, device, dtype, p), model=lambda _: suite_model(s, device, dtype, False),
                model_compiled=lambda _: suite_model(s, device, dtype, True),
                amp=lambda _: suite_amp(s, device, dtype), memory=lambda p: suite_memory(s, device, p),
-               optimizer=lambda _: suite_optimizer(s, device, dtype),
-               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p), inference=inference)
+               optimizer=lambda _: suite_optimizer(s, device, dtype), inference=inference,
+               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
+               memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     sections = sections or [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
@@ -448,11 +454,12 @@ def report_amp(r):
               f"{ratio_text(v['amp'])}{peak('amp')}")
 
 
-def report_memory(r):
-    for size, P in r.get("memory", {}).items():
+def report_memory(r, key="memory"):
+    for size, P in r.get(key, {}).items():
         paper = "" if P["paper_reduction"] is None else f", paper -{100 * P['paper_reduction']:.0f}%"
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
-        print(f"memory {size}, batch 1: sltrain 8-bit per-layer vs full AdamW {red}{paper}")
+        print(f"{key} {size}, batch 1: {'galore' if key == 'memory_galore' else 'sltrain'} 8-bit per-layer vs full "
+              f"AdamW {red}{paper}")
         if "reduction_at_paper_delta" in P:
             at = "n/a" if P["reduction_at_paper_delta"] is None else f"-{100 * P['reduction_at_paper_delta']:.1f}%"
             print(f"  sltrain at delta {PAPER_MEMORY_DELTA}, the appendix's count: {at}")
@@ -482,7 +489,8 @@ def report_suite_optimizer(r):
 # each suite section's table, printed as the section ends and again, from the JSON alone, by report_suite
 SUITE_REPORTS = dict(layer=report_layer, model=report_model,
                      model_compiled=lambda r: report_model(r, "model_compiled"), amp=report_amp, memory=report_memory,
-                     inference=report_inference, program=report_program, optimizer=report_suite_optimizer)
+                     inference=report_inference, program=report_program, optimizer=report_suite_optimizer,
+                     memory_galore=lambda r: report_memory(r, "memory_galore"))
 
 
 def report_suite(r):

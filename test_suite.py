@@ -14,11 +14,11 @@ import suite
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
-def test_tiny_suite_runs_every_section_and_reports(tmp_path):
+def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     out = str(tmp_path / "tiny.json")
     r = suite.run_suite("tiny", torch.device("cpu"), out=out)
     s = suite.SUITES["tiny"]
-    sections = ["layer", "model", "model_compiled", "amp", "memory", "optimizer", "inference"]
+    sections = ["layer", "model", "model_compiled", "amp", "memory", "optimizer", "inference", "memory_galore"]
     assert list(r["seconds"]) == sections and "errors" not in r
     assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
     for L in r["layer"]:
@@ -35,8 +35,12 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
         assert all(x["tok_s"] > 0 for x in v.values())
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
-                                    "galore/adam8bit/per_layer", "sltrain/adam8bit/per_layer"}
-    for name, row in mem["settings"].items():
+                                    "sltrain/adam8bit/per_layer"}
+    galore = r["memory_galore"]["tiny"]  # GaLore's row in a section of its own, run last, against the same full AdamW
+    assert list(galore["settings"]) == ["galore/adam8bit/per_layer"] and galore["paper_reduction"] is None
+    assert galore["reduction"] == 1 - galore["settings"]["galore/adam8bit/per_layer"]["gb"] / \
+        mem["settings"]["full/adamw"]["gb"]
+    for name, row in [*mem["settings"].items(), *galore["settings"].items()]:
         parts = row["counted_gb"]  # the counted parts of the same run agree with the estimate to the byte's rounding
         assert parts["train"] == pytest.approx(row["estimate_gb"], rel=1e-3), (name, row)
         # the real peak (here the CPU profiler's): at the end of forward the activations are all alive, and without
@@ -60,6 +64,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path):
     on_disk = json.load(open(out))
     assert all(k in on_disk for k in sections) and list(on_disk["seconds"]) == sections
     suite.report_suite(on_disk)  # the tables print from the JSON alone
+    assert "memory_galore tiny, batch 1: galore 8-bit per-layer vs full AdamW -" in capsys.readouterr().out
 
 
 def test_a_failing_section_is_recorded_and_the_others_run(monkeypatch, tmp_path, capsys):
@@ -113,7 +118,7 @@ def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
 
 def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at_another(monkeypatch, capsys):
     """7b trains at delta 0.05 but the appendix counts its memory at 0.03: the section measures that too, after the
-    paper's settings and before GaLore's, with its own estimate and reduction. Here tiny (0.03) stands in, at 0.05;
+    paper's settings, with its own estimate and reduction. Here tiny (0.03) stands in, at 0.05;
     measure stands in for the real one (test_tiny_suite_runs_every_section_and_reports runs that), the peak its
     estimate plus a tenth."""
     calls = []
@@ -128,9 +133,8 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
     rows = mem["settings"]
     assert list(rows) == ["full/adamw", "sltrain/adam8bit/per_layer", "full/adam8bit/per_layer",
-                          "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05",
-                          "galore/adam8bit/per_layer"]
-    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 5
+                          "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05"]
+    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 4
     at, default, full = (rows[k] for k in ("sltrain/adam8bit/per_layer/delta=0.05", "sltrain/adam8bit/per_layer",
                                            "full/adamw"))
     assert at["estimate_gb"] > default["estimate_gb"] and at["vs_estimate"] == pytest.approx(0.1)
@@ -141,7 +145,10 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
         capsys.readouterr().out
     monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra row
     mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
-    assert len(mem["settings"]) == 5 and "reduction_at_paper_delta" not in mem
+    assert len(mem["settings"]) == 4 and "reduction_at_paper_delta" not in mem
+    alone = suite.run_suite("tiny", torch.device("cpu"), ["memory_galore"])["memory_galore"]["tiny"]
+    assert list(alone["settings"]) == ["galore/adam8bit/per_layer"] and alone["reduction"] is None  # no full row
+    assert calls[-1] == ("galore", None)
 
 
 def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
