@@ -15,6 +15,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
@@ -915,6 +916,17 @@ def test_tok_s_counts_trained_tokens_not_padding(corpus, tmp_path):
     row = metrics(tmp_path)[0][0]
     counted = row["tokens_per_s"] * row["ms_per_step"] / 1000
     assert counted < 0.9 * 8 * 255, f"tok/s counts {counted:.0f} tokens per update: padding is counted"
+
+
+def test_ms_per_step_and_tok_s_leave_out_checkpoint_writes(corpus, tmp_path, monkeypatch):
+    # a checkpoint write is not training: at 7b it takes minutes, and counted in the row after it, that row's tok/s
+    # would fall to a fraction of the true rate every --save_every updates
+    save, seconds = checkpoint.save, 1.5
+    monkeypatch.setattr(checkpoint, "save", lambda path, state: (time.sleep(seconds), save(path, state)))
+    train.main(base_args(corpus, tmp_path, 4, "--save_every", "2"))
+    after_save = metrics(tmp_path)[0][2]  # step 3: its interval began with the checkpoint of step 2
+    assert after_save["step"] == 3 and after_save["ms_per_step"] < 500 * seconds, \
+        f"step 3 took {after_save['ms_per_step']:.0f} ms: the {seconds} s checkpoint write was counted as training"
 
 
 def test_amp_keeps_float32_parameters_and_computes_in_bf16(corpus, tmp_path):

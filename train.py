@@ -297,7 +297,7 @@ class Meter:
         self.loss += loss
         self.tokens += tokens
 
-    def pause(self, seconds):  # an evaluation: ms/step and tok/s count training time only
+    def pause(self, seconds):  # an evaluation or a checkpoint: ms/step and tok/s count training time only
         self.t_log += seconds
 
     def row(self, done, lr, norm, ddp):
@@ -711,7 +711,10 @@ class Loop:
 
     def save(self, done, data_state=None, eval_pending=False):
         data_state = self.loader.state_dict() if data_state is None else data_state
-        self.keeper.save(done, data_state, eval_pending=eval_pending, meter_state=self.meter.state())
+        meter_state = self.meter.state()  # reads the loss, so waits for the device: the update's time stays training
+        t_save = time.perf_counter()
+        self.keeper.save(done, data_state, eval_pending=eval_pending, meter_state=meter_state)
+        self.meter.pause(time.perf_counter() - t_save)  # minutes at 7b: the next row's tok/s would fall to a fraction
 
     def pending_evaluation(self):
         """The evaluation a signal stopped the last run before; False if a signal stops this one there too."""
