@@ -19,9 +19,10 @@ from devices import device_from_flag
 from estimate_memory import estimate
 from model import LLaMA, SIZES, config_for
 
-# size -> (training steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts
-RECIPES = {"tiny": (1000, 3e-3, 16), "60m": (11_000, 3e-3, 128), "130m": (22_000, 3e-3, 128),
-           "350m": (65_000, 3e-3, 64), "1b": (140_000, 3e-3, 32), "7b": (150_000, 5e-4, 8)}
+# size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
+# whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share
+RECIPES = {"tiny": (1000, 100, 3e-3, 16), "60m": (11_000, 1100, 3e-3, 128), "130m": (22_000, 2200, 3e-3, 128),
+           "350m": (65_000, 6500, 3e-3, 64), "1b": (140_000, 10_000, 3e-3, 32), "7b": (150_000, 15_000, 5e-4, 8)}
 # the baselines' own flags (GaLore's paper and ReLoRA's): their defaults, filled in once the method is known
 BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 2000, "relora_warmup": 50,
              "relora_prune": 0.99}
@@ -89,7 +90,8 @@ def make_parser(description=None):
     a("--gradient_accumulation", type=int, help="micro-batches per update (default: derived)")
     a("--max_length", type=int, default=256, help="tokens per sequence")
     a("--num_training_steps", type=int, help="optimizer updates (default: the paper's for the size)")
-    a("--warmup_steps", type=int, help="linear warmup updates (default: 10%% of the steps; on resume, the run's)")
+    a("--warmup_steps", type=int, help="linear warmup updates (default: the size's share of the steps, 10%% "
+      "but 1b's 1/14 as in the authors' scripts; on resume, the run's)")
     a("--min_lr_ratio", type=float, default=0.1, help="the cosine schedule ends at this fraction of --lr")
     a("--scheduler", default="cosine", choices=["cosine"], help="learning-rate schedule (warmup, then cosine)")
     a("--weight_decay", type=float, default=0.0, help="decoupled weight decay")
@@ -150,7 +152,7 @@ def get_args(argv=None, description=None):
     args.size = args.size or "60m"
     if args.optimizer.endswith("_per_layer"):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
-    steps, lr, _ = RECIPES[args.size]
+    steps, _, lr, _ = RECIPES[args.size]
     args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
     galore = args.optimizer.startswith("galore")
     args.lr = (1e-2 if galore else lr) if args.lr is None else args.lr  # GaLore's paper: lr 0.01
@@ -206,7 +208,8 @@ def get_args(argv=None, description=None):
     check_baseline_flags(p, args, model_config)
     resolve_device_and_batch(p, args)
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
-        args.warmup_steps = int(0.1 * args.num_training_steps)
+        steps, warmup, _, _ = RECIPES[args.size]
+        args.warmup_steps = args.num_training_steps * warmup // steps
     args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
     return args
 
@@ -249,7 +252,7 @@ def resolve_device_and_batch(p, args):
     if args.batch_size is None:
         args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
         if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
-            micro = RECIPES[args.size][2] if device.type == "cuda" else CPU_MICRO
+            micro = RECIPES[args.size][3] if device.type == "cuda" else CPU_MICRO
             args.batch_size = max(1, min(args.batch_size, micro))
     per_micro = args.batch_size * world
     if args.batch_size <= 0 or args.total_batch_size % per_micro:

@@ -624,6 +624,16 @@ def test_help_shows_every_default(capsys):
         assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
 
 
+def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
+    # the authors' scripts warm up over 10% of the updates, except 1b's: 10,000 of 140,000
+    monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 1b or 7b run need not fit this machine
+    for argv, warmup in ((["--size", "60m"], 1100), (["--size", "1b"], 10_000), (["--size", "7b"], 15_000),
+                         (["--size", "1b", "--num_training_steps", "14000"], 1000),
+                         (["--size", "tiny", "--num_training_steps", "6"], 0)):
+        got = train.get_args([*argv, "--device", "cpu"]).warmup_steps
+        assert got == warmup, f"{' '.join(argv)}: warmup {got}, the recipe's is {warmup}"
+
+
 def test_resume_honors_new_flags_and_continues_the_schedule(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 6, "--lr", "1e-2"))
     lr_end = metrics(tmp_path)[0][-1]["lr"]

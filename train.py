@@ -141,7 +141,7 @@ def load_for_resume(args, vocab_size, world, master=True):
     if step >= args.num_training_steps and not (step == args.num_training_steps and ckpt.get("eval_pending")):
         raise SystemExit(f"--resume: {path} already has {step} updates; raise --num_training_steps to train on")
     if args.warmup_steps is None:
-        args.warmup_steps = old["warmup_steps"]  # the run's warmup, not 10% of a new --num_training_steps
+        args.warmup_steps = old["warmup_steps"]  # the run's, not the recipe's share of a new --num_training_steps
         if args.warmup_steps > args.num_training_steps:
             raise SystemExit(f"--resume: the run's warmup of {args.warmup_steps} updates is longer than "
                              f"--num_training_steps {args.num_training_steps}: pass --warmup_steps too")
