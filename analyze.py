@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from checkpoint import atomic_file, load_model
+from checkpoint import atomic_file, load_model, make_folder, remove_empty
 from data import load_tokenizer, validation_batches
 from model import RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
@@ -398,9 +398,10 @@ def get_args(argv=None):
             p.error(f"--out {args.out} is a folder; pass a file in it, such as {os.path.join(args.out, 'curves.svg')}")
     # the folder written into, made now: one that cannot be is refused before any SVD or file is read
     folder = {"spectrum": getattr(args, "figures", None), "curves": os.path.dirname(getattr(args, "out", "") or "")}
+    args.made_folders = []  # removed again if the command fails and leaves them empty
     if folder.get(args.command):
         try:
-            os.makedirs(folder[args.command], exist_ok=True)
+            args.made_folders = make_folder(folder[args.command])
         except OSError as e:
             flag = "--figures" if args.command == "spectrum" else "--out"
             p.error(f"{flag} {getattr(args, flag[2:])}: cannot create {folder[args.command]} ({e.strerror}); pass a "
@@ -439,8 +440,15 @@ def curves(args):
 
 def main(argv=None):
     args = get_args(argv)
-    if args.command == "curves":
-        return curves(args)
+    try:
+        return (curves if args.command == "curves" else weights)(args)
+    except BaseException:  # an error, a refusal or Ctrl-C: no empty folder made for this command stays behind
+        remove_empty(args.made_folders)
+        raise
+
+
+def weights(args):
+    """spectrum or prune: the analyses of a checkpoint's weights, from the command line."""
     try:
         model, ckpt = load_model(args.ckpt)
     except (OSError, ValueError) as e:

@@ -97,6 +97,24 @@ def atomic_file(path):
         os.close(dir_fd)
 
 
+
+def make_folder(path):
+    """Make folder path and the parents it lacks; returns the folders made, outermost first, for remove_empty. A
+    command makes its output folder before its expensive work, so that one it cannot make is refused first."""
+    made, head = [], os.path.abspath(path)
+    while not os.path.exists(head):
+        made.insert(0, head)
+        head = os.path.dirname(head)
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def remove_empty(folders):
+    """Remove those of folders that are empty, innermost first: a command that fails leaves no empty folder it made."""
+    for folder in reversed(folders):
+        with suppress(OSError):  # not empty (or gone): it stays as it is
+            os.rmdir(folder)
+
 def save(path, state):
     """state, with its sha256, to path through atomic_file; a write the filesystem refuses (a full disk, ...) raises
     SaveFailed, with the old file kept."""

@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import torch
 
-from checkpoint import SaveFailed, atomic_file, load_model, save
+from checkpoint import SaveFailed, atomic_file, load_model, make_folder, remove_empty, save
 from data import load_tokenizer
 from model import LLaMA, ReLoRALinear
 from sllinear import SLLinear
@@ -195,9 +195,10 @@ def main(argv=None):
             load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as e:
             p.error(f"--tokenizer: {e}")
+    made = []
     if args.out:
         try:
-            os.makedirs(args.out, exist_ok=True)
+            made = make_folder(args.out)
         except OSError as e:
             p.error(f"--out {args.out}: cannot create the folder ({e.strerror}); pass a folder you can write to")
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -210,7 +211,11 @@ def main(argv=None):
             export_merged(model, ckpt, args.merged, dtype)
             print(f"wrote {args.merged}: full-rank, merged from {model.config.method}")
     except (OSError, ValueError, SaveFailed) as e:  # a folder or file that cannot be written: the partial file is gone
+        remove_empty(made)
         raise SystemExit(f"export.py: {e}") from None
+    except BaseException:  # Ctrl-C, or a bug: the folder made for this export goes too, if nothing is in it
+        remove_empty(made)
+        raise
 
 
 if __name__ == "__main__":

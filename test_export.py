@@ -182,6 +182,22 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "nothing is written before the checks"
 
 
+
+def test_a_failed_export_leaves_no_empty_folder_it_made(tmp_path, sl_ckpt):
+    """The --out folder is made before the checkpoint is read (so that one that cannot be made is refused first);
+    when the export then fails, the folders it made go again, and a folder that was there stays."""
+    with pytest.raises(SystemExit, match="export.py: "):
+        export.main([str(tmp_path / "missing.pt"), "--out", str(tmp_path / "new" / "hf")])
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old").mkdir()
+    with pytest.raises(SystemExit, match="export.py: "):
+        export.main([str(tmp_path / "missing.pt"), "--out", str(tmp_path / "old" / "hf")])
+    assert [p.name for p in tmp_path.iterdir()] == ["old"] and list((tmp_path / "old").iterdir()) == []
+    (tmp_path / "t.model").write_bytes(b"not a tokenizer")
+    with pytest.raises(SystemExit):  # refused before anything is made
+        export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "t.model")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "t.model"]
+
 def test_safetensors_round_trip(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2, 2, 2).half()}
     export.save_safetensors(tensors, tmp_path / "t.safetensors")
@@ -267,7 +283,7 @@ def test_transformers_tokenizer_gives_our_ids(sl_ckpt, tmp_path):
 def test_export_refuses_a_tokenizer_of_another_size_before_writing(sl_ckpt, other_tokenizer, tmp_path):
     with pytest.raises(SystemExit, match="has 80 pieces but the model 96; pass the --tokenizer it was trained with"):
         export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", other_tokenizer])
-    assert not any((tmp_path / "hf").iterdir()), "nothing is written into the folder"
+    assert not (tmp_path / "hf").exists(), "nothing is written, and the folder made for the export is gone"
 
 
 def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path):
