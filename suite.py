@@ -7,7 +7,7 @@ printed as tables (beside the layer's floor and the paper's memory reductions) a
     python suite.py gpu --only layer optimizer amp --out out/gpu_a.json  # some of them
     python suite.py tiny --data_dir data/c4                             # the same code at toy sizes, on CPU
 
-Sections (--only picks some; default all, program only with --data_dir):
+Sections, run in this order but memory_galore last (--only picks some; default all, program only with --data_dir):
     layer           SLTrain forward+backward ÷ nn.Linear at every projection shape of 60m/350m/1b/7b (N = 32768,
                     bf16), beside the floor 1 + 4r/(3N), with the parts of SLTrain's extra work timed alone
     model           350m train-step tokens/s of the four methods, AdamW and 8-bit per-layer, ÷ full AdamW
@@ -385,7 +385,8 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
                optimizer=lambda _: suite_optimizer(s, device, dtype), inference=inference,
                program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
-    sections = sections or [k for k in run if k != "program" or data_dir]
+    # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
+    sections = sorted(sections, key=list(run).index) if sections else [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
     result = {} if result is None else result

@@ -151,6 +151,19 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     assert calls[-1] == ("galore", None)
 
 
+def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
+    """--only memory_galore memory runs memory first, as the whole suite does: GaLore's reduction is against the
+    memory section's full AdamW, which must be measured by then."""
+    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length)
+        parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
+        return dict(peak=1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
+    monkeypatch.setattr(suite, "measure", measured)
+    r = suite.run_suite("tiny", torch.device("cpu"), ["memory_galore", "memory"])
+    assert list(r["seconds"]) == ["memory", "memory_galore"], list(r["seconds"])
+    assert r["memory_galore"]["tiny"]["reduction"] is not None, r["memory_galore"]
+
+
 def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
     r = suite.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))["program"]
     assert r["straight"]["loss_falls"], r["straight"]
