@@ -75,17 +75,20 @@ def timed(fn, device):
     return time.perf_counter() - t0
 
 
+MAX_CALLS = 10_000  # calls per block at most: no torch call takes under 1 µs, so only a timer that read 0 s reaches it
+
+
 def interleave(variants, rounds, device, warmup=2, min_block=0.01):
     """{name: [seconds per call, one per round]}: warm-up calls of each variant, then rounds that run each in its
     own block, order alternating. A call shorter than min_block seconds runs back to back in its block, as many
-    times as one timed call after the warm-up says make min_block, and the block's time is divided by them: a short
-    GPU call timed alone would count the host's launch of its kernels in front of them, where a real run overlaps
-    the two."""
+    times (at most MAX_CALLS) as one timed call after the warm-up says make min_block, and the block's time is
+    divided by them: a short GPU call timed alone would count the host's launch of its kernels in front of them,
+    where a real run overlaps the two."""
     calls = {}
     for name, fn in variants.items():
         for _ in range(warmup):
             fn()
-        calls[name] = max(1, math.ceil(min_block / max(timed(fn, device), 1e-9)))
+        calls[name] = max(1, min(MAX_CALLS, math.ceil(min_block / max(timed(fn, device), 1e-9))))
 
     def block(fn, n):
         def run():

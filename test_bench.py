@@ -115,3 +115,16 @@ def test_short_calls_run_back_to_back_in_their_block(monkeypatch):
                              device=torch.device("cpu"), warmup=1, min_block=0.01)
     assert times["short"] == pytest.approx([0.001] * 3) and times["long"] == pytest.approx([0.05] * 3), times
     assert calls == {"short": 1 + 1 + 3 * 10, "long": 1 + 1 + 3}  # warm-up, the timed call that sizes the block, rounds
+
+
+def test_a_call_timed_at_zero_runs_a_bounded_block(monkeypatch):
+    """A timer can read 0 s for one short call (CUDA events resolve ~0.5 µs, perf_counter a clock tick): the block is
+    then sized at bench.MAX_CALLS (10,000), not at min_block ÷ 1 ns (ten million calls per round)."""
+    calls = [0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: 0.0)  # every call reads as taking no time
+
+    def call():
+        calls[0] += 1
+    times = bench.interleave({"instant": call}, rounds=1, device=torch.device("cpu"), warmup=1, min_block=0.01)
+    assert calls[0] <= 2 + 10_000, f"{calls[0]} calls: warm-up, sizing and one round"
+    assert times["instant"] == [0.0]
