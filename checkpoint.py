@@ -97,15 +97,19 @@ def atomic_file(path):
         os.close(dir_fd)
 
 
-
 def make_folder(path):
     """Make folder path and the parents it lacks; returns the folders made, outermost first, for remove_empty. A
-    command makes its output folder before its expensive work, so that one it cannot make is refused first."""
-    made, head = [], os.path.abspath(path)
+    command makes its output folder before its expensive work, so that one it cannot make is refused first, with
+    nothing of it left. realpath: "link/.." is where the link points, up one, as the OS reads it."""
+    made, head = [], os.path.realpath(path)
     while not os.path.exists(head):
         made.insert(0, head)
         head = os.path.dirname(head)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # made part of the way (a name too long below a new folder): what it made goes again
+        remove_empty(made)
+        raise
     return made
 
 
@@ -114,6 +118,7 @@ def remove_empty(folders):
     for folder in reversed(folders):
         with suppress(OSError):  # not empty (or gone): it stays as it is
             os.rmdir(folder)
+
 
 def save(path, state):
     """state, with its sha256, to path through atomic_file; a write the filesystem refuses (a full disk, ...) raises

@@ -198,6 +198,19 @@ def test_a_failed_export_leaves_no_empty_folder_it_made(tmp_path, sl_ckpt):
         export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "t.model")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "t.model"]
 
+def test_a_refused_or_failed_export_leaves_no_folder_behind_in_odd_paths(tmp_path):
+    """A folder that cannot be made whole (a name too long below a new folder) is refused with nothing left; and
+    through a symlink and "..", the folders the OS made (not those of the path read as text) go again."""
+    with pytest.raises(SystemExit):
+        export.main([str(tmp_path / "missing.pt"), "--out", str(tmp_path / "p" / ("q" * 300))])
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "t" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "t" / "sub")
+    with pytest.raises(SystemExit, match="export.py: "):
+        export.main([str(tmp_path / "missing.pt"), "--out", str(tmp_path / "link" / ".." / "new" / "hf")])
+    assert [p.name for p in (tmp_path / "t").iterdir()] == ["sub"]
+
+
 def test_safetensors_round_trip(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2, 2, 2).half()}
     export.save_safetensors(tensors, tmp_path / "t.safetensors")
