@@ -356,7 +356,6 @@ def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, 
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["big", "curves.svg", "small"]
 
 
-
 def test_a_failed_command_leaves_no_empty_folder_it_made(tmp_path, capsys):
     """--figures (spectrum) and --out's folder (curves) are made before the expensive work; a command that then fails
     removes the folders it made, if empty."""
@@ -365,6 +364,7 @@ def test_a_failed_command_leaves_no_empty_folder_it_made(tmp_path, capsys):
     assert "analyze.py curves" in refusal(capsys, ["curves", str(tmp_path / "missing.jsonl"), "--out",
                                                    str(tmp_path / "b" / "c" / "curves.svg")])
     assert list(tmp_path.iterdir()) == []
+
 
 def test_output_folders_are_checked_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
     def refuse_to_load(path, *args, **kwargs):

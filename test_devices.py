@@ -34,7 +34,8 @@ def test_a_gpu_this_machine_lacks_is_one_line_in_every_command(monkeypatch, caps
                                                                           "--device", "cuda:1"]),
                                        estimate_memory.main()),
            "bench": lambda: (monkeypatch.setattr(sys, "argv", ["bench.py", "--device", "cuda:1"]), bench.main()),
-           "suite": lambda: (monkeypatch.setattr(sys, "argv", ["suite.py", "tiny", "--device", "cuda:1"]), suite.main())}
+           "suite": lambda: (monkeypatch.setattr(sys, "argv", ["suite.py", "tiny", "--device", "cuda:1"]),
+                             suite.main())}
     with pytest.raises(SystemExit):
         run[command]()
     err = capsys.readouterr().err

@@ -182,7 +182,6 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "nothing is written before the checks"
 
 
-
 def test_a_failed_export_leaves_no_empty_folder_it_made(tmp_path, sl_ckpt):
     """The --out folder is made before the checkpoint is read (so that one that cannot be made is refused first);
     when the export then fails, the folders it made go again, and a folder that was there stays."""
@@ -197,6 +196,7 @@ def test_a_failed_export_leaves_no_empty_folder_it_made(tmp_path, sl_ckpt):
     with pytest.raises(SystemExit):  # refused before anything is made
         export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "t.model")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "t.model"]
+
 
 def test_a_refused_or_failed_export_leaves_no_folder_behind_in_odd_paths(tmp_path):
     """A folder that cannot be made whole (a name too long below a new folder) is refused with nothing left; and
