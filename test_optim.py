@@ -574,6 +574,39 @@ def test_per_layer_matches_global_step(name):
     assert_same_params(model, ref, f"per-layer {name} vs global")
 
 
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_per_layer_updates_run_from_a_backward_on_another_thread(name):
+    """On a GPU the autograd engine runs backward, and so the per-layer hooks, on a device thread of its own; the
+    compiled step then first compiles there. A backward on a worker thread stands in for it: the same parameters
+    as on the main thread, and no error."""
+    import threading
+    if "compile" in name:
+        torch._dynamo.reset()  # compiled anew, in the thread, whatever other tests compiled on the main one
+    x, y = bigram_batches(3, batch=2, T=16)
+    models = [tiny_llama(), tiny_llama()]
+    for model in models:
+        attach_per_layer(model, OPTIMIZERS[name], lr_lambda=warmup)
+
+    def train(model):
+        for i in range(3):
+            model(x[i], y[i])[1].backward()
+
+    errors = []
+
+    def in_worker():
+        try:
+            train(models[0])
+        except Exception as e:  # an exception in a thread is only printed: hand it to the test
+            errors.append(e)
+
+    worker = threading.Thread(target=in_worker)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    train(models[1])
+    assert_same_params(models[0], models[1], f"per-layer {name} on a worker thread vs the main thread")
+
 def test_per_layer_steps_each_layer_once_and_keeps_the_per_parameter_format():
     model = tiny_llama()
     per_layer = attach_per_layer(model, OPTIMIZERS["Adam8bit"])
