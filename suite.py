@@ -7,7 +7,7 @@ printed as tables (beside the layer's floor and the paper's memory reductions) a
     python suite.py gpu --only layer optimizer amp --out out/gpu_a.json  # some of them
     python suite.py tiny --data_dir data/c4                             # the same code at toy sizes, on CPU
 
-Sections, run in this order but memory_galore last (--only picks some; default all, program only with --data_dir):
+Sections, in the order they run (--only picks some; default all, program only with --data_dir):
     layer           SLTrain forward+backward ÷ nn.Linear at every projection shape of 60m/350m/1b/7b (N = 32768,
                     bf16), beside the floor 1 + 4r/(3N), with the parts of SLTrain's extra work timed alone
     model           350m train-step tokens/s of the four methods, AdamW and 8-bit per-layer, ÷ full AdamW
@@ -17,14 +17,14 @@ Sections, run in this order but memory_galore last (--only picks some; default a
     memory          peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and low-rank
                     8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
                     (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
-    memory_galore   (last) the same for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
-                    (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
-                    command
     optimizer       the 8-bit step, eager and compiled, ÷ fused AdamW on the 7b shapes, and the host time of
                     per-layer updates
     inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
                     --compile, --sync_debug, torchrun
+    memory_galore   the memory section for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
+                    (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
+                    command
 
 The sections run one by one: after each, its table prints and --out is rewritten, with the section's seconds under
 "seconds"; a section that raises is recorded under "errors", the next one runs, and the command exits non-zero if
