@@ -429,7 +429,6 @@ def curves(args):
         finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
         series.append((label, [s for s, _ in finite], [v for _, v in finite]))
     try:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         svg_lines(args.out, series, title=f"validation {args.key.split('_')[1]} during training",
                   xlabel="update", ylabel=args.key)
     except OSError as e:

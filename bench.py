@@ -490,7 +490,7 @@ USED_BY = {"--size": {"model", "optimizer", "inference", "host"}, "--batch_size"
            "--rounds": {"layer", "model", "optimizer", "inference", "step", "host"}}
 
 
-def cuda_device(error, flag):
+def pick_device(error, flag):
     """The device of --device (default: cuda if present), made current if it is a GPU named by index: CUDA events
     record on the current device's stream, so a cuda:1 left idle would time nothing. suite.py's too."""
     device = device_from_flag(error, flag or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -505,7 +505,7 @@ def check_args(parser, args):
     if only & set(CPU_ONLY) and args.device not in (None, "cpu"):
         parser.error(f"--only {' '.join(sorted(only & set(CPU_ONLY)))} times the optimizers on CPU: drop --device "
                      f"{args.device}, or run the other sections in a command of their own")
-    device = cuda_device(parser.error, args.device)
+    device = pick_device(parser.error, args.device)
     if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
         parser.error("--batch_size, --max_length and --rounds must be >= 1")
     if args.quick and args.size:

@@ -63,8 +63,9 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
     # every training document follows one; the paper's padded rows never predict a document's first token, so there
     # the first draw is from an untrained position (give a prompt)
-    prompted = bool(sp.encode(prompt))
-    ids = sp.encode(prompt) if prompted else [sp.eos_id()]
+    ids = sp.encode(prompt)
+    prompted = bool(ids)
+    ids = ids if prompted else [sp.eos_id()]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     g = torch.Generator().manual_seed(seed)
     context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 import optim
-from bench import (INFERENCE_BATCH, bench_inference, cuda_device, finish, interleave, per_layer_host_time,
+from bench import (INFERENCE_BATCH, bench_inference, finish, interleave, per_layer_host_time, pick_device,
                    ratio_text, record_error, report_inference, start, summary, write_json)
 from estimate_memory import estimate, measure
 from model import LLaMA, METHODS, config_for
@@ -505,7 +505,7 @@ def report_suite(r):
 
 def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix, before any work; returns the device."""
-    device = cuda_device(parser.error, args.device)
+    device = pick_device(parser.error, args.device)
     if args.suite == "gpu" and device.type != "cuda":
         parser.error("gpu measures bf16 on a GPU; run it on a CUDA machine, or run tiny on CPU")
     if (args.tokenizer or "program" in (args.only or ())) and not args.data_dir:
