@@ -21,7 +21,8 @@ Sections (--only picks some):
     step       one step of optim.AdamW, Adam8bit and Adam8bit(compile=True) ÷ torch's foreach AdamW on a 4096x4096
                float32 tensor, on CPU
     heavy      Adam8bit beside float32 AdamW on heavy-tailed gradients (200 steps, three cases), on CPU: the largest
-               update ÷ lr of each, and how far the 8-bit run ends from the float32 one
+               update ÷ lr of each, and how far the 8-bit run ends from the float32 one; bitsandbytes' Adam8bit
+               beside it where that is installed
     host       the host time per update of per-layer updates (AdamW, Adam8bit, compiled) for models with the layers
                and trained tensors of each --size (default 60m 350m 7b) at toy width, and the aten operations
 
@@ -255,12 +256,20 @@ def heavy_tailed(case, steps=200, lr=1e-3, make=None):
 
 
 def bench_heavy(steps=200, lr=1e-3):
-    """heavy_tailed for each case: {case: dict(adamw=..., adam8bit=..., distance=...)}."""
+    """heavy_tailed for each case: {case: dict(adamw=..., adam8bit=..., distance=...)}, and where bitsandbytes is
+    installed its Adam8bit's figures beside ours (bnb_adam8bit, bnb_distance; it stores v where ours stores √v)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        bnb = None
     rows = {}
     for case in HEAVY_CASES:
         adamw, adam8bit, distance = heavy_tailed(case, steps, lr)
         rows[case] = dict(adamw=adamw, adam8bit=adam8bit, distance=distance)
-    return dict(steps=steps, lr=lr, cases=rows)
+        if bnb is not None:
+            _, rows[case]["bnb_adam8bit"], rows[case]["bnb_distance"] = heavy_tailed(
+                case, steps, lr, make=lambda ps: bnb.optim.Adam8bit(ps, lr=lr))
+    return dict(steps=steps, lr=lr, cases=rows, bitsandbytes=None if bnb is None else bnb.__version__)
 
 
 def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
@@ -443,7 +452,11 @@ def report_heavy(r):
     print(f"{H['steps']} steps on heavy-tailed gradients (row scales exp(2.3·N(0,1))), lr {H['lr']:g}")
     for case, v in H["cases"].items():
         print(f"{case:>10}: max |update|/lr AdamW {v['adamw']:.2f}, Adam8bit {v['adam8bit']:.2f}; "
-              f"||p8 - p32|| / ||p32 - p0|| {v['distance']:.3f}")
+              f"||p8 - p32|| / ||p32 - p0|| {v['distance']:.3f}" + ("" if H["bitsandbytes"] is None else
+              f" | bitsandbytes: {v['bnb_adam8bit']:.2f}, {v['bnb_distance']:.3f}"))
+    if H["bitsandbytes"] is not None:
+        print(f"  (bitsandbytes {H['bitsandbytes']}'s Adam8bit on the same gradients: its largest update ÷ lr, "
+              "its distance)")
 
 
 def report_host(r):
