@@ -262,11 +262,17 @@ def one_line(error):
     return str(error).strip().splitlines()[-1].removeprefix("ValueError: ")
 
 
+# The signals that end a job, which train.py answers with a checkpoint and a clean exit: SIGTERM (timeout, SLURM,
+# Kubernetes, torchrun), SIGINT (Ctrl-C), SIGHUP (a closed terminal; torchrun passes it on), SIGUSR1 and SIGUSR2 (the
+# warnings SLURM's --signal and other schedulers send before a kill). By default each would kill the process unsaved.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def _leave_signals_to_main(_):
-    """Schedulers (timeout, SLURM, torchrun) signal the whole process group: a worker killed by SIGTERM or SIGINT
-    would take the main process down before it saves. Workers ignore both; the main process stops them."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Schedulers (timeout, SLURM, torchrun) signal the whole process group: a worker killed by one of STOP_SIGNALS
+    would take the main process down before it saves. Workers ignore them; the main process stops them."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _chunks(items, n):

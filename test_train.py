@@ -302,6 +302,26 @@ def test_a_signal_during_a_save_stops_in_the_next_update_without_a_second_save(c
     assert saves == [4, 6] and final_state(tmp_path)["step"] == 6
 
 
+def test_a_slow_checkpoint_write_is_said_once_with_the_grace_it_needs(corpus, tmp_path, monkeypatch, capsys):
+    """A write longer than SLOW_SAVE_S: a stop on a signal writes one too, and a scheduler's SIGKILL 30 s after its
+    SIGTERM would cut it short. Said after the first such write, not after every one; a fast write says nothing."""
+    train.main(base_args(corpus, tmp_path / "fast", 4, "--save_every", "2"))
+    assert "note: writing" not in capsys.readouterr().out
+    save = checkpoint.save
+
+    def slow_save(path, state):
+        save(path, state)
+        time.sleep(0.2)
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    monkeypatch.setattr(train, "SLOW_SAVE_S", 0.1)
+    train.main(base_args(corpus, tmp_path / "slow", 6, "--save_every", "2"))
+    out = capsys.readouterr().out
+    assert out.count("note: writing") == 1 and re.search(rf"note: writing {tmp_path}/slow/ckpt.pt took 0\.\d s\. ", out)
+    assert "between SIGTERM and SIGKILL" in out and "--shutdown_timeout" in out
+    assert out.index("note: writing") < out.index("step 3/6")  # said at the first slow write, update 2's
+    assert final_state(tmp_path / "slow")["step"] == 6
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["adamw", "adam8bit-per-layer"])
 def test_a_signal_on_another_rank_within_an_update_drops_it_here_too(monkeypatch, per_layer):
     """Under torchrun the ranks agree on a signal at each micro-batch after the first. Faked here: a second rank, which
@@ -426,13 +446,23 @@ def signal_group_at(proc, marker, sig):
     return "".join(lines) + rest
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", data.STOP_SIGNALS, ids=[s.name for s in data.STOP_SIGNALS])
 def test_signal_to_the_process_group_with_workers_saves(corpus, tmp_path, sig):
+    """Each signal that ends a job (SIGHUP and SIGUSR1/2 would otherwise kill it unsaved, workers first)."""
     proc = start([sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path, 100_000, "--workers", "1")])
     output = signal_group_at(proc, "step 2/", sig)
     assert proc.returncode == 0, output[-3000:]
     assert f"stopped by {sig.name}" in output and "killed by signal" not in output
     assert 2 <= final_state(tmp_path)["step"] < 100_000
+
+
+def test_a_signal_the_job_started_ignoring_stays_ignored(corpus, tmp_path):
+    """nohup's SIGHUP (or `trap '' USR1`): the job was started to run through it, so it neither stops nor dies."""
+    proc = start([sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path, 6, "--workers", "1")],
+                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    output = signal_group_at(proc, "step 2/", signal.SIGHUP)
+    assert proc.returncode == 0 and "SIGHUP" not in output and "step 6/6 | val loss" in output, output[-3000:]
+    assert final_state(tmp_path)["step"] == 6
 
 
 def test_sigterm_to_torchrun_group_saves_on_both_ranks_and_the_resume_is_bit_exact(corpus, tmp_path):
@@ -454,6 +484,18 @@ def test_sigterm_to_torchrun_group_saves_on_both_ranks_and_the_resume_is_bit_exa
     sa, sb = final_state(straight)["model"], final_state(split)["model"]
     for name, t in sa.items():
         assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
+
+
+def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path):
+    """torchrun's workers run in sessions of their own: a kill -9 of torchrun (or a signal it does not pass on,
+    SIGUSR1 by default, which kills it) reaches no rank. Each rank then gets SIGTERM (PR_SET_PDEATHSIG) and stops
+    with a checkpoint of both ranks, instead of training on unwatched to the end."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "train.py"),
+           *base_args(corpus, tmp_path, 60, "--workers", "1", "--batch_size", "2")]
+    output = signal_group_at(start(cmd), "step 2/", signal.SIGKILL)  # the ranks write to the same pipe
+    assert "stopped by SIGTERM" in output and "killed by signal" not in output, output[-3000:]
+    state = final_state(tmp_path)
+    assert 2 <= state["step"] < 60 and state["world"] == 2 and all(state["data"])
 
 
 def test_diverged_run_never_saves_a_non_finite_model_and_its_advice_works(corpus, tmp_path):

@@ -15,6 +15,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 """
 
 import argparse
+import ctypes
 import functools
 import gc
 import hashlib
@@ -23,6 +24,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import time
 import warnings
 from contextlib import nullcontext, suppress
@@ -35,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from analyze import prepare_for_training
 import checkpoint
 import flags
-from data import TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names, validation_batches
+from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
+                  validation_batches)
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge
@@ -43,6 +46,8 @@ from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
 
 MODEL_FIELDS = ("method", "rank", "alpha", "delta")
+# a checkpoint write longer than this is said once: schedulers commonly allow 30 s between SIGTERM and SIGKILL
+SLOW_SAVE_S = 20
 
 
 def get_args(argv=None):
@@ -490,8 +495,9 @@ def main(argv=None):
         raise SystemExit("interrupted before the first update: nothing was saved") from None
     device, rank, world, master = run.device, run.rank, run.world, run.rank == 0
 
-    # ---- SIGTERM/SIGINT: said at once, then a checkpoint of the last whole update and a clean exit, before the
-    # next micro-batch: a scheduler's grace period may be shorter than an update of many micro-batches
+    # ---- a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2): said at once, then a checkpoint of the last whole
+    # update and a clean exit, before the next micro-batch: a scheduler's grace period may be shorter than an update
+    # of many micro-batches. One the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`)
     stop = {"signal": None}
     what = "the evaluation" if args.eval_only else \
         "before the next micro-batch (or in the evaluation), with a checkpoint of the last whole update"
@@ -500,7 +506,9 @@ def main(argv=None):
         if master and stop["signal"] is None:  # os.write: a print here could re-enter a print in progress
             os.write(1, f"{signal.Signals(signum).name}: stopping {what}\n".encode())
         stop["signal"] = signal.Signals(signum).name
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
+    stop_when_torchrun_ends()
     try:
         if args.eval_only:
             result = evaluate(run.raw_model, val, device, rank, world, stop)
@@ -522,6 +530,16 @@ def main(argv=None):
             signal.signal(sig, handler)
 
 
+def stop_when_torchrun_ends():
+    """Under torchrun: SIGTERM to this rank should torchrun's agent end first. torchrun starts its workers in
+    sessions of their own, so a signal to its process group reaches the agent alone, which passes on only the
+    signals it handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT unless --signals_to_handle says otherwise). Another one
+    (SIGUSR1 from `timeout -s USR1` or `kill -USR1 -PGID`) or a kill -9 ends the agent without a word to the ranks,
+    which would train on unwatched; with Linux's PR_SET_PDEATHSIG they stop with a checkpoint instead."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, sent when the parent (the agent) dies
+
+
 class Keeper:
     """What a run keeps, and never of a diverged model: out_dir/metrics.jsonl (one row per log and eval) and
     out_dir/ckpt.pt. A non-finite loss or gradient norm is flagged on the device (no host sync) and read at log and
@@ -538,7 +556,7 @@ class Keeper:
         resumed_here = ckpt and same_file(resume_path(args), self.path)
         self.on_disk = (start, ckpt.get("eval_pending", False)) if resumed_here else None  # (step, eval_pending) there
         self.first_bad = torch.tensor(-1, device=run.device)  # the first update with a non-finite loss or norm
-        self.metrics = None
+        self.metrics, self.said_slow = None, False
         self.master_writes(lambda: self._open_metrics(ckpt, start))
 
     def master_writes(self, write):
@@ -622,12 +640,21 @@ class Keeper:
         self.on_disk = (step, eval_pending)
 
     def _write_checkpoint(self, state):
+        started = time.monotonic()
         try:
             checkpoint.save(self.path, state)
         except checkpoint.SaveFailed as e:
             fix = "Free space (or pass a new --out_dir on a disk with room)" if e.disk_full else \
                 "See to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
             raise SystemExit(f"{e}. {fix}, then {'rerun with --resume' if e.kept else 'start again'}") from None
+        seconds = time.monotonic() - started
+        if seconds > SLOW_SAVE_S and not self.said_slow:  # a stop on a signal writes one too, within the grace
+            self.said_slow = True
+            print(f"note: writing {self.path} took {seconds:.1f} s. A stop on a signal writes one too: give the job "
+                  "longer than that between SIGTERM and SIGKILL (SLURM's KillWait and torchrun's --shutdown_timeout, "
+                  "torch 2.12 on, are 30 s unless raised; before 2.12 torchrun's is a fixed 30 s), or signal it "
+                  "earlier (SLURM: --signal=TERM@SECONDS); else that checkpoint is cut short and the previous one kept",
+                  flush=True)
 
     def close(self):
         if self.metrics:
@@ -841,5 +868,5 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # the run has ended, saved or said why: a late signal must not turn the exit into a kill
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
