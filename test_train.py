@@ -498,6 +498,50 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path)
     assert 2 <= state["step"] < 60 and state["world"] == 2 and all(state["data"])
 
 
+def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path, monkeypatch):
+    """A GPU's OutOfMemoryError after the checks passed (here raised in update 3, then in an evaluation): one line
+    naming where, the last checkpoint and a micro-batch that divides the update; following it finishes the run."""
+    train_step, evaluate = train.train_step, train.evaluate
+
+    def oom_at(n):
+        def step(args, run, micro_batches, stop):
+            if len(metrics(args.out_dir)[0]) + 1 == n:  # the update about to be made
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            return train_step(args, run, micro_batches, stop)
+        return step
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_step", oom_at(1))
+        with pytest.raises(SystemExit, match=r"^out of memory in update 1; no checkpoint was saved yet: start again "
+                                             r"with --batch_size 2 \(the same 8 sequences per update"):
+            train.main(base_args(corpus, tmp_path, 6, "--save_every", "2"))
+        m.setattr(train, "train_step", oom_at(3))
+        ckpt = tmp_path / "ckpt.pt"
+        with pytest.raises(SystemExit, match=rf"^out of memory in update 3; the last checkpoint is {ckpt}, step 2: "
+                                             rf"rerun with --resume {ckpt} and --batch_size 2 \(the same 8"):
+            train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--overwrite"))
+    with monkeypatch.context() as m:  # the advice, whose smaller batch then fails in the evaluation before a save
+        m.setattr(train, "evaluate", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+        with pytest.raises(SystemExit, match=r"^out of memory in the evaluation or checkpoint after update 4; the last "
+                                             r"checkpoint is .*, step 2: rerun with --resume .* and --batch_size 1 "):
+            train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--eval_every", "4", "--resume", str(ckpt),
+                                 "--batch_size", "2"))
+    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume", str(ckpt), "--batch_size", "1"))
+    assert final_state(tmp_path)["step"] == 6
+    with monkeypatch.context() as m:  # at batch 1 nothing divides smaller: recompute the blocks instead
+        m.setattr(train, "train_step", oom_at(1))
+        with pytest.raises(SystemExit, match=r"start again with --activation_checkpointing$"):
+            train.main(base_args(corpus, tmp_path / "b1", 2, "--batch_size", "1"))
+
+
+def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for fault, code in ((SystemExit("bad input every rank meets"), 1), (train.RankFault("rank 1: out of memory"),
+                                                                        "rank 1: out of memory")):
+        with pytest.raises(SystemExit) as e:
+            train.rank_0_speaks(lambda: (_ for _ in ()).throw(fault))()
+        assert e.value.code == code
+
+
 def test_diverged_run_never_saves_a_non_finite_model_and_its_advice_works(corpus, tmp_path):
     # one update at lr 1e9 leaves the parameters finite (near 1e9) but the next forward NaN: that model is refused
     diverge = ["--lr", "1e9", "--warmup_steps", "0", "--save_every", "1"]

@@ -229,6 +229,26 @@ def diverged(why, last_good):
                       f"ever saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
 
 
+def out_of_memory(args, run, where, last_good):
+    """The line for a GPU out of memory mid-run (the check before the first update went by an estimate): where, the
+    peak, and the fix from the last checkpoint. Nothing since that checkpoint is saved: with per-layer updates an
+    update cut short is half applied."""
+    share = args.total_batch_size // run.world  # a smaller micro-batch must divide it: accumulation makes up the rest
+    smaller = next((b for b in range(args.batch_size - 1, 0, -1) if share % b == 0), None)
+    fix = f"--batch_size {smaller} (the same {args.total_batch_size} sequences per update, in more micro-batches)" \
+        if smaller else "--activation_checkpointing" if not args.activation_checkpointing else \
+        "a GPU with more memory (or a smaller --size)"
+    peak = ""
+    if run.device.type == "cuda":
+        total = torch.cuda.get_device_properties(run.device).total_memory
+        peak = f" ({torch.cuda.max_memory_allocated(run.device) / 1e9:.1f} GB allocated at the peak, of " \
+            f"{total / 1e9:.1f})"
+    then = f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with --resume {last_good[0]} and {fix}" \
+        if last_good else f"no checkpoint was saved yet: start again with {fix}"
+    rank = f"rank {run.rank}: " if run.world > 1 else ""
+    return RankFault(f"{rank}out of memory in {where}{peak}; {then}")
+
+
 @torch.no_grad()
 def all_finite(model, batch, device):
     """Whether every parameter and the loss on one fixed batch are finite (as an int tensor). The parameters alone
@@ -445,15 +465,19 @@ def build(args, config, device, dtype, ddp, ckpt):
 
 # ----------------------------------------------------------------------------- the run
 
+class RankFault(SystemExit):
+    """A fault of one rank's own (its GPU ran out of memory): said by the rank that met it, wherever it is."""
+
+
 def rank_0_speaks(fn):
     """Under torchrun every rank meets the same bad input and would say so: local rank 0 does, once per machine (a
-    machine's own disk may lack what another's has); the others exit 1."""
+    machine's own disk may lack what another's has); the others exit 1. A RankFault is said by its rank."""
     @functools.wraps(fn)
     def said_once(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except SystemExit as e:
-            if isinstance(e.code, str) and int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            if isinstance(e.code, str) and int(os.environ.get("LOCAL_RANK", "0")) != 0 and not isinstance(e, RankFault):
                 raise SystemExit(1) from None
             raise
     return said_once
@@ -672,12 +696,14 @@ def train(args, run, ckpt, val, stop):
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
+    where = f"the evaluation left by the run that ended at step {loop.start}"
     try:
         if ckpt and ckpt["step"] == ckpt["args"]["num_training_steps"]:  # the run it ends skipped its last restart,
             relora_restart(args, run.raw_model, run.optimizers, ckpt["step"])  # due now that the run goes on
         if ckpt and ckpt.get("eval_pending") and not loop.pending_evaluation():
             return
         for step in range(loop.start, loop.total):
+            where = f"update {step + 1}"
             data_state = loop.loader.state_dict()  # where this update's batches begin: a failed read saves this
             micro_batches, bad_line = read_update(batches, args.gradient_accumulation, run.device, run.world)
             if bad_line:
@@ -690,10 +716,13 @@ def train(args, run, ckpt, val, stop):
                     loop.meter.add(step_loss, n_total)
             if result is None:
                 return loop.stop_within_update(step, data_state)
+            where = f"the evaluation or checkpoint after update {step + 1}"
             relora_restart(args, run.raw_model, run.optimizers, step + 1)
             if loop.after_update(step + 1, norm):
                 return
         loop.summary()
+    except torch.OutOfMemoryError:  # a GPU's (a CPU's allocator raises no such error: the OS kills the process)
+        raise out_of_memory(args, run, where, loop.keeper.last_good) from None
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
         if syncs and run.rank == 0:
