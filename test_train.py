@@ -531,6 +531,10 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
         m.setattr(train, "train_step", oom_at(1))
         with pytest.raises(SystemExit, match=r"start again with --activation_checkpointing$"):
             train.main(base_args(corpus, tmp_path / "b1", 2, "--batch_size", "1"))
+        m.setattr(train, "evaluate", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+        said = r"^out of memory in the evaluation; rerun --eval_only with --batch_size 2$"  # half of 4
+        with pytest.raises(SystemExit, match=said):
+            train.main(base_args(corpus, tmp_path, 6, "--eval_only"))
 
 
 def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch):

@@ -238,12 +238,15 @@ def out_of_memory(args, run, where, last_good):
     fix = f"--batch_size {smaller} (the same {args.total_batch_size} sequences per update, in more micro-batches)" \
         if smaller else "--activation_checkpointing" if not args.activation_checkpointing else \
         "a GPU with more memory (or a smaller --size)"
+    if args.eval_only:  # any batch size evaluates the same tokens
+        fix = f"--batch_size {args.batch_size // 2}" if args.batch_size > 1 else "a GPU with more memory"
     peak = ""
     if run.device.type == "cuda":
         total = torch.cuda.get_device_properties(run.device).total_memory
         peak = f" ({torch.cuda.max_memory_allocated(run.device) / 1e9:.1f} GB allocated at the peak, of " \
             f"{total / 1e9:.1f})"
-    then = f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with --resume {last_good[0]} and {fix}" \
+    then = f"rerun --eval_only with {fix}" if args.eval_only else \
+        f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with --resume {last_good[0]} and {fix}" \
         if last_good else f"no checkpoint was saved yet: start again with {fix}"
     rank = f"rank {run.rank}: " if run.world > 1 else ""
     return RankFault(f"{rank}out of memory in {where}{peak}; {then}")
@@ -535,7 +538,10 @@ def main(argv=None):
     stop_when_torchrun_ends()
     try:
         if args.eval_only:
-            result = evaluate(run.raw_model, val, device, rank, world, stop)
+            try:
+                result = evaluate(run.raw_model, val, device, rank, world, stop)
+            except torch.OutOfMemoryError:
+                raise out_of_memory(args, run, "the evaluation", None) from None
             if result is None:
                 raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only again")
             if master:
