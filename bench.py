@@ -19,7 +19,7 @@ Sections (--only picks some):
                dense weights (the paper's Table 5); CUDA batch 128 at 130m/350m, 32 at 1b/7b
   run only when --only names them:
     step       one step of optim.AdamW, Adam8bit and Adam8bit(compile=True) ÷ torch's foreach AdamW on a 4096x4096
-               float32 tensor, on CPU
+               float32 tensor, on CPU; bitsandbytes' Adam8bit beside them where that is installed
     heavy      Adam8bit beside float32 AdamW on heavy-tailed gradients (200 steps, three cases), on CPU: the largest
                update ÷ lr of each, and how far the 8-bit run ends from the float32 one; bitsandbytes' Adam8bit
                beside it where that is installed
@@ -191,6 +191,15 @@ def bench_optimizer(size, device, dtype, rounds):
 
 # ----------------------------------------------------------------------------- the optimizers alone
 
+def _bitsandbytes():
+    """bitsandbytes (the authors' 8-bit Adam) where installed, for comparison; None elsewhere, as in CI."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
+    return bitsandbytes
+
+
 def bench_step(size=4096, steps=10, warmup=3, rounds=3):
     """One step on a size x size float32 tensor on CPU for each optimizer, each in its own block of steps after a
     warm-up (interleaving single steps would time the allocator), as ratios to torch's foreach AdamW. Each round keeps
@@ -201,6 +210,9 @@ def bench_step(size=4096, steps=10, warmup=3, rounds=3):
         "Adam8bit": lambda ps: optim.Adam8bit(ps, weight_decay=0.1),
         "Adam8bit(compile=True)": lambda ps: optim.Adam8bit(ps, weight_decay=0.1, compile=True),  # compiles in warm-up
     }
+    bnb = _bitsandbytes()
+    if bnb is not None:  # the authors' 8-bit optimizer, where installed: its CPU kernels beside ours
+        makers["bitsandbytes Adam8bit"] = lambda ps: bnb.optim.Adam8bit(ps, weight_decay=0.1)
     medians = {name: [] for name in makers}
     for _ in range(rounds):
         for name, make in makers.items():
@@ -258,10 +270,7 @@ def heavy_tailed(case, steps=200, lr=1e-3, make=None):
 def bench_heavy(steps=200, lr=1e-3):
     """heavy_tailed for each case: {case: dict(adamw=..., adam8bit=..., distance=...)}, and where bitsandbytes is
     installed its Adam8bit's figures beside ours (bnb_adam8bit, bnb_distance; it stores v where ours stores √v)."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        bnb = None
+    bnb = _bitsandbytes()
     rows = {}
     for case in HEAVY_CASES:
         adamw, adam8bit, distance = heavy_tailed(case, steps, lr)

@@ -10,7 +10,7 @@ kernels; written against 0.50.2), skipped otherwise, as in CI.
 import pytest
 import torch
 
-from bench import HEAVY_CASES, bench_heavy, heavy_tailed, report_heavy
+from bench import HEAVY_CASES, bench_heavy, bench_step, heavy_tailed, report_heavy
 from optim import Adam8bit, dequantize_blockwise, dynamic_map, quantize_blockwise
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -97,3 +97,9 @@ def test_bench_heavy_puts_bitsandbytes_beside_ours(capsys):
     report_heavy({"heavy": r})
     out = capsys.readouterr().out
     assert out.count("| bitsandbytes: ") == len(HEAVY_CASES) and f"bitsandbytes {bnb.__version__}'s Adam8bit" in out
+
+
+def test_bench_step_times_bitsandbytes_beside_ours():
+    """python bench.py --only step: where bitsandbytes is installed, its Adam8bit's step is a row of the table."""
+    r = bench_step(size=256, steps=2, warmup=1, rounds=1)
+    assert r["variants"]["bitsandbytes Adam8bit"]["ms"] > 0 and r["variants"]["bitsandbytes Adam8bit"]["ratio"] > 0
