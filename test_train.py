@@ -429,10 +429,15 @@ def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_
 
 # ----------------------------------------------------------------------------- faults and bad input
 
-def start(cmd, **kw):
-    """A job as a scheduler runs it: its own process group, so a signal can go to every process of the job."""
+def start(cmd, ignore=()):
+    """A job as a scheduler runs it: its own process group, so a signal can go to every process of the job. Its stop
+    signals are the default ones but those in `ignore`, whatever pytest inherited (started with `&` from a script it
+    ignores SIGINT, under nohup SIGHUP), since train.py keeps a signal it was started ignoring ignored."""
+    def dispositions():
+        for sig in data.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
     return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"), **kw)
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=dispositions)
 
 
 def signal_group_at(proc, marker, sig):
@@ -442,8 +447,25 @@ def signal_group_at(proc, marker, sig):
         if line.startswith(marker):
             os.killpg(proc.pid, sig)
             break
-    rest, _ = proc.communicate(timeout=120)
+    try:
+        rest, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # a job the signal did not stop: no test leaves it training
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return "".join(lines) + rest
+
+
+def test_a_job_started_here_has_the_default_stop_signals_whatever_pytest_inherited():
+    """A signal pytest runs ignoring (nohup's SIGHUP, SIGINT for a job started with `&` from a script) would pass to
+    the jobs the signal tests start, which train.py would keep ignoring: those tests would time out."""
+    ask = "import signal; from data import STOP_SIGNALS; print([signal.getsignal(s) for s in STOP_SIGNALS])"
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGHUP, signal.SIGINT)}
+    try:
+        said, _ = start([sys.executable, "-c", ask]).communicate(timeout=60)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    assert "SIG_DFL" in said and "SIG_IGN" not in said, said
 
 
 @pytest.mark.parametrize("sig", data.STOP_SIGNALS, ids=[s.name for s in data.STOP_SIGNALS])
@@ -459,7 +481,7 @@ def test_signal_to_the_process_group_with_workers_saves(corpus, tmp_path, sig):
 def test_a_signal_the_job_started_ignoring_stays_ignored(corpus, tmp_path):
     """nohup's SIGHUP (or `trap '' USR1`): the job was started to run through it, so it neither stops nor dies."""
     proc = start([sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path, 6, "--workers", "1")],
-                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+                 ignore=(signal.SIGHUP,))
     output = signal_group_at(proc, "step 2/", signal.SIGHUP)
     assert proc.returncode == 0 and "SIGHUP" not in output and "step 6/6 | val loss" in output, output[-3000:]
     assert final_state(tmp_path)["step"] == 6
