@@ -316,7 +316,8 @@ def test_a_slow_checkpoint_write_is_said_once_with_the_grace_it_needs(corpus, tm
     monkeypatch.setattr(train, "SLOW_SAVE_S", 0.1)
     train.main(base_args(corpus, tmp_path / "slow", 6, "--save_every", "2"))
     out = capsys.readouterr().out
-    assert out.count("note: writing") == 1 and re.search(rf"note: writing {tmp_path}/slow/ckpt.pt took 0\.\d s\. ", out)
+    assert out.count("note: writing") == 1
+    assert re.search(rf"note: writing {tmp_path}/slow/ckpt.pt took \d+\.\d s\. ", out)
     assert "between SIGTERM and SIGKILL" in out and "--shutdown_timeout" in out
     assert out.index("note: writing") < out.index("step 3/6")  # said at the first slow write, update 2's
     assert final_state(tmp_path / "slow")["step"] == 6
