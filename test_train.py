@@ -558,6 +558,14 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
         said = r"^out of memory in the evaluation; rerun --eval_only with --batch_size 2$"  # half of 4
         with pytest.raises(SystemExit, match=said):
             train.main(base_args(corpus, tmp_path, 6, "--eval_only"))
+        five = ["--eval_only", "--total_batch_size", "5", "--batch_size", "5"]  # 2 would not divide the 5 sequences
+        with pytest.raises(SystemExit, match=r"rerun --eval_only with --batch_size 1$"):
+            train.main(base_args(corpus, tmp_path, 6, *five))
+        m.setattr(train, "train_step", oom_at(3))  # at batch 1, recomputing: --resume keeps the size
+        with pytest.raises(SystemExit, match=r"step 2: rerun with --resume .* and a GPU with more memory$"):
+            train.main(base_args(corpus, tmp_path / "ac", 4, "--batch_size", "1", "--activation_checkpointing",
+                                 "--save_every", "2"))
+    train.main(base_args(corpus, tmp_path, 6, *five[:-1], "1"))
 
 
 def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch):

@@ -233,13 +233,18 @@ def out_of_memory(args, run, where, last_good):
     """The line for a GPU out of memory mid-run (the check before the first update went by an estimate): where, the
     peak, and the fix from the last checkpoint. Nothing since that checkpoint is saved: with per-layer updates an
     update cut short is half applied."""
-    share = args.total_batch_size // run.world  # a smaller micro-batch must divide it: accumulation makes up the rest
+    # a smaller micro-batch must divide the rank's share of the update, as flags checks (--eval_only's too);
+    # accumulation makes up the rest
+    share = args.total_batch_size // run.world
     smaller = next((b for b in range(args.batch_size - 1, 0, -1) if share % b == 0), None)
-    fix = f"--batch_size {smaller} (the same {args.total_batch_size} sequences per update, in more micro-batches)" \
-        if smaller else "--activation_checkpointing" if not args.activation_checkpointing else \
-        "a GPU with more memory (or a smaller --size)"
     if args.eval_only:  # any batch size evaluates the same tokens
-        fix = f"--batch_size {args.batch_size // 2}" if args.batch_size > 1 else "a GPU with more memory"
+        fix = f"--batch_size {smaller}" if smaller else "a GPU with more memory"
+    elif smaller:
+        fix = f"--batch_size {smaller} (the same {args.total_batch_size} sequences per update, in more micro-batches)"
+    elif not args.activation_checkpointing:
+        fix = "--activation_checkpointing"
+    else:  # --resume refuses another --size
+        fix = "a GPU with more memory" if last_good else "a GPU with more memory (or a smaller --size)"
     peak = ""
     if run.device.type == "cuda":
         total = torch.cuda.get_device_properties(run.device).total_memory
