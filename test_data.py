@@ -598,6 +598,15 @@ def test_a_shard_link_to_nothing_is_refused(tok, tmp_path):
         data.TrainLoader(tmp_path, tok, 4, L)
 
 
+def test_modules_import_where_the_os_lacks_sighup_and_sigusr():
+    """Windows has SIGTERM and SIGINT only: data.py (and the tools that read data with it) must still import."""
+    here = str(Path(__file__).resolve().parent)
+    code = ("import signal\nfor name in ('SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n    delattr(signal, name)\n"
+            "import data, analyze, export, sample\nprint([s.name for s in data.STOP_SIGNALS])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=here)
+    assert run.stdout.strip() == "['SIGTERM', 'SIGINT']", run.stderr[-2000:]
+
+
 def test_loader_workers_end_with_a_script_that_never_closes_its_iterator(corpus, tok, tmp_path):
     """Workers ignore SIGTERM (the main process saves first); a script that leaves its iterator open at exit must
     still end, and promptly: multiprocessing's exit would SIGTERM them and wait forever."""
