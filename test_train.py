@@ -521,6 +521,19 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path)
     assert 2 <= state["step"] < 60 and state["world"] == 2 and all(state["data"])
 
 
+def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_path):
+    """Reading the data and building the model can take minutes: a torchrun killed meanwhile must not leave its ranks
+    to train on unwatched once built. Nothing is trained yet, so SIGTERM ends them as it does any process."""
+    script = tmp_path / "slow_build.py"  # train.py whose build() takes 30 s (cut short by the kill)
+    script.write_text(f"import sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport train\nbuild = train.build\n"
+                      "train.build = lambda *a: (print('building', flush=True), time.sleep(30), build(*a))[-1]\n"
+                      "train.main(sys.argv[1:])\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *base_args(corpus, tmp_path / "out", 4, "--workers", "1", "--batch_size", "2")]
+    output = signal_group_at(start(cmd), "building", signal.SIGKILL)
+    assert "step 1/" not in output and not (tmp_path / "out" / "ckpt.pt").exists(), output[-3000:]
+
+
 def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path, monkeypatch):
     """A GPU's OutOfMemoryError after the checks passed (here raised in update 3, then in an evaluation): one line
     naming where, the last checkpoint and a micro-batch that divides the update; following it finishes the run."""

@@ -521,6 +521,7 @@ def prepare(args):
 @rank_0_speaks
 def main(argv=None):
     args = get_args(argv)
+    stop_when_torchrun_ends()
     try:
         ddp, ckpt, ckpt_path, val, run = prepare(args)
     except KeyboardInterrupt:  # Ctrl-C while the data loads or the model is built: nothing to keep yet
@@ -540,7 +541,6 @@ def main(argv=None):
         stop["signal"] = signal.Signals(signum).name
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS
                     if signal.getsignal(sig) is not signal.SIG_IGN}
-    stop_when_torchrun_ends()
     try:
         if args.eval_only:
             try:
@@ -570,7 +570,9 @@ def stop_when_torchrun_ends():
     sessions of their own, so a signal to its process group reaches the agent alone, which passes on only the
     signals it handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT unless --signals_to_handle says otherwise). Another one
     (SIGUSR1 from `timeout -s USR1` or `kill -USR1 -PGID`) or a kill -9 ends the agent without a word to the ranks,
-    which would train on unwatched; with Linux's PR_SET_PDEATHSIG they stop with a checkpoint instead."""
+    which would train on unwatched; with Linux's PR_SET_PDEATHSIG they stop with a checkpoint instead. Asked for
+    first thing: the agent may die while the data loads and the model is built (minutes at 7b), and a parent already
+    gone sends nothing. Till the stop signals are answered, SIGTERM ends the rank as it does any process."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, sent when the parent (the agent) dies
 
