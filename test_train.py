@@ -537,7 +537,10 @@ def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_pa
 def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path, monkeypatch):
     """A GPU's OutOfMemoryError after the checks passed (here raised in update 3, then in an evaluation): one line
     naming where, the last checkpoint and a micro-batch that divides the update; following it finishes the run."""
-    train_step, evaluate = train.train_step, train.evaluate
+    train_step = train.train_step
+
+    def no_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory")
 
     def oom_at(n):
         def step(args, run, micro_batches, stop):
@@ -556,7 +559,7 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
                                              rf"rerun with --resume {ckpt} and --batch_size 2 \(the same 8"):
             train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--overwrite"))
     with monkeypatch.context() as m:  # the advice, whose smaller batch then fails in the evaluation before a save
-        m.setattr(train, "evaluate", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+        m.setattr(train, "evaluate", no_memory)
         with pytest.raises(SystemExit, match=r"^out of memory in the evaluation or checkpoint after update 4; the last "
                                              r"checkpoint is .*, step 2: rerun with --resume .* and --batch_size 1 "):
             train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--eval_every", "4", "--resume", str(ckpt),
@@ -567,7 +570,7 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
         m.setattr(train, "train_step", oom_at(1))
         with pytest.raises(SystemExit, match=r"start again with --activation_checkpointing$"):
             train.main(base_args(corpus, tmp_path / "b1", 2, "--batch_size", "1"))
-        m.setattr(train, "evaluate", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+        m.setattr(train, "evaluate", no_memory)
         said = r"^out of memory in the evaluation; rerun --eval_only with --batch_size 2$"  # half of 4
         with pytest.raises(SystemExit, match=said):
             train.main(base_args(corpus, tmp_path, 6, "--eval_only"))
