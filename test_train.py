@@ -4,6 +4,7 @@ End-to-end tests of train.py on the tiny size: tiny C4-style shards and a senten
     python -m pytest -q test_train.py
 """
 
+import argparse
 import errno
 import gzip
 import json
@@ -584,13 +585,21 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
     train.main(base_args(corpus, tmp_path, 6, *five[:-1], "1"))
 
 
-def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch):
+def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "1")
     for fault, code in ((SystemExit("bad input every rank meets"), 1), (train.RankFault("rank 1: out of memory"),
                                                                         "rank 1: out of memory")):
         with pytest.raises(SystemExit) as e:
             train.rank_0_speaks(lambda: (_ for _ in ()).throw(fault))()
         assert e.value.code == code
+    # under torchrun the line is said at once, not at exit after the process group's teardown (which NCCL may hold)
+    args = argparse.Namespace(total_batch_size=8, batch_size=4, eval_only=False, activation_checkpointing=False)
+    run = argparse.Namespace(world=2, rank=1, device=torch.device("cpu"))
+    fault = train.out_of_memory(args, run, "update 3", ["out/ckpt.pt", 2])
+    assert isinstance(fault, train.RankFault) and fault.code == 1
+    assert capsys.readouterr().err == ("rank 1: out of memory in update 3; the last checkpoint is out/ckpt.pt, step 2: "
+                                       "rerun with --resume out/ckpt.pt and --batch_size 2 (the same 8 sequences per "
+                                       "update, in more micro-batches)\n")
 
 
 def test_diverged_run_never_saves_a_non_finite_model_and_its_advice_works(corpus, tmp_path):

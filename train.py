@@ -253,8 +253,11 @@ def out_of_memory(args, run, where, last_good):
     then = f"rerun --eval_only with {fix}" if args.eval_only else \
         f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with --resume {last_good[0]} and {fix}" \
         if last_good else f"no checkpoint was saved yet: start again with {fix}"
-    rank = f"rank {run.rank}: " if run.world > 1 else ""
-    return RankFault(f"{rank}out of memory in {where}{peak}; {then}")
+    if run.world == 1:
+        return RankFault(f"out of memory in {where}{peak}; {then}")
+    # said now, not at exit: the process group's teardown before it may wait on the other ranks (NCCL)
+    print(f"rank {run.rank}: out of memory in {where}{peak}; {then}", file=sys.stderr, flush=True)
+    return RankFault(1)
 
 
 @torch.no_grad()
