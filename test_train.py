@@ -583,6 +583,12 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
             train.main(base_args(corpus, tmp_path / "ac", 4, "--batch_size", "1", "--activation_checkpointing",
                                  "--save_every", "2"))
     train.main(base_args(corpus, tmp_path, 6, *five[:-1], "1"))
+    with monkeypatch.context() as m:  # a stop within update 3, whose checkpoint of update 2 checks a forward first
+        signal_in_micro_batch(m, 5)  # 2 micro-batches per update: the first of update 3
+        m.setattr(train, "all_finite", no_memory)
+        with pytest.raises(SystemExit, match=r"^out of memory in the checkpoint of update 2, on a stop signal; no "
+                                             r"checkpoint was saved yet: start again with --batch_size 2 "):
+            train.main(base_args(corpus, tmp_path / "stop", 6))
 
 
 def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys):

@@ -712,7 +712,7 @@ def train(args, run, ckpt, val, stop):
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-    where = f"the evaluation left by the run that ended at step {loop.start}"
+    where = f"what the resumed run left at step {loop.start} (its evaluation, or a ReLoRA restart)"
     try:
         if ckpt and ckpt["step"] == ckpt["args"]["num_training_steps"]:  # the run it ends skipped its last restart,
             relora_restart(args, run.raw_model, run.optimizers, ckpt["step"])  # due now that the run goes on
@@ -723,6 +723,7 @@ def train(args, run, ckpt, val, stop):
             data_state = loop.loader.state_dict()  # where this update's batches begin: a failed read saves this
             micro_batches, bad_line = read_update(batches, args.gradient_accumulation, run.device, run.world)
             if bad_line:
+                where = f"the checkpoint of update {step}, before a bad shard line"
                 loop.stop_at_bad_line(step, data_state, bad_line)
             with watching(step + 1):
                 result = train_step(args, run, micro_batches, stop)
@@ -731,6 +732,7 @@ def train(args, run, ckpt, val, stop):
                     loop.keeper.flag(step + 1, step_loss, norm)
                     loop.meter.add(step_loss, n_total)
             if result is None:
+                where = f"the checkpoint of update {step}, on a stop signal"
                 return loop.stop_within_update(step, data_state)
             where = f"the evaluation or checkpoint after update {step + 1}"
             relora_restart(args, run.raw_model, run.optimizers, step + 1)
