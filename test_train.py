@@ -583,6 +583,18 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
             train.main(base_args(corpus, tmp_path / "ac", 4, "--batch_size", "1", "--activation_checkpointing",
                                  "--save_every", "2"))
     train.main(base_args(corpus, tmp_path, 6, *five[:-1], "1"))
+    def wrapped(*_):  # as torch.compile reports an error in the code it runs
+        try:
+            no_memory()
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("compiled code failed") from e
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_step", wrapped)
+        with pytest.raises(SystemExit, match=r"^out of memory in update 1; no checkpoint was saved yet"):
+            train.main(base_args(corpus, tmp_path / "wrapped", 6))
+        m.setattr(train, "train_step", lambda *_: (_ for _ in ()).throw(RuntimeError("not memory")))
+        with pytest.raises(RuntimeError, match="^not memory$"):  # any other error stays itself
+            train.main(base_args(corpus, tmp_path / "other", 6))
     with monkeypatch.context() as m:  # a stop within update 3, whose checkpoint of update 2 checks a forward first
         signal_in_micro_batch(m, 5)  # 2 micro-batches per update: the first of update 3
         m.setattr(train, "all_finite", no_memory)

@@ -229,6 +229,17 @@ def diverged(why, last_good):
                       f"ever saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
 
 
+def ran_out_of_memory(error):
+    """Whether a GPU's OutOfMemoryError is this error or its cause (a CPU's allocator raises none: the OS kills)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def out_of_memory(args, run, where, last_good):
     """The line for a GPU out of memory mid-run (the check before the first update went by an estimate): where, the
     peak, and the fix from the last checkpoint. Nothing since that checkpoint is saved: with per-layer updates an
@@ -548,7 +559,9 @@ def main(argv=None):
         if args.eval_only:
             try:
                 result = evaluate(run.raw_model, val, device, rank, world, stop)
-            except torch.OutOfMemoryError:
+            except Exception as e:
+                if not ran_out_of_memory(e):
+                    raise
                 raise out_of_memory(args, run, "the evaluation", None) from None
             if result is None:
                 raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only again")
@@ -739,7 +752,9 @@ def train(args, run, ckpt, val, stop):
             if loop.after_update(step + 1, norm):
                 return
         loop.summary()
-    except torch.OutOfMemoryError:  # a GPU's (a CPU's allocator raises no such error: the OS kills the process)
+    except Exception as e:  # a GPU's OutOfMemoryError, also wrapped (torch.compile raises its own error around it)
+        if not ran_out_of_memory(e):
+            raise
         raise out_of_memory(args, run, where, loop.keeper.last_good) from None
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
