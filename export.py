@@ -210,11 +210,10 @@ def main(argv=None):
         if args.merged:
             export_merged(model, ckpt, args.merged, dtype)
             print(f"wrote {args.merged}: full-rank, merged from {model.config.method}")
-    except (OSError, ValueError, SaveFailed) as e:  # a folder or file that cannot be written: the partial file is gone
+    except BaseException as e:  # whatever ends it (a file that cannot be written, Ctrl-C, a bug), no empty folder stays
         remove_empty(made)
-        raise SystemExit(f"export.py: {e}") from None
-    except BaseException:  # Ctrl-C, or a bug: the folder made for this export goes too, if nothing is in it
-        remove_empty(made)
+        if isinstance(e, (OSError, ValueError, SaveFailed)):  # the partial file is gone already: one line
+            raise SystemExit(f"export.py: {e}") from None
         raise
 
 
