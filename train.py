@@ -609,7 +609,7 @@ class Keeper:
         resumed_here = ckpt and same_file(resume_path(args), self.path)
         self.on_disk = (start, ckpt.get("eval_pending", False)) if resumed_here else None  # (step, eval_pending) there
         self.first_bad = torch.tensor(-1, device=run.device)  # the first update with a non-finite loss or norm
-        self.metrics, self.said_slow = None, False
+        self.metrics = None
         self.master_writes(lambda: self._open_metrics(ckpt, start))
 
     def master_writes(self, write):
@@ -693,21 +693,12 @@ class Keeper:
         self.on_disk = (step, eval_pending)
 
     def _write_checkpoint(self, state):
-        started = time.monotonic()
         try:
             checkpoint.save(self.path, state)
         except checkpoint.SaveFailed as e:
             fix = "Free space (or pass a new --out_dir on a disk with room)" if e.disk_full else \
                 "See to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
             raise SystemExit(f"{e}. {fix}, then {'rerun with --resume' if e.kept else 'start again'}") from None
-        seconds = time.monotonic() - started
-        if seconds > SLOW_SAVE_S and not self.said_slow:  # a stop on a signal writes one too, within the grace
-            self.said_slow = True
-            print(f"note: writing {self.path} took {seconds:.1f} s. A stop on a signal writes one too: give the job "
-                  "longer than that between SIGTERM and SIGKILL (SLURM's KillWait and torchrun's --shutdown_timeout, "
-                  "torch 2.12 on, are 30 s unless raised; before 2.12 torchrun's is a fixed 30 s), or signal it "
-                  "earlier (SLURM: --signal=TERM@SECONDS); else that checkpoint is cut short and the previous one kept",
-                  flush=True)
 
     def close(self):
         if self.metrics:
@@ -782,7 +773,7 @@ class Loop:
             torch.set_rng_state(ckpt["rng"])
         self.keeper = Keeper(args, run, ckpt, val)
         carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
-        self.meter, self.last_eval = Meter(run.device, self.start, self.total, carried), {}
+        self.meter, self.last_eval, self.said_slow = Meter(run.device, self.start, self.total, carried), {}, False
 
     def evaluate(self, done):
         """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
@@ -803,7 +794,15 @@ class Loop:
         meter_state = self.meter.state()  # reads the loss, so waits for the device: the update's time stays training
         t_save = time.perf_counter()
         self.keeper.save(done, data_state, eval_pending=eval_pending, meter_state=meter_state)
-        self.meter.pause(time.perf_counter() - t_save)  # minutes at 7b: the next row's tok/s would fall to a fraction
+        seconds = time.perf_counter() - t_save
+        self.meter.pause(seconds)  # minutes at 7b: the next row's tok/s would fall to a fraction
+        if seconds > SLOW_SAVE_S and self.master and not self.said_slow:  # a stop on a signal saves too, in its grace
+            self.said_slow = True
+            print(f"note: writing {self.keeper.path} took {seconds:.1f} s. A stop on a signal writes one too: give the "
+                  "job longer than that between SIGTERM and SIGKILL (SLURM's KillWait and torchrun's "
+                  "--shutdown_timeout, torch 2.12 on, are 30 s unless raised; before 2.12 torchrun's is a fixed 30 "
+                  "s), or signal it earlier (SLURM: --signal=TERM@SECONDS); else that checkpoint is cut short and the "
+                  "previous one kept", flush=True)
 
     def pending_evaluation(self):
         """The evaluation a signal stopped the last run before; False if a signal stops this one there too."""
