@@ -12,6 +12,7 @@ Count a model for free:  LLaMA(config_for("7b", method="sltrain"), device="meta"
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -180,14 +181,50 @@ class Attention(nn.Module):
         self.v_proj = make_linear(config.dim, config.dim, config, device)
         self.o_proj = make_linear(config.dim, config.dim, config, device)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv=None):
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = self.v_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if kv is not None:  # generation: attend to the cached positions too (KVCache.store)
+            k, v = kv(k, v)  # (B, nh, T_past + T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, **causal(T, k.size(2), q.device))  # (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def causal(T, S, device):
+    """The causal mask for T queries that are the last of S positions, as scaled_dot_product_attention's arguments:
+    its is_causal aligns the mask to the first position, which is right only when T == S."""
+    if T == S:
+        return dict(is_causal=True)
+    if T == 1:  # one new token sees every position
+        return {}
+    return dict(attn_mask=torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T))
+
+
+class KVCache:
+    """The keys and values of the positions a model has seen, for generation: each new token's attention reads them
+    instead of recomputing the whole prefix. model(idx, cache=c) takes idx as the tokens after c.pos ones already
+    seen, stores their keys and values and moves c.pos on. Holds at most `length` positions; allocated on first use
+    in the dtype and device of the keys."""
+
+    def __init__(self, n_layers, length):
+        self.n_layers, self.length, self.pos = n_layers, length, 0
+        self.k = self.v = None  # (n_layers, B, nh, length, hs) each
+
+    def store(self, layer, k, v):
+        """k, v (B, nh, T, hs) of the next T positions into layer's slots -> the keys and values of all positions so
+        far, (B, nh, pos + T, hs) each."""
+        end = self.pos + k.size(2)
+        if end > self.length:
+            raise ValueError(f"the cache holds {self.length} positions; {end} were asked for")
+        if self.k is None:
+            self.k = k.new_empty(self.n_layers, *k.shape[:2], self.length, k.size(3))
+            self.v = torch.empty_like(self.k)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class MLP(nn.Module):
@@ -209,8 +246,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps, device)
         self.mlp = MLP(config, device)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, kv=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -281,25 +318,31 @@ class LLaMA(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets != -1, or None). To train, keep only
         the loss (model(x, y)[1]): the loss saves what its backward needs, and logits held by the caller would stay
-        alive through backward beside it."""
+        alive through backward beside it. With a KVCache, idx are the tokens at positions cache.pos onwards (see
+        sample.py)."""
         if self.autocast is None:
-            return self._forward(idx, targets)
+            return self._forward(idx, targets, cache)
         # matmuls in self.autocast, norms and the loss in float32; backward follows the dtypes of the forward
         with torch.autocast(idx.device.type, dtype=self.autocast):
-            return self._forward(idx, targets)
+            return self._forward(idx, targets, cache)
 
-    def _forward(self, idx, targets):
+    def _forward(self, idx, targets, cache):
         B, T = idx.shape
-        cos, sin = rope_cache(T, self.config.dim // self.config.n_heads, self.config.rope_theta, idx.device)
+        start = 0 if cache is None else cache.pos
+        cos, sin = rope_cache(start + T, self.config.dim // self.config.n_heads, self.config.rope_theta, idx.device)
+        if start:
+            cos, sin = cos[start:], sin[start:]  # the rotations of positions start .. start + T - 1
         x = self.embed(idx)  # (B, T, C)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, None if cache is None else partial(cache.store, i))
+        if cache is not None:
+            cache.pos += T
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         loss = None
         if targets is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import LLaMA, SIZES, config_for
+from model import LLaMA, SIZES, KVCache, config_for
 from sllinear import SLLinear, SLLinearFunction, sl_linear, uniform_support
 
 
@@ -535,3 +535,24 @@ def test_a_second_derivative_is_refused_in_one_line():
     (g,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
         g.square().sum().backward()
+
+
+@pytest.mark.parametrize("method", ["full", "lowrank", "relora", "sltrain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_forward_gives_the_logits_of_the_whole_sequence(method, dtype):
+    """Generation's KV cache: a sequence fed in pieces (a prompt, single tokens, and a piece of several tokens after
+    cached ones, whose mask is not SDPA's is_causal) gives the logits of one forward of the whole sequence."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method=method, vocab_size=256)).to(dtype).eval()
+    idx = torch.randint(0, 256, (2, 20))
+    cache = KVCache(model.config.n_layers, 20)
+    with torch.no_grad():
+        whole = model(idx)[0].float()
+        pieces = [model(idx[:, a:b], cache=cache)[0].float() for a, b in ((0, 7), (7, 8), (8, 13), (13, 14))]
+        pieces += [model(idx[:, t:t + 1], cache=cache)[0].float() for t in range(14, 20)]
+    assert cache.pos == 20 and cache.k.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 0.02  # bf16: the pieces' products round differently (0.004 seen)
+    assert max_diff(torch.cat(pieces, dim=1), whole) < tol
+    with pytest.raises(ValueError, match="the cache holds 20 positions; 21 were asked for"):
+        model(idx[:, :1], cache=cache)
+
