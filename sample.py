@@ -11,25 +11,54 @@ max_length with --pack), past which rotary positions were never seen.
 A sample ends at its first end of document (EOS), so it may be shorter than --max_new_tokens: training documents end
 there (paper mode never shows the model a token after EOS), and what followed would be a second, unrelated document.
 Generation stops once every sample has ended.
+
+Two things make a token cheap. The model's SLTrain (and ReLoRA) weights are merged once, as export.py --merged does:
+the layer as trained forms W = s·BA + S at every call, which for one new token per sample costs r / num_samples times
+the product itself. And the keys and values of the tokens seen are kept (model.KVCache), so that a new token runs
+the model on one position rather than on the whole context; past the context, the cropped window is run afresh at
+each step, as its positions start over.
 """
 
 import argparse
 import math
+from dataclasses import replace
 
 import torch
 
 from checkpoint import load_model
 from data import load_tokenizer
 from devices import device_from_flag
+from export import dense_state
+from model import LLaMA, KVCache
+
+
+def merged(model):
+    """The model with each SLTrain and ReLoRA weight merged once into a dense one (export.dense_state), for
+    generation. A low-rank layer never forms W, and stays as it is."""
+    if model.config.method not in ("sltrain", "relora"):
+        return model
+    dense = LLaMA(replace(model.config, method="full"), device="meta")
+    dense.load_state_dict(dense_state(model), assign=True)
+    return dense.eval()
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=255, generator=None, eos_id=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=255, generator=None, eos_id=None,
+             cache=True):
     """idx (B, T) -> (B, T + n), n <= max_new_tokens: each new token drawn from the model's next-token distribution.
-    With eos_id, a row ends at its first new EOS and is EOS from there on; the loop stops when every row has ended."""
+    With eos_id, a row ends at its first new EOS and is EOS from there on; the loop stops when every row has ended.
+    cache=False runs the whole window at every step: the same tokens, slower (a check of the cache)."""
     ended = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+    kv = None
     for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -context:])  # (B, T', vocab)
+        if not cache:
+            window = idx[:, -context:]
+        elif kv is None or idx.size(1) > context:  # the first window, or a cropped one: positions from 0
+            kv = kv or KVCache(model.config.n_layers, context)
+            kv.pos, window = 0, idx[:, -context:]
+        else:
+            window = idx[:, -1:]  # the new token; the cache holds the ones before it
+        logits, _ = model(window, cache=kv)  # (B, T', vocab)
         logits = logits[:, -1, :].float()  # (B, vocab)
         if temperature == 0:
             next_id = logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -55,6 +84,7 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
            device="cpu", tokenizer=None):
     """The generated texts (prompt included). The draws come from a CPU generator, so a seed repeats on any device."""
     model, ckpt = load_model(ckpt_path, device=device)
+    model = merged(model)
     run = ckpt.get("args", {})
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:

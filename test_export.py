@@ -16,6 +16,7 @@ import export
 import sample
 import train
 from checkpoint import load_model
+from model import LLaMA, config_for
 from test_train import base_args, corpus, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
 
@@ -46,14 +47,15 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     tiny = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=6, temperature=1e-45)
     assert tiny == sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=6, temperature=0)
     model, ckpt = load_model(sl_ckpt)
+    model = sample.merged(model)
     eos, seen = sample.load_tokenizer(ckpt["args"]["tokenizer"]).eos_id(), []
 
-    class Spy:  # the model, recording the length of each context it is given
+    class Spy:  # the model, recording the positions each call attends to: the cached ones and the new ones
         config = model.config
 
-        def __call__(self, idx):
-            seen.append(idx.shape[1])
-            logits, loss = model(idx)
+        def __call__(self, idx, cache=None):
+            seen.append((cache.pos if cache else 0) + idx.shape[1])
+            logits, loss = model(idx, cache=cache)
             logits[..., eos] = float("-inf")  # the sample never ends its document, so the context fills up
             return logits, loss
 
@@ -64,6 +66,45 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     ckpt["args"]["pack"] = True  # packed windows train on max_length positions: x = window[:-1] of max_length + 1
     sample.sample(sl_ckpt, "the", max_new_tokens=40)
     assert max(seen) == 32, max(seen)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0], ids=["greedy", "drawn"])
+def test_merged_cached_generation_gives_the_tokens_of_the_model_as_trained(sl_ckpt, temperature):
+    """sample.py generates from the merged model with a KV cache; the tokens are those of the factored model run on
+    its whole window at every step, past the context too (31 positions here: the cropped window starts over)."""
+    model, _ = load_model(sl_ckpt)
+    dense = sample.merged(model)
+    assert dense.config.method == "full" and model.config.method == "sltrain"
+    idx = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name, m, cache in (("trained", model, False), ("merged", dense, False), ("merged+cache", dense, True)):
+        g = torch.Generator().manual_seed(1)
+        runs[name] = sample.generate(m, idx, 40, temperature, top_k=None, context=31, generator=g, cache=cache)
+    assert runs["trained"].shape == (3, 45)
+    assert torch.equal(runs["merged"], runs["trained"]) and torch.equal(runs["merged+cache"], runs["trained"])
+    windows = []
+
+    def spy(window, cache=None):
+        windows.append(window.shape[1])
+        return dense(window, cache=cache)
+
+    spy.config = dense.config
+    sample.generate(spy, idx, 40, temperature=0, context=31)
+    assert windows == [5] + [1] * 26 + [31] * 13, "within the context a step runs one position; past it, the window"
+
+
+@pytest.mark.parametrize("method", ["full", "lowrank", "relora", "sltrain"])
+def test_merging_for_generation_keeps_the_function(method):
+    """sample.merged makes SLTrain and ReLoRA weights dense (they form W at every call); full and low-rank models
+    (which never form W) are left as they are."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method=method, vocab_size=256)).eval()
+    dense = sample.merged(model)
+    assert (dense is model) == (method in ("full", "lowrank"))
+    assert dense.config.method == ("full" if method in ("relora", "sltrain") else method)
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert (dense(idx)[0] - model(idx)[0]).abs().max() < 1e-5
 
 
 def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
@@ -102,9 +143,10 @@ class Scripted:
     """A model that greedily says a fixed script per row, over and over (row b's k-th new token is scripts[b][k])."""
 
     def __init__(self, scripts, vocab_size):
-        self.scripts, self.calls, self.config = scripts, 0, type("Config", (), {"vocab_size": vocab_size})
+        self.scripts, self.calls = scripts, 0
+        self.config = type("Config", (), {"vocab_size": vocab_size, "n_layers": 1, "method": "full"})
 
-    def __call__(self, idx):
+    def __call__(self, idx, cache=None):
         logits = torch.zeros(*idx.shape, self.config.vocab_size)  # (B, T, vocab)
         for b, script in enumerate(self.scripts):
             logits[b, -1, script[self.calls % len(script)]] = 1.0
