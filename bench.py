@@ -7,6 +7,7 @@ memory included, are suite.py's.
     python bench.py --size 350m 1b --batch_size 16 --json --out bench.json   # choose the models; write the figures
     python bench.py --only inference --size 130m 350m 1b                      # Table 5 on a GPU: forward only
     python bench.py --only step heavy host                                    # the optimizers alone
+    python bench.py --only generate                                           # sample.py's speed
 
 Sections (--only picks some):
     layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
@@ -18,6 +19,9 @@ Sections (--only picks some):
     inference  forward-only tokens/s and memory of full, sltrain (factors as trained) and sltrain merged once into
                dense weights (the paper's Table 5); CUDA batch 128 at 130m/350m, 32 at 1b/7b
   run only when --only names them:
+    generate   sample.py's tokens/s from an sltrain model (--size; --batch_size samples, default 4; 16-token prompt,
+               128 new tokens, greedy), ÷ as trained without cache: as trained with the KV cache, merged once,
+               merged with the cache
     step       one step of optim.AdamW, Adam8bit and Adam8bit(compile=True) ÷ torch's foreach AdamW on a 4096x4096
                float32 tensor, on CPU; bitsandbytes' Adam8bit beside them where that is installed
     heavy      Adam8bit beside float32 AdamW on heavy-tailed gradients (200 steps, three cases), on CPU: the largest
@@ -52,9 +56,9 @@ import torch.nn as nn
 
 import galore
 import optim
+import sample
 from checkpoint import atomic_file
 from devices import device_from_flag
-from export import dense_state
 from model import LLaMA, METHODS, SIZES, config_for, is_projection
 from sllinear import SLLinear
 
@@ -370,9 +374,7 @@ def inference_models(size, device, dtype):
     torch.manual_seed(0)
     full = LLaMA(config_for(size, method="full"), device=device).to(dtype)
     sl = LLaMA(config_for(size, method="sltrain"), device=device).to(dtype)
-    merged = LLaMA(config_for(size, method="full"), device="meta")
-    merged.load_state_dict(dense_state(sl), assign=True)
-    return {"full": full.eval(), "sltrain": sl.eval(), "sltrain_merged": merged.eval()}
+    return {"full": full.eval(), "sltrain": sl.eval(), "sltrain_merged": sample.merged(sl)}
 
 
 def bench_inference(size, batch_size, max_length, device, dtype, rounds):
@@ -407,6 +409,29 @@ def bench_inference(size, batch_size, max_length, device, dtype, rounds):
                  peak_gb=peak_gb.get(name))
     return dict(size=size, batch_size=batch_size, max_length=max_length, dtype=str(dtype).removeprefix("torch."),
                 variants=variants)
+
+
+def bench_generate(size, samples, new_tokens, device, dtype, rounds, prompt=16):
+    """sample.generate's tokens/s, greedy, from an sltrain model of size: as trained with no cache (each new token
+    forms every W and runs the whole window, as sample.py did), as trained with the KV cache (each token still forms
+    every W), merged once with no cache, and merged with the cache (sample.py now). The context is the paper's 255
+    positions; the prompt and new tokens fit in it."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for(size, method="sltrain"), device=device).to(dtype).eval()
+    dense = sample.merged(model)
+    idx = torch.randint(32000, (samples, prompt), device=device)  # (B, T)
+    variants = {"trained": (model, False), "trained_cached": (model, True), "merged": (dense, False),
+                "merged_cached": (dense, True)}
+
+    def run(model, cache):
+        return lambda: sample.generate(model, idx, new_tokens, temperature=0, context=255, cache=cache)
+
+    times = interleave({name: run(*v) for name, v in variants.items()}, rounds, device, warmup=1)
+    out = summary(times, "trained", invert=True)  # >1: faster than the model as trained
+    for v in out.values():
+        v["tok_s"] = samples * new_tokens / (v["ms"] / 1e3)
+    return dict(size=size, samples=samples, prompt=prompt, new_tokens=new_tokens,
+                dtype=str(dtype).removeprefix("torch."), variants=out)
 
 
 # ----------------------------------------------------------------------------- report
@@ -480,6 +505,14 @@ def report_host(r):
         print("  (compiled, on CPU: mostly the time of inductor's CPU kernels, slower than eager, not the host's)")
 
 
+def report_generate(r):
+    for G in r.get("generate", []):
+        v = G["variants"]
+        print(f"generate {G['size']} sltrain, {G['samples']} samples, prompt {G['prompt']} + {G['new_tokens']} new "
+              f"tokens, greedy, {G['dtype']}, tokens/s vs the model as trained without cache")
+        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.1f} tok/s {ratio_text(v[m])}" for m in v))
+
+
 def report(r):
     if "layer" in r:
         L, v = r["layer"], r["layer"]["variants"]
@@ -498,18 +531,20 @@ def report(r):
               "(for-loop on CPU, foreach on CUDA)")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
     report_inference(r)
+    report_generate(r)
     for key, show in (("step", report_step), ("heavy", report_heavy), ("host", report_host)):
         if key in r:
             show(r)
-    if r.keys() & {"layer", "model", "optimizer", "inference"}:
+    if r.keys() & {"layer", "model", "optimizer", "inference", "generate"}:
         print("x: median over rounds of the per-round ratio [lowest-highest round]")
 
 
-OPTIMIZER_TOOLS = ("step", "heavy", "host")  # outside the default sections: run when --only names them
+EXTRA = ("generate", "step", "heavy", "host")  # outside the default sections: run when --only names them
 CPU_ONLY = ("step", "heavy")
-USED_BY = {"--size": {"model", "optimizer", "inference", "host"}, "--batch_size": {"model", "inference"},
-           "--max_length": {"model", "inference"}, "--quick": {"model", "optimizer", "inference"},
-           "--rounds": {"layer", "model", "optimizer", "inference", "step", "host"}}
+USED_BY = {"--size": {"model", "optimizer", "inference", "generate", "host"},
+           "--batch_size": {"model", "inference", "generate"}, "--max_length": {"model", "inference"},
+           "--quick": {"model", "optimizer", "inference", "generate"},
+           "--rounds": {"layer", "model", "optimizer", "inference", "generate", "step", "host"}}
 
 
 def pick_device(error, flag):
@@ -565,7 +600,7 @@ def main():
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="the tiny model for the model, optimizer and inference sections")
-    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "inference", *OPTIMIZER_TOOLS],
+    parser.add_argument("--only", nargs="+", choices=["layer", "model", "optimizer", "inference", *EXTRA],
                         help="run only these sections (default: layer, model, optimizer, inference)")
     parser.add_argument("--size", nargs="+", default=None, choices=list(SIZES),
                         help="sizes for the model, optimizer and inference sections (default: 60m on CPU, tiny with "
@@ -574,7 +609,7 @@ def main():
                         help="sequences per train step (default: 4, 8 with --quick, CUDA 16)")
     parser.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: 256)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds per section (default: 7; step 3, host 5)")
+                        help="timed rounds per section (default: 7; generate and step 3, host 5)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (torch.set_num_threads); 1 gives steadier ratios on a shared machine")
@@ -598,6 +633,8 @@ def main():
         "inference": lambda: [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
                                                                      batch_size), args.max_length, device, dtype,
                                               args.rounds) for s in sizes],
+        "generate": lambda: [bench_generate(s, args.batch_size or 4, 128, device, dtype, rounds_given or 3)
+                             for s in sizes],
         "step": lambda: bench_step(rounds=rounds_given or 3),
         "heavy": lambda: bench_heavy(),
         "host": lambda: bench_host(device, args.size or ("60m", "350m", "7b"), rounds_given or 5)}

@@ -20,7 +20,8 @@ import bench
     (["--rounds", "0"], "must be >= 1"),
     (["--device", "tpu"], "expected cpu, cuda or cuda:N"),
     (["--only", "step", "layer", "--device", "cuda"], "--only step times the optimizers on CPU: drop --device cuda"),
-    (["--only", "layer", "--size", "60m"], "--size is for the host, inference, model, optimizer sections"),
+    (["--only", "layer", "--size", "60m"], "--size is for the generate, host, inference, model, optimizer sections"),
+    (["--only", "generate", "--max_length", "64"], "--max_length is for the inference, model sections"),
     (["--only", "heavy", "--rounds", "3"], "and --only has none of them: drop --rounds"),
     (["--only", "step", "--batch_size", "4"], "drop --batch_size"),
     (["--only", "host", "--quick"], "drop --quick"),
@@ -64,6 +65,22 @@ def test_the_optimizer_tools_run_and_report(monkeypatch, capsys, tmp_path):
     assert "200 steps on heavy-tailed gradients" in out and out.count("max |update|/lr") == 3
     assert "tiny sltrain (" in out and "x: median" not in out
 
+
+
+def test_the_generate_section_runs_and_reports(monkeypatch, capsys, tmp_path):
+    """--only generate: sample.py's generation as trained and merged, each with and without the KV cache, at each
+    --size, with --batch_size samples and --rounds rounds (8 new tokens here, where the command generates 128)."""
+    original = bench.bench_generate
+    monkeypatch.setattr(bench, "bench_generate", lambda size, samples, new, *a: original(size, samples, 8, *a))
+    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "generate", "--quick", "--batch_size", "2", "--rounds", "2",
+                                     "--out", str(tmp_path / "g.json")])
+    bench.main()
+    (G,) = json.loads((tmp_path / "g.json").read_text())["generate"]
+    assert (G["size"], G["samples"], G["new_tokens"]) == ("tiny", 2, 8)
+    assert list(G["variants"]) == ["trained", "trained_cached", "merged", "merged_cached"]
+    assert G["variants"]["trained"]["ratio"] == 1.0
+    assert all(len(v["rounds_ms"]) == 2 and v["tok_s"] > 0 for v in G["variants"].values())
+    assert "generate tiny sltrain, 2 samples, prompt 16 + 8 new tokens" in capsys.readouterr().out
 
 
 def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys, tmp_path):
