@@ -207,7 +207,8 @@ class KVCache:
     """The keys and values of the positions a model has seen, for generation: each new token's attention reads them
     instead of recomputing the whole prefix. model(idx, cache=c) takes idx as the tokens after c.pos ones already
     seen, stores their keys and values and moves c.pos on. Holds at most `length` positions; allocated on first use
-    in the dtype and device of the keys."""
+    in the dtype and device of the keys. Generation runs eager: compiled blocks would recompile for each layer's
+    store and each new length."""
 
     def __init__(self, n_layers, length):
         self.n_layers, self.length, self.pos = n_layers, length, 0
@@ -337,7 +338,7 @@ class LLaMA(nn.Module):
             cos, sin = cos[start:], sin[start:]  # the rotations of positions start .. start + T - 1
         x = self.embed(idx)  # (B, T, C)
         for i, layer in enumerate(self.layers):
-            if self.activation_checkpointing and self.training:
+            if self.activation_checkpointing and self.training and cache is None:
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, None if cache is None else partial(cache.store, i))

@@ -555,4 +555,10 @@ def test_cached_forward_gives_the_logits_of_the_whole_sequence(method, dtype):
     assert max_diff(torch.cat(pieces, dim=1), whole) < tol
     with pytest.raises(ValueError, match="the cache holds 20 positions; 21 were asked for"):
         model(idx[:, :1], cache=cache)
+    model.train().activation_checkpointing = True  # a training model given a cache uses it too
+    cache = KVCache(model.config.n_layers, 20)
+    with torch.no_grad():
+        pieces = [model(idx[:, :7], cache=cache)[0].float()]
+        pieces += [model(idx[:, t:t + 1], cache=cache)[0].float() for t in range(7, 20)]
+    assert max_diff(torch.cat(pieces, dim=1), whole) < tol
 
