@@ -3,20 +3,24 @@ Generate text from a checkpoint that train.py (or export.py --merged) wrote, wit
 
     python sample.py out/ckpt.pt --prompt "The best way to" --num_samples 3 --max_new_tokens 100
     python sample.py out/ckpt.pt --temperature 0.8 --top_k 200 --seed 1337 --device cuda
+    python sample.py out/ckpt.pt --temperature 1 --top_k 0 --top_p 0.9    # nucleus sampling alone
 
-Sampling as nanoGPT's: the logits of the last position divided by the temperature, cut to the top k, softmax, one
-draw; the context is cropped to the positions training saw (max_length - 1 inputs in the paper's padded rows,
-max_length with --pack), past which rotary positions were never seen.
+Sampling as nanoGPT's: the logits of the last position divided by the temperature, cut to the top k (and with
+--top_p to the nucleus, the most likely tokens that hold that much of the probability), softmax, one draw; the
+context is cropped to the positions training saw (max_length - 1 inputs in the paper's padded rows, max_length with
+--pack), past which rotary positions were never seen.
 --temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device.
 A sample ends at its first end of document (EOS), so it may be shorter than --max_new_tokens: training documents end
 there (paper mode never shows the model a token after EOS), and what followed would be a second, unrelated document.
 Generation stops once every sample has ended.
 
 Two things make a token cheap. The model's SLTrain (and ReLoRA) weights are merged once, as export.py --merged does:
-the layer as trained forms W = s·BA + S at every call, which for one new token per sample costs r / num_samples times
-the product itself. And the keys and values of the tokens seen are kept (model.KVCache), so that a new token runs
-the model on one position rather than on the whole context; past the context, the cropped window is run afresh at
-each step, as its positions start over.
+the SLTrain layer as trained forms W = s·BA + S at every call, which for one new token per sample costs
+r / num_samples times the product itself (--keep_factors keeps them, for less memory). And the keys and values of the
+tokens seen are kept (model.KVCache), so that a new token runs the model on one position rather than on the whole
+context; past the context, the cropped window is run afresh at each step, as its positions start over. In float32
+the tokens are those of the model as trained run on its whole window; in bf16 the merge (rounded once) and the
+cache round differently, so a near tie can go the other way.
 """
 
 import argparse
@@ -34,20 +38,43 @@ from model import LLaMA, KVCache
 
 def merged(model):
     """The model with each SLTrain and ReLoRA weight merged once into a dense one (export.dense_state), for
-    generation. A low-rank layer never forms W, and stays as it is."""
+    generation: an SLTrain layer forms W = s·BA + S at every call, a ReLoRA layer runs s·B(Ax) beside W0 x. A
+    low-rank layer never forms W, and stays as it is. The merge holds both models at once: the dense weights are
+    about twice an SLTrain model's (7b: 6.74G parameters against 3.14G)."""
     if model.config.method not in ("sltrain", "relora"):
         return model
     dense = LLaMA(replace(model.config, method="full"), device="meta")
     dense.load_state_dict(dense_state(model), assign=True)
+    dense.autocast = model.autocast
     return dense.eval()
+
+
+def draw(logits, temperature, top_k=None, top_p=None, generator=None):
+    """logits (B, vocab) -> the next tokens (B, 1): the most likely at temperature 0, else drawn from the softmax of
+    logits / temperature cut to the top_k most likely tokens, then to the nucleus: the most likely ones whose
+    probabilities add up to top_p, the one that reaches it included."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    # shifted by the max first: a tiny temperature then sends the rest to -inf, never the max to inf (NaN)
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        ranked, order = logits.sort(-1, descending=True)  # (B, vocab) each
+        p = ranked.softmax(-1)
+        above = p.cumsum(-1) - p  # the probability of the tokens ranked above each; the first's is 0 < top_p
+        logits = logits.scatter(-1, order, ranked.masked_fill(above >= top_p, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)
 
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=255, generator=None, eos_id=None,
-             cache=True):
-    """idx (B, T) -> (B, T + n), n <= max_new_tokens: each new token drawn from the model's next-token distribution.
-    With eos_id, a row ends at its first new EOS and is EOS from there on; the loop stops when every row has ended.
-    cache=False runs the whole window at every step: the same tokens, slower (a check of the cache)."""
+             cache=True, top_p=None):
+    """idx (B, T) -> (B, T + n), n <= max_new_tokens: each new token drawn from the model's next-token distribution
+    (see draw). With eos_id, a row ends at its first new EOS and is EOS from there on; the loop stops when every row
+    has ended. cache=False runs the whole window at every step: slower, the same tokens in float32 (a check)."""
     ended = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
     kv = None
     for _ in range(max_new_tokens):
@@ -59,17 +86,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         else:
             window = idx[:, -1:]  # the new token; the cache holds the ones before it
         logits, _ = model(window, cache=kv)  # (B, T', vocab)
-        logits = logits[:, -1, :].float()  # (B, vocab)
-        if temperature == 0:
-            next_id = logits.argmax(-1, keepdim=True)  # (B, 1)
-        else:
-            # shifted by the max first: a tiny temperature then sends the rest to -inf, never the max to inf (NaN)
-            logits = (logits - logits.max(-1, keepdim=True).values) / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)  # (B, 1)
+        next_id = draw(logits[:, -1, :].float(), temperature, top_k, top_p, generator)  # (B, 1)
         if eos_id is not None:
             # an ended row stays in the batch (its draws unused) and keeps EOS: nothing after its end is shown
             next_id = next_id.masked_fill(ended[:, None], eos_id)
@@ -81,11 +98,13 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
 
 
 def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
-           device="cpu", tokenizer=None):
-    """The generated texts (prompt included). The draws come from a CPU generator, so a seed repeats on any device."""
+           device="cpu", tokenizer=None, top_p=None, merge=True):
+    """The generated texts (prompt included). The draws come from a CPU generator, so a seed repeats on any device.
+    merge=False generates from the weights as trained: less memory, slower."""
     model, ckpt = load_model(ckpt_path, device=device)
-    model = merged(model)
     run = ckpt.get("args", {})
+    del ckpt  # its tensors (the optimizer's state too) would stay in memory through the run
+    model = merged(model) if merge else model
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError(f"{ckpt_path} names no tokenizer; pass --tokenizer")
@@ -100,7 +119,8 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     g = torch.Generator().manual_seed(seed)
     context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw
     eos = sp.eos_id()
-    out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g, eos_id=eos)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g, eos_id=eos,
+                   top_p=top_p)
     typed, texts = sp.decode(ids) if prompted else "", []
     # the prompt as typed, less the whitespace at its end, which the tokenizer drops (the model saw none there)
     head = prompt if typed != typed.rstrip() else prompt.rstrip()
@@ -121,9 +141,14 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=100, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="below 1 sharpens, above 1 flattens; 0 is greedy")
     p.add_argument("--top_k", type=int, default=200, help="draw only from the k most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0,
+                   help="then only from the most likely tokens whose probabilities add up to this (1: all)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the draws")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--tokenizer", help="sentencepiece model (default: the one the checkpoint was trained with)")
+    p.add_argument("--keep_factors", action="store_true",
+                   help="generate from the SLTrain (or ReLoRA) weights as trained, not merged once: for SLTrain "
+                        "about half the weights' memory, and several times slower")
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) <= 0:
@@ -132,12 +157,15 @@ def main(argv=None):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.top_k < 0:
         p.error(f"--top_k must be >= 0, got {args.top_k}")
+    if not 0 < args.top_p <= 1:  # NaN is refused too
+        p.error(f"--top_p must be in (0, 1], got {args.top_p}")
     if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
         p.error(f"--seed must fit in 64 bits, got {args.seed}")
     device_from_flag(p.error, args.device)
     try:
         texts = sample(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
-                       args.top_k or None, args.seed, args.device, args.tokenizer)
+                       args.top_k or None, args.seed, args.device, args.tokenizer,
+                       args.top_p if args.top_p < 1 else None, not args.keep_factors)
     except (OSError, ValueError) as e:
         raise SystemExit(f"sample.py: {e}") from None
     for text in texts:

@@ -37,6 +37,17 @@ def test_sample_is_deterministic_under_a_seed(sl_ckpt):
     assert greedy[0] == greedy[1], "greedy decoding draws nothing"
 
 
+def test_sample_keeps_the_factors_when_asked(sl_ckpt, monkeypatch):
+    """--keep_factors generates from the weights as trained: the same greedy text (float32), from an SLTrain model."""
+    merged = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, temperature=0)
+    methods = []
+    real_merged = sample.merged
+    monkeypatch.setattr(sample, "merged", lambda m: methods.append(m.config.method) or real_merged(m))
+    sample.main([sl_ckpt, "--prompt", "the", "--num_samples", "2", "--max_new_tokens", "3", "--keep_factors"])
+    assert methods == [], "--keep_factors merged the weights"
+    assert sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, temperature=0, merge=False) == merged
+
+
 def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     """A prompt of spaces (it encodes to nothing) starts a document as an empty one does; a prompt is shown as typed,
     characters outside the vocabulary included; a tiny temperature is greedy, not NaN; the context never passes the
@@ -96,11 +107,17 @@ def test_merged_cached_generation_gives_the_tokens_of_the_model_as_trained(sl_ck
 
 @pytest.mark.parametrize("method", ["full", "lowrank", "relora", "sltrain"])
 def test_merging_for_generation_keeps_the_function(method):
-    """sample.merged makes SLTrain and ReLoRA weights dense (they form W at every call); full and low-rank models
-    (which never form W) are left as they are."""
+    """sample.merged makes SLTrain and ReLoRA weights dense; full and low-rank models (which never form W) are left
+    as they are. B is drawn at random first: it starts at zero, where BA would go unchecked."""
     torch.manual_seed(0)
     model = LLaMA(config_for("tiny", method=method, vocab_size=256)).eval()
+    for name, p in model.named_parameters():
+        if name.endswith(".B"):
+            torch.nn.init.normal_(p.data, std=0.1)
+    model.autocast = torch.bfloat16
     dense = sample.merged(model)
+    assert dense.autocast == torch.bfloat16, "the merged model computes as the model did"
+    model.autocast = dense.autocast = None
     assert (dense is model) == (method in ("full", "lowrank"))
     assert dense.config.method == ("full" if method in ("relora", "sltrain") else method)
     idx = torch.randint(0, 256, (2, 12))
@@ -185,6 +202,24 @@ def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device, message)
     assert f"--device {device}: {message}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("top_k,top_p,kept", [(None, None, [0, 1, 2, 3]), (None, 0.7, [0, 1]), (None, 0.5, [0]),
+                                              (None, 0.96, [0, 1, 2, 3]), (None, 1e-9, [0]), (3, 0.9, [0, 1, 2]),
+                                              (2, 0.9, [0, 1])])
+def test_draws_come_from_the_top_k_then_the_nucleus(top_k, top_p, kept):
+    """Probabilities 0.5, 0.3, 0.15, 0.05 (shuffled across the vocabulary): top_p keeps the most likely tokens up to
+    and including the one whose cumulative probability reaches it (0.7: two; 0.5: one; 0.96: all four), after top_k;
+    the kept ones are drawn in proportion to their probabilities."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    where = torch.tensor([5, 2, 7, 0])  # token ids of the four, in a vocabulary of 8 with the rest impossible
+    logits = torch.full((4000, 8), float("-inf"))
+    logits[:, where] = probs.log()
+    ids = sample.draw(logits, 1.0, top_k, top_p, torch.Generator().manual_seed(0))[:, 0]
+    counts = torch.bincount(ids, minlength=8)[where].float()
+    assert counts[kept].sum() == 4000 and counts.sum() == 4000, counts
+    expected = probs[kept] / probs[kept].sum() * 4000
+    assert ((counts[kept] - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
+
+
 def refuse_to_load(path, *args, **kwargs):
     raise AssertionError(f"{path} was loaded before the arguments were checked")
 
@@ -194,6 +229,9 @@ def refuse_to_load(path, *args, **kwargs):
     (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1"),
     (["--top_k", "-1"], "--top_k must be >= 0, got -1"),
+    (["--top_p", "0"], "--top_p must be in (0, 1], got 0.0"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1], got 1.5"),
+    (["--top_p", "nan"], "--top_p must be in (0, 1], got nan"),
     (["--seed", str(2**70)], f"--seed must fit in 64 bits, got {2**70}"),
     (["--seed", str(-2**63 - 1)], f"--seed must fit in 64 bits, got {-2**63 - 1}"),
 ])
