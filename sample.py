@@ -81,7 +81,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         if not cache:
             window = idx[:, -context:]
         elif kv is None or idx.size(1) > context:  # the first window, or a cropped one: positions from 0
-            kv = kv or KVCache(model.config.n_layers, context)
+            if kv is None:
+                kv = KVCache(model.config.n_layers, context)
             kv.pos, window = 0, idx[:, -context:]
         else:
             window = idx[:, -1:]  # the new token; the cache holds the ones before it

@@ -561,4 +561,3 @@ def test_cached_forward_gives_the_logits_of_the_whole_sequence(method, dtype):
         pieces = [model(idx[:, :7], cache=cache)[0].float()]
         pieces += [model(idx[:, t:t + 1], cache=cache)[0].float() for t in range(7, 20)]
     assert max_diff(torch.cat(pieces, dim=1), whole) < tol
-
