@@ -40,6 +40,7 @@ rounds of the per-round ratio. suite.py times the same way, with these functions
 """
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -374,7 +375,7 @@ def inference_models(size, device, dtype):
     torch.manual_seed(0)
     full = LLaMA(config_for(size, method="full"), device=device).to(dtype)
     sl = LLaMA(config_for(size, method="sltrain"), device=device).to(dtype)
-    return {"full": full.eval(), "sltrain": sl.eval(), "sltrain_merged": sample.merged(sl)}
+    return {"full": full.eval(), "sltrain": sl.eval(), "sltrain_merged": sample.merged(copy.deepcopy(sl))}
 
 
 def bench_inference(size, batch_size, max_length, device, dtype, rounds):
@@ -418,7 +419,7 @@ def bench_generate(size, samples, new_tokens, device, dtype, rounds, prompt=16):
     positions; the prompt and new tokens fit in it."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method="sltrain"), device=device).to(dtype).eval()
-    dense = sample.merged(model)
+    dense = sample.merged(copy.deepcopy(model))  # in place: the model as trained is timed too
     idx = torch.randint(32000, (samples, prompt), device=device)  # (B, T)
     variants = {"trained": (model, False), "trained_cached": (model, True), "merged": (dense, False),
                 "merged_cached": (dense, True)}

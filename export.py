@@ -6,7 +6,8 @@ format.
     python export.py out/ckpt.pt --merged out/dense.pt   # a full-rank checkpoint that analyze.py and sample.py read
 
 Every SLTrain, low-rank and ReLoRA weight is merged into its dense (out, in) matrix (W = s·BA + S, or W0 + s·BA), in
-float32 and rounded once to the weights' dtype. The folder loads with
+float32 and rounded once to the weights' dtype, one layer at a time in place, so that the merge never holds both
+models (`densify`). The folder loads with
 transformers.LlamaForCausalLM.from_pretrained(folder) and gives our logits: model.py already follows HF's LLaMA
 (rotary embeddings in the half-split layout with rotate_half, RMSNorm in float32 with eps inside the root, SwiGLU
 MLP, no biases, untied head), so only the names change, and no weight is permuted. test_export.py checks the logits.
@@ -21,13 +22,14 @@ import json
 import os
 import struct
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
+import torch.nn as nn
 
 from checkpoint import SaveFailed, atomic_file, load_model, make_folder, remove_empty, save
 from data import load_tokenizer
-from model import LLaMA, ReLoRALinear
+from model import ReLoRALinear
 from sllinear import SLLinear
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -88,21 +90,24 @@ MERGED = (SLLinear, ReLoRALinear)  # the re-parameterized projections, each expo
 
 
 @torch.no_grad()
-def dense_state(model, dtype=None):
-    """Our parameter names -> dense tensors in dtype (default: the model's), every SLLinear and ReLoRALinear merged
-    (B, A and values/indices, or W0, B and A, become one weight). The merge runs in float32 and is rounded once:
-    bf16 factors multiplied in bf16, or float32 ones cast to bf16 before the product, would round twice."""
+def densify(model, dtype=None):
+    """The model itself made full-rank, in place: each SLLinear and ReLoRALinear replaced by an nn.Linear holding its
+    merged weight (s·BA + S, or W0 + s·BA), then every tensor cast to dtype (default: the model's). One layer at a
+    time, its factors freed as it goes, so the merge holds the dense model and one layer more, never both models
+    (7b: 6.74G parameters, not 6.74G + 3.14G). Each merge runs in float32 and is rounded once: bf16 factors
+    multiplied in bf16, or float32 ones cast to bf16 before the product, would round twice."""
     dtype = dtype or model.embed.weight.dtype
-    state = {}
-    for name, module in model.named_modules():
-        if isinstance(module, MERGED):
-            # <-- SLTrain: W = s·BA + S, merged once, on a float32 copy of the layer
-            state[f"{name}.weight"] = copy.deepcopy(module).float().merged_weight().to(dtype)
-    for name, t in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if not isinstance(model.get_submodule(owner), MERGED):
-            state[name] = t.to(dtype)
-    return state
+    names = [name for name, module in model.named_modules() if isinstance(module, MERGED)]  # names: no reference
+    for name in names:
+        parent, attr = name.rsplit(".", 1)
+        layer = model.get_submodule(name)
+        dense = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+        # <-- SLTrain: W = s·BA + S, merged once, on a float32 copy of the layer
+        dense.weight = nn.Parameter(copy.deepcopy(layer).float().merged_weight().to(dtype))
+        setattr(model.get_submodule(parent), attr, dense)  # the factors go with the layer
+        del layer
+    model.config = replace(model.config, method="full")
+    return model.to(dtype)
 
 
 def hf_name(name):
@@ -136,7 +141,7 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     with open(tokenizer, "rb") as f:
         spm = f.read()  # read first: --tokenizer may be the tokenizer.model of this very folder
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {hf_name(k): v for k, v in dense_state(model, dtype).items()}
+    tensors = {hf_name(k): v for k, v in densify(model, dtype).state_dict().items()}
     save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
@@ -155,12 +160,12 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     return sorted(os.listdir(out_dir))
 
 
-def export_merged(model, ckpt, path, dtype=None):
-    """A full-rank checkpoint of the same model, in train.py's format (weights, config and the run's args)."""
-    dense = LLaMA(type(model.config)(**{**asdict(model.config), "method": "full"}), device="meta")
-    dense.load_state_dict(dense_state(model, dtype), strict=True, assign=True)
-    run = dict(ckpt.get("args", {}), method="full", merged_from=model.config.method)
-    save(path, {"model": dense.state_dict(), "model_config": asdict(dense.config), "args": run,
+def export_merged(model, ckpt, path, dtype=None, merged_from=None):
+    """A full-rank checkpoint of the same model, in train.py's format (weights, config and the run's args). The model
+    is made dense in place (densify); merged_from is the method it was trained with (default: the model's)."""
+    run = dict(ckpt.get("args", {}), method="full", merged_from=merged_from or model.config.method)
+    densify(model, dtype)
+    save(path, {"model": model.state_dict(), "model_config": asdict(model.config), "args": run,
                 "step": ckpt.get("step")})  # atomic and checksummed, as train.py's
 
 
@@ -204,12 +209,15 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         model, ckpt = load_model(args.ckpt)
+        # only the run's args and step are needed: the rest (the model's tensors as trained, which would outlive the
+        # merge, and the optimizer's state) is freed now
+        ckpt, method = {k: ckpt[k] for k in ("args", "step") if k in ckpt}, model.config.method
         if args.out:
             files = export_hf(model, ckpt, args.out, args.tokenizer, dtype)
             print(f"wrote {args.out}: {', '.join(files)}")
         if args.merged:
-            export_merged(model, ckpt, args.merged, dtype)
-            print(f"wrote {args.merged}: full-rank, merged from {model.config.method}")
+            export_merged(model, ckpt, args.merged, dtype, method)
+            print(f"wrote {args.merged}: full-rank, merged from {method}")
     except BaseException as e:  # whatever ends it (a file that cannot be written, Ctrl-C, a bug), no empty folder stays
         remove_empty(made)
         if isinstance(e, (OSError, ValueError, SaveFailed)):  # the partial file is gone already: one line

@@ -25,28 +25,25 @@ cache round differently, so a near tie can go the other way.
 
 import argparse
 import math
-from dataclasses import replace
 
 import torch
 
 from checkpoint import load_model
 from data import load_tokenizer
 from devices import device_from_flag
-from export import dense_state
-from model import LLaMA, KVCache
+from export import densify
+from model import KVCache
 
 
 def merged(model):
-    """The model with each SLTrain and ReLoRA weight merged once into a dense one (export.dense_state), for
-    generation: an SLTrain layer forms W = s·BA + S at every call, a ReLoRA layer runs s·B(Ax) beside W0 x. A
-    low-rank layer never forms W, and stays as it is. The merge holds both models at once: the dense weights are
-    about twice an SLTrain model's (7b: 6.74G parameters against 3.14G)."""
+    """The model with each SLTrain and ReLoRA weight merged once into a dense one, for generation: an SLTrain layer
+    forms W = s·BA + S at every call, a ReLoRA layer runs s·B(Ax) beside W0 x. A low-rank layer never forms W, and
+    stays as it is. The merge is in place (export.densify), a layer at a time: it holds the dense model and one layer
+    more, about twice an SLTrain model's weights (7b: 6.74G parameters against 3.14G); copy the model first to keep
+    it as trained."""
     if model.config.method not in ("sltrain", "relora"):
         return model
-    dense = LLaMA(replace(model.config, method="full"), device="meta")
-    dense.load_state_dict(dense_state(model), assign=True)
-    dense.autocast = model.autocast
-    return dense.eval()
+    return densify(model).eval()
 
 
 def draw(logits, temperature, top_k=None, top_p=None, generator=None):

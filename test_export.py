@@ -5,6 +5,8 @@ is installed (it is not a dependency of the repo).
     python -m pytest -q test_export.py
 """
 
+import copy
+import gc
 import json
 import os
 
@@ -84,7 +86,7 @@ def test_merged_cached_generation_gives_the_tokens_of_the_model_as_trained(sl_ck
     """sample.py generates from the merged model with a KV cache; the tokens are those of the factored model run on
     its whole window at every step, past the context too (31 positions here: the cropped window starts over)."""
     model, _ = load_model(sl_ckpt)
-    dense = sample.merged(model)
+    dense = sample.merged(copy.deepcopy(model))
     assert dense.config.method == "full" and model.config.method == "sltrain"
     idx = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     runs = {}
@@ -115,14 +117,83 @@ def test_merging_for_generation_keeps_the_function(method):
         if name.endswith(".B"):
             torch.nn.init.normal_(p.data, std=0.1)
     model.autocast = torch.bfloat16
+    trained = copy.deepcopy(model)
     dense = sample.merged(model)
+    assert dense is model, "the merge is in place"
     assert dense.autocast == torch.bfloat16, "the merged model computes as the model did"
-    model.autocast = dense.autocast = None
-    assert (dense is model) == (method in ("full", "lowrank"))
+    trained.autocast = dense.autocast = None
     assert dense.config.method == ("full" if method in ("relora", "sltrain") else method)
+    merged = [type(m).__name__ for m in dense.modules() if isinstance(m, export.MERGED)]
+    assert merged == (["SLLinear"] * 14 if method == "lowrank" else []), "a layer left as trained, or a low-rank merged"
     idx = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
-        assert (dense(idx)[0] - model(idx)[0]).abs().max() < 1e-5
+        assert (dense(idx)[0] - trained(idx)[0]).abs().max() < 1e-5
+
+
+def live_cpu_bytes():
+    """The bytes of every CPU tensor storage the process holds, each storage once."""
+    storages = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":
+            storages[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def most_held_while_merging(monkeypatch, run):
+    """The most CPU tensor bytes held at any layer's merge (its new weight made, the layer not yet replaced) while
+    run() goes, and after it."""
+    held = []
+    for cls in export.MERGED:
+        def spy(self, real=cls.merged_weight):
+            W = real(self)
+            held.append(live_cpu_bytes())
+            return W
+        monkeypatch.setattr(cls, "merged_weight", spy)
+    run()
+    held.append(live_cpu_bytes())
+    return max(held)
+
+
+def layer_bytes(model):
+    """[(dense weight bytes, bytes as trained)] of each merged layer, in merge order."""
+    return [(m.in_features * m.out_features * m.A.element_size(),
+             sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers())))
+            for m in model.modules() if isinstance(m, export.MERGED)]
+
+
+def merge_bound(layers):
+    """What merging in place holds above the model as trained, at its worst layer k: the dense weights of layers
+    0..k, less the factors of layers 0..k-1, which are gone, plus the float32 copy of layer k being merged."""
+    return max(sum(d for d, _ in layers[:k + 1]) - sum(f for _, f in layers[:k]) + layers[k][1]
+               for k in range(len(layers)))
+
+
+@pytest.mark.parametrize("method", ["sltrain", "relora"])
+def test_the_merge_never_holds_both_models(method, monkeypatch):
+    """densify replaces a layer at a time and frees its factors, so the merge holds the dense model and one layer
+    more, never the dense weights beside the factors (which it did: up to the model as trained + all its dense
+    weights; 7b: 6.74G + 3.14G parameters)."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method=method, vocab_size=256, n_layers=4))
+    layers = layer_bytes(model)
+    gc.collect()
+    before = live_cpu_bytes()
+    held = most_held_while_merging(monkeypatch, lambda: export.densify(model)) - before
+    assert held <= merge_bound(layers) + 4096, (held, merge_bound(layers), sum(d for d, _ in layers))
+    assert held < sum(d for d, _ in layers), "not a single layer's factors were freed"
+
+
+def test_export_frees_the_checkpoint_before_it_merges(sl_ckpt, tmp_path, monkeypatch):
+    """export.py keeps only the run's args and step of the checkpoint it reads: its tensors as trained (which the
+    model shares, and which would outlive the merge) and the optimizer's state go before the merge."""
+    model, _ = load_model(sl_ckpt)
+    as_trained = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    layers = layer_bytes(model)
+    del model, _
+    gc.collect()
+    before = live_cpu_bytes()
+    held = most_held_while_merging(monkeypatch, lambda: export.main([sl_ckpt, "--merged", str(tmp_path / "d.pt")]))
+    assert held - before <= as_trained + merge_bound(layers) + 4096, (held - before, as_trained + merge_bound(layers))
 
 
 def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
