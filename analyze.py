@@ -8,12 +8,15 @@ The paper's analyses of trained weights (§3.1, Table 2, Figures 2, 4 and 9), on
 
 spectrum: σ of each projection's (merged) weight W. For an SLTrain weight W = s·BA + S with SVD W = UΣVᵀ, Σ splits
 into the parts the low-rank and the sparse factor carry (Appendix E): Σ = diag(Uᵀ(s·BA)V) + diag(UᵀSV), exactly.
-For a full-rank weight (full, or ReLoRA's merged W0 + s·BA): the residual W - L0 after the best rank-r approximation
-L0 and the share of its entries below a threshold (§3.1: 97% below 0.04 at 60m), the paper's argument that the
-residual is small and spread out. prune needs a full-rank checkpoint (export.py --merged makes one from any other).
+For a full-rank weight (full, ReLoRA's merged W0 + s·BA, or SLTrain-FT's W0 + s·BA + S): the residual W - L0
+after the best rank-r approximation L0 and the share of its entries below a threshold (§3.1: 97% below 0.04 at
+60m), the paper's argument that the residual is small and spread out. prune needs a full-rank checkpoint
+(export.py --merged makes one from any other).
 
-Training from a dense checkpoint (Table 2's last rows) lives here too, called by train.py:
+Training from a dense checkpoint (Table 2's last rows, and the appendix's fine-tuning) lives here too, called by
+train.py:
     python train.py --method sltrain --init_from out/full/ckpt.pt --freeze lowrank --support top
+    python train.py --method sltrain_ft --init_from out/full/ckpt.pt     # fine-tuning: W = W0 + s·BA + S, W0 frozen
 """
 
 import argparse
@@ -63,6 +66,12 @@ def best_rank(W, r):
 
 # ----------------------------------------------------------------------------- spectrum
 
+def is_full_rank(module):
+    """Whether a projection's weight is full-rank by construction: nn.Linear, ReLoRA's W0 + s·BA, SLTrain-FT's
+    W0 + s·BA + S. Its spectrum is read as W's, against its best rank-r part."""
+    return not isinstance(module, SLLinear) or module.W0 is not None
+
+
 @torch.no_grad()
 def spectrum(model, rank=None, threshold=0.04):
     """One row per projection: its σ (float64), and the low-rank/sparse split (sltrain) or the rank-r residual
@@ -70,13 +79,13 @@ def spectrum(model, rank=None, threshold=0.04):
     rows = []
     rank = model.config.rank if rank is None else rank  # `is None`: an explicit 0 is refused, not replaced
     limit = min(model.config.dim, model.config.ffn_dim)  # the smaller side of every projection
-    full_rank = any(not isinstance(m, SLLinear) for *_, m in projections(model))  # only these take the rank
+    full_rank = any(is_full_rank(m) for *_, m in projections(model))  # only these take the rank
     if full_rank and not 0 < rank < limit:
         raise ValueError(f"rank must be in [1, {limit}), got {rank}")
     for name, kind, layer, module in projections(model):
         W = dense_weight(module).double()
         check_finite(name, W)
-        split = isinstance(module, SLLinear) and module.values is not None and module.rank > 0
+        split = not is_full_rank(module) and module.values is not None and module.rank > 0
         if split:  # the two parts and W in float64, so that they add up to the rounding of the SVD alone
             low = (module.B.double() * module.scale) @ module.A.double()  # s·BA
             empty = torch.empty(0, dtype=torch.float64)
@@ -89,7 +98,7 @@ def spectrum(model, rank=None, threshold=0.04):
             # diag(Uᵀ M V) without forming the k x k product: row i of UᵀM times row i of Vᵀ
             row["sigma_lowrank"] = ((U.t() @ low) * Vh).sum(1).tolist()
             row["sigma_sparse"] = ((U.t() @ sparse) * Vh).sum(1).tolist()
-        elif not isinstance(module, SLLinear):  # full rank: nn.Linear, or ReLoRA's W0 + s·BA
+        elif is_full_rank(module):
             residual = W - (U[:, :rank] * S[:rank]) @ Vh[:rank]  # (out, r) @ (r, in) -> (out, in)
             row.update(rank=rank, residual_max=residual.abs().max().item(), threshold=threshold,
                        residual_below=(residual.abs() < threshold).double().mean().item(),
@@ -262,9 +271,9 @@ def prune(model, batches, rank, delta, seed=0):
 def init_from_dense(model, path, support="random"):
     """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
     (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or
-    with support="top" the δ·in·out largest entries of the residual. Everything else (embeddings, norms, head)
-    is copied."""
-    if model.config.method not in ("lowrank", "sltrain"):
+    with support="top" the δ·in·out largest entries of the residual. An sltrain_ft model (fine-tuning) takes W0 as
+    its frozen base and keeps its start, B = 0 and V = 0. Everything else (embeddings, norms, head) is copied."""
+    if model.config.method not in ("lowrank", "sltrain", "sltrain_ft"):
         raise ValueError(f"--init_from sets the factors of a lowrank or sltrain model, not {model.config.method}; "
                          "pass --method sltrain")
     dense, ckpt = load_model(path)
@@ -277,7 +286,9 @@ def init_from_dense(model, path, support="random"):
                              f"{getattr(model.config, field)}; pass the --size the checkpoint was trained at")
     source = dict(dense.named_modules())
     for name, module in model.named_modules():
-        if isinstance(module, SLLinear):
+        if isinstance(module, SLLinear) and module.W0 is not None:  # <-- SLTrain-FT: W = W0 + s·BA + S
+            module.W0.copy_(source[name].weight)
+        elif isinstance(module, SLLinear):
             W0 = source[name].weight.double()
             L0 = torch.zeros_like(W0)
             if module.rank > 0:
@@ -350,10 +361,10 @@ def get_args(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("spectrum", help="singular values of every projection")
     s.add_argument("ckpt", help="a checkpoint written by train.py")
-    s.add_argument("--rank", type=int, help="r of the residual analysis of full-rank weights (full and relora "
-                   "checkpoints; default: the checkpoint's rank)")
-    s.add_argument("--threshold", type=float, help="count residual entries below this (§3.1; full and relora "
-                   "checkpoints; default 0.04)")
+    s.add_argument("--rank", type=int, help="r of the residual analysis of full-rank weights (full, relora and "
+                   "sltrain_ft checkpoints; default: the checkpoint's rank)")
+    s.add_argument("--threshold", type=float, help="count residual entries below this (§3.1; full, relora and "
+                   "sltrain_ft checkpoints; default 0.04)")
     s.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the tables")
     s.add_argument("--figures", help="write one SVG per layer kind into this folder")
     q = sub.add_parser("prune", help="Table 2: perplexity of a full-rank model pruned to L0 (+ δ of the residual)")
@@ -461,9 +472,10 @@ def weights(args):
     if method in ("lowrank", "sltrain") and (args.rank is not None or getattr(args, "threshold", None) is not None):
         how = "Σ split into its low-rank and sparse parts" if method == "sltrain" else "its σ alone"
         raise SystemExit(f"analyze.py spectrum: --rank and --threshold set the residual analysis of full-rank "
-                         f"weights (full and relora checkpoints); {args.ckpt} is {method}, shown as {how}: drop them")
+                         f"weights (full, relora and sltrain_ft checkpoints); {args.ckpt} is {method}, shown as "
+                         f"{how}: drop them")
     rank = model.config.rank if args.rank is None else args.rank
-    if method in ("full", "relora") and not 0 < rank < limit:
+    if method in ("full", "relora", "sltrain_ft") and not 0 < rank < limit:
         default = "" if args.rank is not None else " (the checkpoint's rank, the default); pass --rank"
         raise SystemExit(f"analyze.py {args.command}: --rank must be in [1, {limit}) for this model, got {rank}"
                          + default)

@@ -60,7 +60,7 @@ import optim
 import sample
 from checkpoint import atomic_file
 from devices import device_from_flag
-from model import LLaMA, METHODS, SIZES, config_for, is_projection
+from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection
 from sllinear import SLLinear
 
 
@@ -149,7 +149,7 @@ def bench_layer(device, tokens, dtype, rounds, dim=2048, rank=128, delta=0.03):
 def bench_model(size, batch_size, max_length, device, dtype, rounds):
     """Train-step tokens/s of each method (forward, backward, optim.AdamW step; GaLore's own step), and ÷ full."""
     variants = {}
-    for method in (*METHODS, "galore"):
+    for method in (*PRETRAINING, "galore"):
         torch.manual_seed(0)
         model = LLaMA(config_for(size, method="full" if method == "galore" else method), device=device).to(dtype)
         hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -10,6 +10,8 @@ on a few real training steps.
         --activation_checkpointing                                         # as train.py --activation_checkpointing
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1 --amp
                                                                            # as train.py --amp: float32 + autocast
+    python estimate_memory.py --size 7b --method sltrain_ft --optimizer adam8bit --per_layer --batch_size 1
+                                                                           # fine-tuning (the paper's appendix)
     python estimate_memory.py --json                                       # machine-readable rows
     python estimate_memory.py --size tiny --measure                        # estimate beside measurement
 
@@ -23,6 +25,8 @@ print them beside it, and `train` adds them. Per method:
     relora    the full-rank weights plus the low-rank model (adapters and the other parameters); moments of the latter
     galore    the full-rank weights; per projection (m, n) the moments of the projected gradient, r·max(m, n)
               elements each, and the projection, r·min(m, n); moments of all other parameters as usual
+    sltrain_ft  fine-tuning, named alone: the pretrained projections kept frozen (W0) under sltrain's factors;
+              only B, A and V have gradients and moments (embeddings, norms and head frozen too)
 """
 
 import argparse
@@ -43,7 +47,8 @@ from devices import device_from_flag
 from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, is_projection
 from sllinear import SLLinear
 
-ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")
+ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")  # the paper's table
+METHODS = ALL_METHODS + ("sltrain_ft",)  # and fine-tuning (the paper's appendix), on request
 PAPER_SIZES = ("60m", "130m", "350m", "1b", "7b")
 BF16 = 2  # bytes of a parameter, a gradient and (for AdamW) a moment, as the paper counts
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # the same under train.py --dtype float32 (CPU's default) or --amp
@@ -184,15 +189,16 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     SLTrain's sparse values have gradients and moments."""
     dtype = check_dtype(dtype, amp)
     check_freeze(freeze, method)
-    if method not in ALL_METHODS:
-        raise ValueError(f"method must be one of {', '.join(ALL_METHODS)}, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if index_dtype not in INDEX_BYTES:
         raise ValueError(f"index_dtype must be one of {', '.join(INDEX_BYTES)}, got {index_dtype!r}")
     if optimizer not in ("adamw", "adam8bit"):
         raise ValueError(f"optimizer must be adamw or adam8bit, got {optimizer!r}")
-    config = config_for(size, rank=rank, delta=delta, vocab_size=vocab_size)
-    rank, delta = config.rank, config.delta if method == "sltrain" else 0.0
-    ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain"}[method]
+    ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain",
+            "sltrain_ft": "sltrain_ft"}[method]
+    config = config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size)
+    rank, delta = config.rank, config.delta if method in ("sltrain", "sltrain_ft") else 0.0
     model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size), device="meta")
     if freeze:
         freeze_all_but_values(model)
@@ -215,6 +221,10 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         stored = full.num_params()["total"] + n["total"]
         param_bytes = width * stored
         row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
+
+    if method == "sltrain_ft":  # fine-tuning: the pretrained projections kept, frozen, as W0 under the factors
+        stored = n["total"] + sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
+        param_bytes = width * stored + INDEX_BYTES[index_dtype] * n["sparse"]
 
     if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
         weights = [p.shape for name, p in model.named_parameters() if is_projection(name)]
@@ -293,7 +303,7 @@ def print_table(rows):
 def print_breakdown(r):
     """Appendix F's paragraph for one row, with the parts the paper leaves out."""
     m, kept = r["method"], values_dtype(r)
-    print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m == "sltrain" else "")
+    print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m in ("sltrain", "sltrain_ft") else "")
           + ("" if kept == "bf16" else f", {kept}")
           + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
           + (", per-layer updates" if r["per_layer"] else "")
@@ -309,6 +319,9 @@ def print_breakdown(r):
     if m == "relora":
         line("stored", r["stored_m"], "M", f"= {r['params_m']:.2f}M full-rank + {r['stored_m'] - r['params_m']:.2f}M "
              "low-rank model")
+    if m == "sltrain_ft":
+        line("stored", r["stored_m"], "M", f"= {r['params_m']:.2f}M parameters + {r['stored_m'] - r['params_m']:.2f}M "
+             "frozen W0; only the low-rank and sparse ones train")
     sparse = f" + {r['sparse_m']:.2f}M {r['index_dtype']} indices" if r["sparse_m"] else ""
     line("param", r["param_gb"], "G", f"{r['stored_m']:.2f}M {r['dtype']} values{sparse}")
     state = r["dtype"] if r["optimizer"] == "adamw" else \
@@ -528,7 +541,7 @@ def check_model_flags(parser, args):
     if args.freeze and methods != ("sltrain",):
         parser.error("--freeze lowrank trains only SLTrain's sparse values: pass --method sltrain")
     for flag, given in (("--delta", args.delta is not None), ("--index_dtype", args.index_dtype is not None)):
-        if given and "sltrain" not in methods:
+        if given and not {"sltrain", "sltrain_ft"} & {*methods}:
             parser.error(f"{flag} is of SLTrain's sparse part, which --method {args.method} has none of: drop it, or "
                          "pass --method sltrain")
     if args.freeze and args.delta == 0:
@@ -536,7 +549,8 @@ def check_model_flags(parser, args):
                      "0, or drop --freeze")
     sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
     # the models the estimate builds: sltrain's, a low-rank one for lowrank and relora; galore's rank is its own
-    checked = ["sltrain"] * ("sltrain" in methods) + ["lowrank"] * bool({"lowrank", "relora"} & {*methods})
+    checked = ["sltrain"] * bool({"sltrain", "sltrain_ft"} & {*methods}) + ["lowrank"] * bool({"lowrank", "relora"}
+                                                                                               & {*methods})
     for size in sizes if args.rank is not None or args.delta is not None else ():
         try:
             for method in checked:
@@ -552,7 +566,8 @@ def main():
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--size", default="all", choices=["all", *SIZES],
                         help="model size; all = the paper's 60m..7b (--measure defaults to tiny)")
-    parser.add_argument("--method", default="all", choices=["all", *ALL_METHODS], help="training method")
+    parser.add_argument("--method", default="all", choices=["all", *METHODS],
+                        help="training method (all: the paper's table; sltrain_ft, fine-tuning, only when named)")
     parser.add_argument("--rank", type=int, default=None, help="r of the low-rank factors (default: the size's)")
     parser.add_argument("--delta", type=float, default=None, help="sltrain's sparse fraction (default: the size's)")
     parser.add_argument("--index_dtype", default=None, choices=list(INDEX_BYTES),

@@ -27,8 +27,9 @@ RECIPES = {"tiny": (1000, 100, 3e-3, 16), "60m": (11_000, 1100, 3e-3, 128), "130
 BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 2000, "relora_warmup": 50,
              "relora_prune": 0.99}
 # the flags one method or optimizer reads, and the fix to name when another run is given them
-READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain) or a galore_* --optimizer",
-           "alpha": "a --method with factors (lowrank, relora, sltrain)", "delta": "--method sltrain",
+READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain, sltrain_ft) or a galore_* --optimizer",
+           "alpha": "a --method with factors (lowrank, relora, sltrain, sltrain_ft)",
+           "delta": "--method sltrain or sltrain_ft",
            **dict.fromkeys(("galore_rank", "galore_update_gap", "galore_scale"), "a galore_* --optimizer"),
            **dict.fromkeys(("relora_reset", "relora_warmup", "relora_prune"), "--method relora")}
 CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
@@ -61,8 +62,9 @@ def make_parser(description=None):
     p = Parser(description=description, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--size", choices=list(SIZES), help="model size (the paper's LLaMA configs; default 60m)")
-    a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain"], default="sltrain",
-      help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), or W = s·BA + S")
+    a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain", "sltrain_ft"], default="sltrain",
+      help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), W = s·BA + S, or "
+           "fine-tuning a pretrained --init_from: W = W0 + s·BA + S with W0 frozen (only B, A and V learn)")
     a("--rank", type=int, help="rank r of the factors (default: the paper's for the size)")
     a("--delta", "--sp_ratio", type=float, help="sparsity: fraction of entries in S (default 0.03; 7b 0.05)")
     a("--alpha", "--lora_alpha", type=float, help="low-rank scale s = alpha/r (default: the paper's for the size)")
@@ -175,14 +177,19 @@ def get_args(argv=None, description=None):
     if args.per_layer and args.grad_clipping > 0:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
-    if args.init_from and (args.method == "full" or not os.path.isfile(args.init_from)):
-        p.error(f"--init_from {args.init_from}: needs --method lowrank or sltrain and an existing full-rank ckpt.pt")
+    if args.init_from and (args.method in ("full", "relora") or not os.path.isfile(args.init_from)):
+        p.error(f"--init_from {args.init_from}: needs --method lowrank, sltrain or sltrain_ft and an existing "
+                "full-rank ckpt.pt")
+    if args.method == "sltrain_ft" and not args.init_from and not args.eval_only:  # a checkpoint holds its W0
+        p.error("--method sltrain_ft fine-tunes a pretrained model: pass --init_from with its full-rank checkpoint "
+                "(train.py --method full, or export.py --merged of any run)")
     if args.support == "top" and not (args.init_from and args.method == "sltrain"):
         p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
     if args.freeze and args.method != "sltrain":
         p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
-    if args.support_seed is not None and args.method != "sltrain":
-        p.error(f"--support_seed draws the sparse supports: it needs --method sltrain, not {args.method}")
+    if args.support_seed is not None and args.method not in ("sltrain", "sltrain_ft"):
+        p.error(f"--support_seed draws the sparse supports: it needs --method sltrain or sltrain_ft, not "
+                f"{args.method}")
     if args.amp and args.dtype == "bfloat16":
         p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     if args.eval_only and args.overwrite:
@@ -219,7 +226,7 @@ def unused_flags(method, optimizer):
     not compared on resume (a run from before the refusal may have stored a value for them)."""
     galore = optimizer.startswith("galore")
     read = {"rank", "alpha"} if method != "full" else {"rank"} if galore else set()
-    read |= {"delta"} if method == "sltrain" else set()
+    read |= {"delta"} if method in ("sltrain", "sltrain_ft") else set()
     read |= {"galore_rank", "galore_update_gap", "galore_scale"} if galore else set()
     read |= {"relora_reset", "relora_warmup", "relora_prune"} if method == "relora" else set()
     return [name for name in READ_BY if name not in read]

@@ -6,7 +6,8 @@ in which every attention and MLP projection can be an SLTrain layer: W = s·BA +
     model = LLaMA(config_for("60m", method="sltrain"))     # the paper's 60M model, 43.53M parameters
 
 Sizes are the paper's (GaLore's LLaMA configs); `tiny` is for tests and quick runs. method="relora" gives the
-ReLoRA baseline (W = W0 + s·BA, W0 frozen, merged into every few thousand updates by train.py).
+ReLoRA baseline (W = W0 + s·BA, W0 frozen, merged into every few thousand updates by train.py); method="sltrain_ft"
+fine-tunes a pretrained model as the paper's appendix does (W = W0 + s·BA + S, W0 frozen, only B, A and V learn).
 Count a model for free:  LLaMA(config_for("7b", method="sltrain"), device="meta").num_params()
 """
 
@@ -21,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from sllinear import SLLinear
 
-METHODS = ("full", "lowrank", "relora", "sltrain")
+PRETRAINING = ("full", "lowrank", "relora", "sltrain")  # the paper's Table 1 methods
+METHODS = PRETRAINING + ("sltrain_ft",)  # and fine-tuning a pretrained model (its appendix)
 
 
 @dataclass
@@ -34,9 +36,10 @@ class LLaMAConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     method: str = "full"    # full | lowrank (W = s·BA) | relora (W = W0 + s·BA, W0 frozen) | sltrain (W = s·BA + S)
+    #                         | sltrain_ft (W = W0 + s·BA + S, W0 frozen: fine-tuning)
     rank: int = 128         # r of B (out, r) and A (r, in)
     alpha: float = 32.0     # low-rank scale s = alpha / r
-    delta: float = 0.03     # sltrain: fraction of each weight's entries on the sparse support
+    delta: float = 0.03     # sltrain(_ft): fraction of each weight's entries on the sparse support
 
 
 # name -> (dim, ffn_dim, n_heads, n_layers, rank, alpha, delta): the paper's Table 1 and §4.1 defaults
@@ -50,11 +53,18 @@ SIZES = {
 }
 
 
+# sltrain_ft's (rank, alpha, delta) at every size: the paper's fine-tuning table (RoBERTa-base on GLUE, its appendix)
+# has r = 8 throughout, and δ = 0.005 and α = 32 are the values its per-task tuning picked most often
+FINETUNE = (8, 32.0, 0.005)
+
+
 def config_for(size, **overrides):
     """The config of a named size; keyword overrides (method, rank, alpha, delta, ...) win. None means default."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     dim, ffn_dim, n_heads, n_layers, rank, alpha, delta = SIZES[size]
+    if overrides.get("method") == "sltrain_ft":  # fine-tuning: the paper's settings for it, not its pretraining ones
+        rank, alpha, delta = FINETUNE
     config = LLaMAConfig(dim=dim, ffn_dim=ffn_dim, n_heads=n_heads, n_layers=n_layers,
                          rank=rank, alpha=alpha, delta=delta)
     for key, value in overrides.items():
@@ -73,8 +83,9 @@ def make_linear(in_features, out_features, config, device):
         return nn.Linear(in_features, out_features, bias=False, device=device)
     if config.method == "relora":
         return ReLoRALinear(in_features, out_features, config.rank, config.alpha, device=device)
-    delta = config.delta if config.method == "sltrain" else 0.0
-    return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device)  # <-- SLTrain
+    delta = config.delta if config.method in ("sltrain", "sltrain_ft") else 0.0
+    base = config.method == "sltrain_ft"  # <-- SLTrain-FT: a frozen pretrained W0 under the factors
+    return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device, base=base)
 
 
 class ReLoRALinear(nn.Module):
@@ -312,6 +323,9 @@ class LLaMA(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, device=device)
         if not (device is not None and torch.device(device).type == "meta"):
             self.apply(self._init_weights)
+        if config.method == "sltrain_ft":  # fine-tuning: the pretrained embeddings, norms and head stay as they are
+            for name, p in self.named_parameters():
+                p.requires_grad_(name.rsplit(".", 1)[-1] in ("A", "B", "values"))
 
     @staticmethod
     def _init_weights(module):
@@ -378,9 +392,11 @@ def describe(model):
     n = model.num_params()
     c = model.config
     frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return (f"{c.method} LLaMA: {n['total'] / 1e6:.2f}M parameters = {n['dense'] / 1e6:.2f}M dense + "
             f"{n['lowrank'] / 1e6:.2f}M low-rank + {n['sparse'] / 1e6:.2f}M sparse"
-            + (f" (+ {frozen / 1e6:.2f}M frozen in W0)" if frozen else ""))
+            + (f" (+ {frozen / 1e6:.2f}M frozen in W0)" if frozen else "")
+            + (f"; {trained / 1e6:.2f}M of them trained" if trained < n["total"] else ""))
 
 
 if __name__ == "__main__":

@@ -36,12 +36,12 @@ from model import KVCache
 
 
 def merged(model):
-    """The model with each SLTrain and ReLoRA weight merged once into a dense one, for generation: an SLTrain layer
-    forms W = s·BA + S at every call, a ReLoRA layer runs s·B(Ax) beside W0 x. A low-rank layer never forms W, and
-    stays as it is. The merge is in place (export.densify), a layer at a time: it holds the dense model and one layer
-    more, about twice an SLTrain model's weights (7b: 6.74G parameters against 3.14G); copy the model first to keep
-    it as trained."""
-    if model.config.method not in ("sltrain", "relora"):
+    """The model with each SLTrain (also fine-tuned) and ReLoRA weight merged once into a dense one, for generation:
+    an SLTrain layer forms W = s·BA + S at every call, a ReLoRA layer runs s·B(Ax) beside W0 x. A low-rank layer
+    never forms W, and stays as it is. The merge is in place (export.densify), a layer at a time: it holds the dense
+    model and one layer more, about twice an SLTrain model's weights (7b: 6.74G parameters against 3.14G); copy the
+    model first to keep it as trained."""
+    if model.config.method not in ("sltrain", "sltrain_ft", "relora"):
         return model
     return densify(model).eval()
 

@@ -4,7 +4,9 @@ The SLTrain linear layer: a weight that is low-rank plus sparse with a fixed ran
     W = s·B A ⊕_I V          B: (out, r), A: (r, in), s = alpha / r
                              I: nnz fixed flat positions in the (out, in) matrix, V: their nnz values
 
-"⊕_I V" scatter-adds the values V into the dense matrix at the positions I (Han et al. 2024, §3.2).
+"⊕_I V" scatter-adds the values V into the dense matrix at the positions I (Han et al. 2024, §3.2). For fine-tuning
+(the paper's appendix, SLTrain-FT) the merge starts from a frozen pretrained weight instead of zero,
+W = W0 + s·B A ⊕_I V; the gradients below are unchanged and W0 gets none.
 Only B, A and V are learned. Forward and backward (paper eq. (1)), with x: (N, in), z = x Wᵀ: (N, out)
 and g = ∂L/∂z:
 
@@ -15,8 +17,8 @@ and g = ∂L/∂z:
     ∂L/∂A  = s · Bᵀ G
     ∂L/∂V  = G_I                 G gathered at the support
 
-Between forward and backward only x, B, A, V and I are kept: no tensor of the size of W, which
-is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks).
+Between forward and backward only x, B, A, V and I (and W0, itself a weight) are kept: no tensor of the size
+of W, which is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks).
 
 Run the gradient checks:  python -m pytest -q test_sllinear.py
 """
@@ -35,10 +37,12 @@ def scaled_mm(a, b, scale):
     return a.new_empty(a.shape[0], b.shape[1]).addmm_(a, b, beta=0, alpha=scale)
 
 
-def merge(B, A, values, indices, scale):
-    """The dense weight s·BA ⊕_I V of shape (out, in). A zero-rank B (out, 0), A (0, in) gives the sparse part
-    alone; empty values/indices give the low-rank part alone."""
+def merge(B, A, values, indices, scale, base=None):
+    """The dense weight s·BA ⊕_I V of shape (out, in), or W0 + s·BA ⊕_I V with base W0 (fine-tuning). A zero-rank
+    B (out, 0), A (0, in) gives the sparse part alone; empty values/indices give the low-rank part alone."""
     W = scaled_mm(B, A, scale)  # (out, r) @ (r, in) -> (out, in)
+    if base is not None:  # in place: a float32 W0 under mixed precision is added into the bf16 W, never copied
+        W += base
     W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place on the fresh temporary
     return W
 
@@ -47,43 +51,48 @@ def _cast(dtype, *tensors):
     return tensors if dtype is None else [t.to(dtype) for t in tensors]
 
 
-def _product(x, B, A, values, indices, scale, dtype):
+def _weight(B, A, values, indices, scale, dtype, base):
+    """W in dtype (if given), B, A and V cast to it first: the weight forward and backward each form."""
+    return merge(*_cast(dtype, B, A, values), indices, scale, base)
+
+
+def _product(x, B, A, values, indices, scale, dtype, base):
     """x (s·BA ⊕_I V)ᵀ with B, A and V cast to dtype (if given) inside: the forward's arithmetic."""
-    return x @ merge(*_cast(dtype, B, A, values), indices, scale).t()  # (..., in) @ (in, out) -> (..., out)
+    return x @ _weight(B, A, values, indices, scale, dtype, base).t()  # (..., in) @ (in, out) -> (..., out)
 
 
 @torch.library.custom_op("sltrain::product", mutates_args=())
 def _opaque_product(x: torch.Tensor, B: torch.Tensor, A: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-                    scale: float, dtype: torch.dtype | None) -> torch.Tensor:
+                    scale: float, dtype: torch.dtype | None, base: torch.Tensor | None) -> torch.Tensor:
     """_product as one operator the compiler cannot see into. Seeing the casts of B, A and V in forward and the
     same casts in backward, it would merge them and keep the bf16 copies for backward (2 bytes per parameter)."""
-    return _product(x, B, A, values, indices, scale, dtype)
+    return _product(x, B, A, values, indices, scale, dtype, base)
 
 
 @_opaque_product.register_fake
-def _(x, B, A, values, indices, scale, dtype):
+def _(x, B, A, values, indices, scale, dtype, base):
     return x.new_empty(*x.shape[:-1], B.shape[0], dtype=x.dtype)
 
 
 class SLLinearFunction(torch.autograd.Function):
-    """y = x Wᵀ with W = s·BA ⊕_I V formed on the fly and formed again in backward."""
+    """y = x Wᵀ with W = s·BA ⊕_I V (or W0 + s·BA ⊕_I V) formed on the fly and formed again in backward."""
 
     @staticmethod
-    def forward(ctx, x, B, A, values, indices, scale, dtype=None):
+    def forward(ctx, x, B, A, values, indices, scale, dtype=None, base=None):
         # dtype: mixed precision's compute dtype (sl_linear passes autocast's). x, B, A and V are cast to it here
         # and B, A, V again in backward, so what is kept is the parameters themselves, never a copy of them
         x_dtype, x = x.dtype, x if dtype is None else x.to(dtype)
         product = _opaque_product if torch.compiler.is_compiling() else _product
-        y = product(x, B, A, values, indices, scale, dtype)
+        y = product(x, B, A, values, indices, scale, dtype, base)
         # saved: the inputs only; W dies in product and is rebuilt in backward for one more (out, r, in) GEMM
-        ctx.save_for_backward(x, B, A, values, indices)
+        ctx.save_for_backward(x, B, A, values, indices, base)
         ctx.scale, ctx.dtype, ctx.x_dtype = scale, dtype, x_dtype
         return y
 
     @staticmethod
     @once_differentiable  # a second derivative (create_graph=True) is refused in one line, not failed deep inside
     def backward(ctx, grad_y):
-        x, *params, indices = ctx.saved_tensors
+        x, *params, indices, base = ctx.saved_tensors
         B, A, values = _cast(ctx.dtype, *params)
         s = ctx.scale
         out_features, in_features = B.shape[0], A.shape[1]
@@ -94,7 +103,7 @@ class SLLinearFunction(torch.autograd.Function):
         # ∂L/∂x = g W, with W rebuilt from the factors
         W = None
         if need_x:
-            W = merge(B, A, values, indices, s)
+            W = _weight(B, A, values, indices, s, ctx.dtype, base)
             grad_x = (g @ W).view(*grad_y.shape[:-1], in_features)  # (N, out) @ (out, in) -> (N, in)
 
         # G = gᵀ x, the dense weight gradient, shared by B, A and V; written over W, which is no longer
@@ -116,11 +125,12 @@ class SLLinearFunction(torch.autograd.Function):
 
         # gradients in the dtypes of the inputs (float32 ones under mixed precision)
         grads = [None if g is None else g.to(t.dtype) for g, t in zip((grad_B, grad_A, grad_V), params)]
-        return None if grad_x is None else grad_x.to(ctx.x_dtype), *grads, None, None, None
+        return None if grad_x is None else grad_x.to(ctx.x_dtype), *grads, None, None, None, None
 
 
-def sl_linear(x, B, A, values, indices, scale):
-    """Functional form: x (s·BA ⊕_I V)ᵀ. For a sparse-only layer pass B (out, 0) and A (0, in)."""
+def sl_linear(x, B, A, values, indices, scale, base=None):
+    """Functional form: x (s·BA ⊕_I V)ᵀ, or x (W0 + s·BA ⊕_I V)ᵀ with base W0 (frozen: it gets no gradient).
+    For a sparse-only layer pass B (out, 0) and A (0, in)."""
     device = x.device.type
     # meta has no autocast state. (Not torch.amp.is_autocast_available: torch 2.11's compiler cannot trace it and
     # would break each compiled block's graph at every SLTrain layer.)
@@ -130,8 +140,8 @@ def sl_linear(x, B, A, values, indices, scale):
         # come back in float32. Casts outside it, as autocast makes for nn.Linear, would keep a bf16 copy of B, A
         # and V for backward: 2 bytes more per parameter between forward and backward (6 GB at 7b, batch 1).
         with torch.autocast(device, enabled=False):
-            return SLLinearFunction.apply(x, B, A, values, indices, scale, torch.get_autocast_dtype(device))
-    return SLLinearFunction.apply(x, B, A, values, indices, scale)
+            return SLLinearFunction.apply(x, B, A, values, indices, scale, torch.get_autocast_dtype(device), base)
+    return SLLinearFunction.apply(x, B, A, values, indices, scale, None, base)
 
 
 def uniform_support(n, nnz, generator=None):
@@ -158,9 +168,12 @@ class SLLinear(nn.Module):
     rank=0 gives a sparse-only layer (no A, B); delta=0 a low-rank-only layer, which never forms W:
     (x Aᵀ) Bᵀ costs N·r·(in+out) instead of N·in·out. The support is stored as int32 when in·out < 2³¹,
     4 bytes per entry where the paper counts int64's 8; larger layers fall back to int64.
+
+    base=True gives SLTrain-FT (the paper's appendix): W = W0 + s·BA ⊕_I V with W0 (out, in) a frozen buffer, the
+    pretrained weight, and B = 0, V = 0 at the start, so that the layer starts as W0.
     """
 
-    def __init__(self, in_features, out_features, rank, delta, alpha, device=None, dtype=None):
+    def __init__(self, in_features, out_features, rank, delta, alpha, device=None, dtype=None, base=False):
         super().__init__()
         if not 0 <= delta < 1:
             raise ValueError(f"delta must be in [0, 1), got {delta}")
@@ -172,6 +185,8 @@ class SLLinear(nn.Module):
                              "raise delta or pass delta=0 for a low-rank-only layer")
         if rank == 0 and nnz == 0:
             raise ValueError("rank and delta are both 0: the layer would have no parameters; set rank > 0 or delta > 0")
+        if base and nnz == 0:
+            raise ValueError("a fine-tuned layer (W0 + s·BA ⊕_I V) needs a sparse part: set delta > 0")
         self.in_features, self.out_features, self.rank, self.delta = in_features, out_features, rank, delta
         self.scale = alpha / rank if rank > 0 else 0.0
         kw = dict(device=device, dtype=dtype)
@@ -188,6 +203,7 @@ class SLLinear(nn.Module):
         else:
             self.register_parameter("values", None)
             self.register_buffer("indices", None)
+        self.register_buffer("W0", torch.empty(out_features, in_features, **kw) if base else None)
         if not (device is not None and torch.device(device).type == "meta"):
             self.reset_parameters()
 
@@ -195,7 +211,8 @@ class SLLinear(nn.Module):
     def reset_parameters(self):
         """§3.3: A Kaiming-uniform and B zero (as LoRA), values U[-1/√in, 1/√in], a uniform random support. A
         low-rank-only layer draws B Kaiming-uniform too (as ReLoRA's low-rank-only baseline): with B zero and no
-        S, W = 0 in every layer, and so are all their input and factor gradients, a point no update leaves."""
+        S, W = 0 in every layer, and so are all their input and factor gradients, a point no update leaves. With a
+        base, W0 is drawn as a dense layer (LLaMA._init_weights; a pretrained one replaces it) and V = 0."""
         if self.rank > 0:
             nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
             if self.values is None:
@@ -206,6 +223,9 @@ class SLLinear(nn.Module):
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.values, -bound, bound)
             self.indices.copy_(uniform_support(self.in_features * self.out_features, self.values.numel()))
+        if self.W0 is not None:
+            nn.init.normal_(self.W0, mean=0.0, std=0.02)
+            nn.init.zeros_(self.values)  # <-- SLTrain-FT: W = W0 at the start
 
     def _factors(self, like):
         """B and A, or zero-size stand-ins of the right shape for a sparse-only layer."""
@@ -217,7 +237,7 @@ class SLLinear(nn.Module):
         if self.values is None:  # low-rank only: never form W
             return (x @ self.A.t()) @ (self.B * self.scale).t()  # (N, in) -> (N, r) -> (N, out); s on B, not (N, r)
         B, A = self._factors(self.values)
-        return sl_linear(x, B, A, self.values, self.indices, self.scale)  # <-- SLTrain: W = s·BA + S
+        return sl_linear(x, B, A, self.values, self.indices, self.scale, self.W0)  # <-- SLTrain: W = s·BA + S
 
     @torch.no_grad()
     def merged_weight(self):
@@ -228,8 +248,10 @@ class SLLinear(nn.Module):
             if self.values is None:
                 return scaled_mm(self.B, self.A, self.scale)
             B, A = self._factors(self.values)
-            return merge(B, A, self.values, self.indices, self.scale)
+            return merge(B, A, self.values, self.indices, self.scale, self.W0)
 
     def extra_repr(self):
         nnz = 0 if self.values is None else self.values.numel()
-        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, nnz={nnz}, scale={self.scale:g}"
+        base = ", W0 frozen" if self.W0 is not None else ""
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, nnz={nnz}, "
+                f"scale={self.scale:g}{base}")

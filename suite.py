@@ -46,7 +46,7 @@ import optim
 from bench import (INFERENCE_BATCH, bench_inference, finish, interleave, per_layer_host_time, pick_device,
                    ratio_text, record_error, report_inference, start, summary, write_json)
 from estimate_memory import estimate, measure
-from model import LLaMA, METHODS, config_for
+from model import LLaMA, PRETRAINING, config_for
 from sllinear import SLLinear, scaled_mm
 
 # gpu: every figure of the paper's GPU claims in one command (never run yet; BENCHMARKS.md splits it with --only);
@@ -154,7 +154,7 @@ def suite_model(s, device, dtype, compiled):
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
     issue's targets name (each method's block compiles once)."""
-    methods = ("full", "lowrank", "sltrain") if compiled else METHODS
+    methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
                 train_step(s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype,
                            s["backend"] if compiled else None, s.get("vocab"))

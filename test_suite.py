@@ -28,7 +28,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         assert all(row["ms"] > 0 for row in v.values()) and v["sltrain"]["ratio"] > 0
         parts = v["form"]["ms"] + v["scatter"]["ms"]
         assert L["accounted_ms"] == v["dense"]["ms"] + 2 * parts + v["factor_grads"]["ms"] + v["gather"]["ms"]
-    for key, methods in (("model", suite.METHODS), ("model_compiled", ("full", "lowrank", "sltrain"))):
+    for key, methods in (("model", suite.PRETRAINING), ("model_compiled", ("full", "lowrank", "sltrain"))):
         v = r[key]["variants"]
         assert r[key]["compiled"] is (key == "model_compiled") and v["full/adamw"]["ratio"] == 1.0
         assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")}

@@ -1,0 +1,190 @@
+"""
+Tests of SLTrain-FT, the paper's fine-tuning (its appendix): W = W0 + s·BA ⊕_I V with W0 a frozen pretrained weight,
+from the layer's gradients to train.py --method sltrain_ft --init_from, resume, export and the memory estimate.
+
+    python -m pytest -q test_finetune.py
+"""
+
+import pytest
+import torch
+
+import analyze
+import estimate_memory as em
+import export
+import sample
+import train
+from checkpoint import load_model
+from model import FINETUNE, LLaMA, config_for
+from sllinear import SLLinear
+from test_train import base_args, corpus, final_state, metrics, run_torchrun  # noqa: F401  (corpus: a fixture)
+
+TRAINED = ("A", "B", "values")
+
+
+def layer_with_base(dtype=torch.float64):
+    """A fine-tuning layer with B and V drawn at random (they start at zero, where their terms would go unchecked)."""
+    torch.manual_seed(0)
+    layer = SLLinear(24, 40, 4, 0.1, 8.0, dtype=dtype, base=True)
+    with torch.no_grad():
+        layer.B.normal_()
+        layer.values.normal_()
+    return layer
+
+
+def reference_weight(layer):
+    """W0 + s·BA ⊕_I V, formed densely by autograd: the reference."""
+    W = layer.W0 + layer.scale * layer.B @ layer.A
+    return W.flatten().index_add(0, layer.indices.long(), layer.values).view_as(W)
+
+
+def test_the_layer_adds_its_factors_to_w0_and_gives_w0_no_gradient():
+    layer = layer_with_base()
+    x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 40, dtype=torch.float64)
+    y = layer(x)
+    grads = torch.autograd.grad(y, [x, layer.B, layer.A, layer.values], g)
+    x_ref = x.detach().requires_grad_()
+    y_ref = x_ref @ reference_weight(layer).t()
+    refs = torch.autograd.grad(y_ref, [x_ref, layer.B, layer.A, layer.values], g)
+    assert (y - y_ref).abs().max() < 1e-12
+    for name, a, b in zip(("x", "B", "A", "V"), grads, refs):
+        assert (a - b).abs().max() < 1e-12, f"d{name} differs by {(a - b).abs().max():.2e}"
+    assert not layer.W0.requires_grad and "W0" not in dict(layer.named_parameters()), "W0 must stay frozen"
+    assert (layer.merged_weight() - reference_weight(layer)).abs().max() < 1e-12
+
+
+def test_the_layer_starts_as_w0_and_keeps_w0_in_checkpoints():
+    torch.manual_seed(0)
+    layer = SLLinear(24, 40, 4, 0.1, 8.0, base=True)
+    assert torch.equal(layer.merged_weight(), layer.W0), "B = 0 and V = 0: the layer starts as its pretrained W0"
+    assert set(layer.state_dict()) == {"A", "B", "values", "indices", "W0"}
+    plain = SLLinear(24, 40, 4, 0.1, 8.0)
+    assert set(plain.state_dict()) == {"A", "B", "values", "indices"}, "a pretraining layer's checkpoint is as before"
+    with pytest.raises(ValueError, match="needs a sparse part: set delta > 0"):
+        SLLinear(24, 40, 4, 0.0, 8.0, base=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mixed_precision_keeps_no_copy_of_w0_for_backward(compiled):
+    """Under bf16 autocast the float32 W0 is cast inside the Function, as B, A and V are: what is kept for backward is
+    W0 itself and the bf16 input, never a bf16 copy of W0 (2 bytes per frozen weight); also compiled, in one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    layer = layer_with_base(torch.float32)
+    x = torch.randn(6, 24)
+    kept, counter = [], CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    forward = torch.compile(layer, backend=counter, fullgraph=True) if compiled else layer
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t), \
+            torch.autocast("cpu", torch.bfloat16):
+        y = forward(x)
+    assert counter.frame_count == int(compiled)
+    weights = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+    others = [t for t in kept if t.untyped_storage().data_ptr() not in weights]
+    assert [(t.dtype, tuple(t.shape)) for t in others] == [(torch.bfloat16, (6, 24))], "only the bf16 input is new"
+    assert y.dtype == torch.bfloat16
+    ref = x.bfloat16().float() @ reference_weight(layer).detach().bfloat16().float().t()
+    assert (y.float() - ref).abs().max() < 0.02 * ref.abs().max()  # W formed in bf16: an error of a few bf16 ulps
+    y.float().sum().backward()
+    assert layer.B.grad.dtype == torch.float32 and layer.W0.grad is None
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(corpus, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("full")
+    train.main(base_args(corpus, out, 6, "--method", "full", "--lr", "1e-2", "--eval_tokens", "300"))
+    return str(out / "ckpt.pt")
+
+
+def test_a_fine_tuned_model_starts_as_the_pretrained_one(dense_ckpt):
+    torch.manual_seed(0)
+    dense, _ = load_model(dense_ckpt)
+    model = LLaMA(config_for("tiny", method="sltrain_ft", vocab_size=dense.config.vocab_size))
+    analyze.init_from_dense(model, dense_ckpt)
+    assert sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}) == sorted(TRAINED)
+    idx = torch.randint(0, dense.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        err = (model.eval()(idx)[0] - dense(idx)[0]).abs().max().item()
+    assert err < 1e-5, f"the fine-tuned model starts {err:.2e} away from the pretrained one"
+
+
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer", "adam8bit", "--per_layer"]], ids=["adamw", "8bit-per-layer"])
+def test_train_fine_tunes_only_the_factors_and_resumes_exactly(corpus, dense_ckpt, tmp_path, optimizer):  # noqa: F811
+    """train.py --method sltrain_ft --init_from: W0, embeddings, norms and head stay the pretrained ones, B, A and V
+    learn, and a run stopped and resumed ends where one straight run does."""
+    ft = ["--method", "sltrain_ft", "--init_from", dense_ckpt, "--lr", "1e-2", "--eval_tokens", "300", *optimizer]
+    train.main(base_args(corpus, tmp_path / "straight", 4, *ft))
+    train.main(base_args(corpus, tmp_path / "resumed", 4, *ft, "--stop_after", "2"))
+    train.main(base_args(corpus, tmp_path / "resumed", 4, *ft, "--resume"))
+    dense = torch.load(dense_ckpt, weights_only=True)["model"]
+    end = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)["model"]
+    resumed = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=True)["model"]
+    for name, t in end.items():
+        assert torch.equal(t, resumed[name]), f"{name}: the resumed run differs"
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "W0":
+            assert torch.equal(t, dense[name.removesuffix(".W0") + ".weight"]), f"{name} changed"
+        elif leaf in ("B", "values"):
+            assert t.abs().sum() > 0, f"{name} did not train"
+        elif leaf not in ("A", "indices"):
+            assert torch.equal(t, dense[name]), f"{name} changed: only B, A and V train"
+
+
+def test_fine_tuning_under_torchrun_matches_one_process(corpus, dense_ckpt, tmp_path):  # noqa: F811
+    """DDP with the embeddings, norms, head and W0 frozen, and 8-bit Adam stepping each factor inside backward."""
+    ft = ["--method", "sltrain_ft", "--init_from", dense_ckpt, "--lr", "1e-2", "--optimizer", "adam8bit_per_layer"]
+    train.main(base_args(corpus, tmp_path / "one", 4, "--batch_size", "8", *ft))
+    assert "2 x cpu" in run_torchrun(base_args(corpus, tmp_path / "two", 4, "--batch_size", "4", *ft))
+    for ra, rb in zip(metrics(tmp_path / "one")[0], metrics(tmp_path / "two")[0], strict=True):
+        assert abs(ra["loss"] - rb["loss"]) < 1e-5 * ra["loss"], f"step {ra['step']}: {ra['loss']} vs {rb['loss']}"
+    one, two = final_state(tmp_path / "one")["model"], final_state(tmp_path / "two")["model"]
+    diff = max((one[k].float() - two[k].float()).abs().max().item() for k in one)
+    assert diff < 1e-4, f"parameters differ by {diff}"
+
+
+def test_a_fine_tuned_checkpoint_exports_samples_and_analyzes(corpus, dense_ckpt, tmp_path):  # noqa: F811
+    train.main(base_args(corpus, tmp_path, 3, "--method", "sltrain_ft", "--init_from", dense_ckpt, "--lr", "1e-2",
+                         "--eval_tokens", "300"))
+    ckpt = str(tmp_path / "ckpt.pt")
+    export.main([ckpt, "--merged", str(tmp_path / "dense.pt")])
+    model, _ = load_model(ckpt)
+    merged, saved = load_model(str(tmp_path / "dense.pt"))
+    assert merged.config.method == "full" and saved["args"]["merged_from"] == "sltrain_ft"
+    q = model.layers[0].attn.q_proj
+    assert (q.merged_weight() - reference_weight(q)).abs().max() < 1e-6
+    assert torch.equal(merged.layers[0].attn.q_proj.weight, q.merged_weight())
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert (merged(idx)[0] - model(idx)[0]).abs().max() < 1e-5
+    assert sample.merged(model).config.method == "full", "sample.py merges a fine-tuned model once"
+    rows = analyze.spectrum(load_model(ckpt)[0])
+    assert all("residual_below" in r and "sigma_lowrank" not in r for r in rows), "W0 + s·BA + S is full-rank"
+    assert train.main(base_args(corpus, tmp_path, 3, "--method", "sltrain_ft", "--eval_only")) is None
+
+
+def test_fine_tuning_flags_are_checked_before_work(corpus, dense_ckpt, tmp_path, capsys):  # noqa: F811
+    for extra, message in [([], "--method sltrain_ft fine-tunes a pretrained model: pass --init_from"),
+                           (["--init_from", dense_ckpt, "--freeze", "lowrank"], "--freeze lowrank"),
+                           (["--init_from", dense_ckpt, "--support", "top"], "--support top"),
+                           (["--init_from", dense_ckpt, "--delta", "0"], "needs a sparse part: set delta > 0")]:
+        with pytest.raises(SystemExit):
+            train.get_args(base_args(corpus, tmp_path, 1, "--method", "sltrain_ft", *extra))
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        train.get_args(base_args(corpus, tmp_path, 1, "--method", "relora", "--init_from", dense_ckpt))
+    assert "needs --method lowrank, sltrain or sltrain_ft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("optimizer,per_layer", [("adamw", False), ("adam8bit", True)])
+def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, per_layer):
+    counted, index_dtype = em.measure("tiny", "sltrain_ft", None, None, optimizer, per_layer, 2, 32, 1,
+                                      torch.device("cpu"))
+    est = em.estimate("tiny", "sltrain_ft", None, None, index_dtype, optimizer, per_layer, 2, 32)
+    for key in ("param", "grad", "optim", "act"):  # exact; the ids are not saved: the embeddings are frozen
+        assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)
+    rank, _, delta = FINETUNE
+    assert (est["rank"], est["delta"]) == (rank, delta), "the paper's fine-tuning settings by default"
+    pretraining = em.estimate("tiny", "sltrain", rank, delta, index_dtype, optimizer, per_layer, 2, 32)
+    full = em.estimate("tiny", "full", None, None, index_dtype, optimizer, per_layer, 2, 32)
+    factors = pretraining["lowrank_m"] + pretraining["sparse_m"]
+    assert est["stored_m"] == pytest.approx(full["params_m"] + factors), "W0 (the full model's projections) + factors"
+    assert est["state_m"] == pytest.approx(2 * factors), "moments of B, A and V alone"
