@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import galore
 import optim
 from devices import device_from_flag
-from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, is_projection
+from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, frozen_base_to, is_projection
 from sllinear import SLLinear
 
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")  # the paper's table
@@ -223,8 +223,9 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
 
     if method == "sltrain_ft":  # fine-tuning: the pretrained projections kept, frozen, as W0 under the factors
-        stored = n["total"] + sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
-        param_bytes = width * stored + INDEX_BYTES[index_dtype] * n["sparse"]
+        frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
+        stored = n["total"] + frozen  # W0 in bf16 also under amp (model.frozen_base_to)
+        param_bytes = width * n["total"] + (BF16 if amp else width) * frozen + INDEX_BYTES[index_dtype] * n["sparse"]
 
     if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
         weights = [p.shape for name, p in model.named_parameters() if is_projection(name)]
@@ -323,7 +324,8 @@ def print_breakdown(r):
         line("stored", r["stored_m"], "M", f"= {r['params_m']:.2f}M parameters + {r['stored_m'] - r['params_m']:.2f}M "
              "frozen W0; only the low-rank and sparse ones train")
     sparse = f" + {r['sparse_m']:.2f}M {r['index_dtype']} indices" if r["sparse_m"] else ""
-    line("param", r["param_gb"], "G", f"{r['stored_m']:.2f}M {r['dtype']} values{sparse}")
+    frozen = " (W0 in bf16)" if m == "sltrain_ft" and r["amp"] else ""
+    line("param", r["param_gb"], "G", f"{r['stored_m']:.2f}M {r['dtype']} values{frozen}{sparse}")
     state = r["dtype"] if r["optimizer"] == "adamw" else \
         "8-bit, + a float32 absmax per 256, float32 under 4096 elements"
     if m == "galore":
@@ -424,6 +426,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
     model = LLaMA(config, device=device).to(getattr(torch, dtype))
     model.autocast = torch.bfloat16 if amp else None
+    if amp:
+        frozen_base_to(model, torch.bfloat16)  # as train.py --amp
     if freeze:
         freeze_all_but_values(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -548,9 +552,10 @@ def check_model_flags(parser, args):
         parser.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above "
                      "0, or drop --freeze")
     sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
-    # the models the estimate builds: sltrain's, a low-rank one for lowrank and relora; galore's rank is its own
-    checked = ["sltrain"] * bool({"sltrain", "sltrain_ft"} & {*methods}) + ["lowrank"] * bool({"lowrank", "relora"}
-                                                                                               & {*methods})
+    # the models the estimate builds: sltrain's and sltrain_ft's, a low-rank one for lowrank and relora; galore's
+    # rank is its own
+    checked = [m for m in methods if m in ("sltrain", "sltrain_ft")] + ["lowrank"] * bool({"lowrank", "relora"}
+                                                                                           & {*methods})
     for size in sizes if args.rank is not None or args.delta is not None else ():
         try:
             for method in checked:

@@ -65,9 +65,11 @@ def make_parser(description=None):
     a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain", "sltrain_ft"], default="sltrain",
       help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), W = s·BA + S, or "
            "fine-tuning a pretrained --init_from: W = W0 + s·BA + S with W0 frozen (only B, A and V learn)")
-    a("--rank", type=int, help="rank r of the factors (default: the paper's for the size)")
-    a("--delta", "--sp_ratio", type=float, help="sparsity: fraction of entries in S (default 0.03; 7b 0.05)")
-    a("--alpha", "--lora_alpha", type=float, help="low-rank scale s = alpha/r (default: the paper's for the size)")
+    a("--rank", type=int, help="rank r of the factors (default: the paper's for the size; sltrain_ft 8)")
+    a("--delta", "--sp_ratio", type=float,
+      help="sparsity: fraction of entries in S (default 0.03; 7b 0.05; sltrain_ft 0.005)")
+    a("--alpha", "--lora_alpha", type=float,
+      help="low-rank scale s = alpha/r (default: the paper's for the size; sltrain_ft 32)")
     a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer",
                                                 "galore_adamw", "galore_adam8bit", "galore_adamw_per_layer",
                                                 "galore_adam8bit_per_layer"],
@@ -118,7 +120,8 @@ def make_parser(description=None):
     a("--seed", type=int, default=42, help="seed for initialization, support and data order")
     a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
     a("--init_from", help="start a lowrank/sltrain model at a full-rank checkpoint: s·BA = its best rank-r "
-      "approximation, S = the residual on the support (analyze.py)")
+      "approximation, S = the residual on the support (analyze.py); sltrain_ft: W0 = its weights, B = 0, V = 0. "
+      "A resumed run does not need it: its start is in its checkpoint")
     a("--support", default="random", choices=["random", "top"],
       help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
     a("--freeze", choices=["lowrank"],
@@ -177,13 +180,14 @@ def get_args(argv=None, description=None):
     if args.per_layer and args.grad_clipping > 0:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
-    if args.init_from and (args.method in ("full", "relora") or not os.path.isfile(args.init_from)):
+    starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint
+    if args.init_from and (args.method in ("full", "relora") or starting and not os.path.isfile(args.init_from)):
         p.error(f"--init_from {args.init_from}: needs --method lowrank, sltrain or sltrain_ft and an existing "
                 "full-rank ckpt.pt")
-    if args.method == "sltrain_ft" and not args.init_from and not args.eval_only:  # a checkpoint holds its W0
+    if args.method == "sltrain_ft" and not args.init_from and starting:
         p.error("--method sltrain_ft fine-tunes a pretrained model: pass --init_from with its full-rank checkpoint "
                 "(train.py --method full, or export.py --merged of any run)")
-    if args.support == "top" and not (args.init_from and args.method == "sltrain"):
+    if args.support == "top" and not ((args.init_from or not starting) and args.method == "sltrain"):
         p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
     if args.freeze and args.method != "sltrain":
         p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")

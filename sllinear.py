@@ -41,7 +41,7 @@ def merge(B, A, values, indices, scale, base=None):
     """The dense weight s·BA ⊕_I V of shape (out, in), or W0 + s·BA ⊕_I V with base W0 (fine-tuning). A zero-rank
     B (out, 0), A (0, in) gives the sparse part alone; empty values/indices give the low-rank part alone."""
     W = scaled_mm(B, A, scale)  # (out, r) @ (r, in) -> (out, in)
-    if base is not None:  # in place: a float32 W0 under mixed precision is added into the bf16 W, never copied
+    if base is not None:  # in place, in W's dtype (train.py --amp keeps W0 in bf16: model.frozen_base_to)
         W += base
     W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place on the fresh temporary
     return W

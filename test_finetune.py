@@ -5,6 +5,9 @@ from the layer's gradients to train.py --method sltrain_ft --init_from, resume, 
     python -m pytest -q test_finetune.py
 """
 
+import shutil
+import sys
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ import train
 from checkpoint import load_model
 from model import FINETUNE, LLaMA, config_for
 from sllinear import SLLinear
+from test_analyze import dense_ckpt  # noqa: F401  (a fixture: a tiny full-rank model trained here)
 from test_train import base_args, corpus, final_state, metrics, run_torchrun  # noqa: F401  (corpus: a fixture)
 
 TRAINED = ("A", "B", "values")
@@ -88,13 +92,6 @@ def test_mixed_precision_keeps_no_copy_of_w0_for_backward(compiled):
     assert layer.B.grad.dtype == torch.float32 and layer.W0.grad is None
 
 
-@pytest.fixture(scope="module")
-def dense_ckpt(corpus, tmp_path_factory):  # noqa: F811
-    out = tmp_path_factory.mktemp("full")
-    train.main(base_args(corpus, out, 6, "--method", "full", "--lr", "1e-2", "--eval_tokens", "300"))
-    return str(out / "ckpt.pt")
-
-
 def test_a_fine_tuned_model_starts_as_the_pretrained_one(dense_ckpt):
     torch.manual_seed(0)
     dense, _ = load_model(dense_ckpt)
@@ -107,15 +104,22 @@ def test_a_fine_tuned_model_starts_as_the_pretrained_one(dense_ckpt):
     assert err < 1e-5, f"the fine-tuned model starts {err:.2e} away from the pretrained one"
 
 
-@pytest.mark.parametrize("optimizer", [[], ["--optimizer", "adam8bit", "--per_layer"]], ids=["adamw", "8bit-per-layer"])
-def test_train_fine_tunes_only_the_factors_and_resumes_exactly(corpus, dense_ckpt, tmp_path, optimizer):  # noqa: F811
-    """train.py --method sltrain_ft --init_from: W0, embeddings, norms and head stay the pretrained ones, B, A and V
-    learn, and a run stopped and resumed ends where one straight run does."""
-    ft = ["--method", "sltrain_ft", "--init_from", dense_ckpt, "--lr", "1e-2", "--eval_tokens", "300", *optimizer]
-    train.main(base_args(corpus, tmp_path / "straight", 4, *ft))
-    train.main(base_args(corpus, tmp_path / "resumed", 4, *ft, "--stop_after", "2"))
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit", "--per_layer"], ["--amp"]],
+                         ids=["adamw", "8bit-per-layer", "amp"])
+def test_train_fine_tunes_only_the_factors_and_resumes_exactly(corpus, dense_ckpt, tmp_path, extra):  # noqa: F811
+    """train.py --method sltrain_ft --init_from: W0, embeddings, norms and head stay the pretrained ones (W0 in bf16
+    under --amp), B, A and V learn, and a run stopped and resumed ends where one straight run does. The resume needs
+    no --init_from, and the pretrained checkpoint may be gone by then: the run's start is in its own checkpoint."""
+    pretrained = tmp_path / "pretrained.pt"
+    shutil.copy(dense_ckpt, pretrained)
+    ft = ["--method", "sltrain_ft", "--lr", "1e-2", "--eval_tokens", "300", *extra]
+    train.main(base_args(corpus, tmp_path / "straight", 4, *ft, "--init_from", str(pretrained)))
+    train.main(base_args(corpus, tmp_path / "resumed", 4, *ft, "--init_from", str(pretrained), "--stop_after", "2"))
+    pretrained.unlink()
     train.main(base_args(corpus, tmp_path / "resumed", 4, *ft, "--resume"))
     dense = torch.load(dense_ckpt, weights_only=True)["model"]
+    if "--amp" in extra:
+        dense = {k: t.bfloat16() if k.endswith("_proj.weight") else t for k, t in dense.items()}
     end = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=True)["model"]
     resumed = torch.load(tmp_path / "resumed" / "ckpt.pt", weights_only=True)["model"]
     for name, t in end.items():
@@ -174,17 +178,33 @@ def test_fine_tuning_flags_are_checked_before_work(corpus, dense_ckpt, tmp_path,
     assert "needs --method lowrank, sltrain or sltrain_ft" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer,per_layer", [("adamw", False), ("adam8bit", True)])
-def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, per_layer):
+@pytest.mark.parametrize("optimizer,per_layer,amp", [("adamw", False, False), ("adam8bit", True, False),
+                                                      ("adam8bit", True, True)])
+def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, per_layer, amp):
+    """Under --amp W0 is kept in bf16 (model.frozen_base_to), not float32 as the trained parameters."""
+    precision = dict(dtype="float32", amp=True) if amp else {}
     counted, index_dtype = em.measure("tiny", "sltrain_ft", None, None, optimizer, per_layer, 2, 32, 1,
-                                      torch.device("cpu"))
-    est = em.estimate("tiny", "sltrain_ft", None, None, index_dtype, optimizer, per_layer, 2, 32)
+                                      torch.device("cpu"), **precision)
+    est = em.estimate("tiny", "sltrain_ft", None, None, index_dtype, optimizer, per_layer, 2, 32, **precision)
     for key in ("param", "grad", "optim", "act"):  # exact; the ids are not saved: the embeddings are frozen
         assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)
     rank, _, delta = FINETUNE
     assert (est["rank"], est["delta"]) == (rank, delta), "the paper's fine-tuning settings by default"
-    pretraining = em.estimate("tiny", "sltrain", rank, delta, index_dtype, optimizer, per_layer, 2, 32)
-    full = em.estimate("tiny", "full", None, None, index_dtype, optimizer, per_layer, 2, 32)
+    pretraining = em.estimate("tiny", "sltrain", rank, delta, index_dtype, optimizer, per_layer, 2, 32, **precision)
+    full = em.estimate("tiny", "full", None, None, index_dtype, optimizer, per_layer, 2, 32, **precision)
     factors = pretraining["lowrank_m"] + pretraining["sparse_m"]
     assert est["stored_m"] == pytest.approx(full["params_m"] + factors), "W0 (the full model's projections) + factors"
     assert est["state_m"] == pytest.approx(2 * factors), "moments of B, A and V alone"
+    w0 = est["stored_m"] - est["params_m"]
+    width = 4 if amp else 2
+    index = 4 if index_dtype == "int32" else 8
+    expected = width * est["params_m"] + 2 * w0 + index * est["sparse_m"]  # W0 in bf16 either way
+    assert est["param_gb"] * 1e3 == pytest.approx(expected), (est, w0)
+
+
+def test_the_estimate_refuses_a_fine_tuned_model_without_a_sparse_part(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--size", "tiny", "--method", "sltrain_ft", "--delta", "0"])
+    with pytest.raises(SystemExit):
+        em.main()
+    err = capsys.readouterr().err
+    assert "needs a sparse part: set delta > 0" in err and "Traceback" not in err, err

@@ -41,7 +41,7 @@ from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokeniz
                   validation_batches)
 from flags import resume_path, same_file
 from hostsync import HostSyncs
-from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge
+from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
 
@@ -123,6 +123,8 @@ def load_for_resume(args, vocab_size, world, master=True):
     except ValueError as e:
         raise SystemExit(str(e)) from None
     old = ckpt["args"]
+    if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
+        args.init_from = old.get("init_from")
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
     unused = flags.unused_flags(args.method, args.optimizer)  # an older run may have stored them
     must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
@@ -457,6 +459,8 @@ def build(args, config, device, dtype, ddp, ckpt):
         raise SystemExit(message if not ddp or dist.get_rank() == 0 else 1) from None
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
+    if args.amp:
+        frozen_base_to(raw_model, torch.bfloat16)  # after the load, which copies into the buffers' dtype
     model = raw_model.compile_blocks() if args.compile else raw_model  # in place: checkpoints keep their names
     if ddp:
         with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers, on every rank; its replacement
