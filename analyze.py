@@ -272,10 +272,11 @@ def init_from_dense(model, path, support="random"):
     """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
     (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or
     with support="top" the δ·in·out largest entries of the residual. An sltrain_ft model (fine-tuning) takes W0 as
-    its frozen base and keeps its start, B = 0 and V = 0. Everything else (embeddings, norms, head) is copied."""
-    if model.config.method not in ("lowrank", "sltrain", "sltrain_ft"):
-        raise ValueError(f"--init_from sets the factors of a lowrank or sltrain model, not {model.config.method}; "
-                         "pass --method sltrain")
+    its frozen base and keeps its start, B = 0 and V = 0. Everything else (embeddings, norms, head; a full model's
+    every weight, for full-rank fine-tuning) is copied."""
+    if model.config.method == "relora":
+        raise ValueError("--init_from starts a full, lowrank, sltrain or sltrain_ft model, not relora; pass --method "
+                         "sltrain")
     dense, ckpt = load_model(path)
     if dense.config.method != "full":
         raise ValueError(f"--init_from {path}: a {dense.config.method} checkpoint; pass a full-rank one "

@@ -125,6 +125,8 @@ def activation_bytes(size, method, rank, delta, batch_size, max_length, activati
     model = LLaMA(config, device="meta").to(getattr(torch, dtype))
     model.activation_checkpointing = activation_checkpointing
     model.autocast = torch.bfloat16 if amp else None
+    if amp:
+        frozen_base_to(model, torch.bfloat16)  # as train.py --amp: LoRA's F.linear then saves no bf16 copy of W0
     with FakeTensorMode(allow_non_fake_inputs=True):  # the meta parameters become fake ones
         model.to_empty(device="cpu")
         if freeze:

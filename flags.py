@@ -120,7 +120,8 @@ def make_parser(description=None):
     a("--seed", type=int, default=42, help="seed for initialization, support and data order")
     a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
     a("--init_from", help="start a lowrank/sltrain model at a full-rank checkpoint: s·BA = its best rank-r "
-      "approximation, S = the residual on the support (analyze.py); sltrain_ft: W0 = its weights, B = 0, V = 0. "
+      "approximation, S = the residual on the support (analyze.py); sltrain_ft: W0 = its weights, B = 0, V = 0; "
+      "full: its weights (full-rank fine-tuning, also with a GaLore optimizer). "
       "A resumed run does not need it: its start is in its checkpoint")
     a("--support", default="random", choices=["random", "top"],
       help="with --init_from: the sparse support random as usual, or the largest entries of the residual")
@@ -181,8 +182,8 @@ def get_args(argv=None, description=None):
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
     starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint
-    if args.init_from and (args.method in ("full", "relora") or starting and not os.path.isfile(args.init_from)):
-        p.error(f"--init_from {args.init_from}: needs --method lowrank, sltrain or sltrain_ft and an existing "
+    if args.init_from and (args.method == "relora" or starting and not os.path.isfile(args.init_from)):
+        p.error(f"--init_from {args.init_from}: needs --method full, lowrank, sltrain or sltrain_ft and an existing "
                 "full-rank ckpt.pt")
     if args.method == "sltrain_ft" and not args.init_from and starting:
         p.error("--method sltrain_ft fine-tunes a pretrained model: pass --init_from with its full-rank checkpoint "

@@ -28,6 +28,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
@@ -170,7 +171,8 @@ class SLLinear(nn.Module):
     4 bytes per entry where the paper counts int64's 8; larger layers fall back to int64.
 
     base=True gives SLTrain-FT (the paper's appendix): W = W0 + s·BA ⊕_I V with W0 (out, in) a frozen buffer, the
-    pretrained weight, and B = 0, V = 0 at the start, so that the layer starts as W0.
+    pretrained weight, and B = 0, V = 0 at the start, so that the layer starts as W0; with delta=0 it is LoRA
+    (W0 x + s·B(A x), the paper's fine-tuning baseline), which never forms W either.
     """
 
     def __init__(self, in_features, out_features, rank, delta, alpha, device=None, dtype=None, base=False):
@@ -185,8 +187,6 @@ class SLLinear(nn.Module):
                              "raise delta or pass delta=0 for a low-rank-only layer")
         if rank == 0 and nnz == 0:
             raise ValueError("rank and delta are both 0: the layer would have no parameters; set rank > 0 or delta > 0")
-        if base and nnz == 0:
-            raise ValueError("a fine-tuned layer (W0 + s·BA ⊕_I V) needs a sparse part: set delta > 0")
         self.in_features, self.out_features, self.rank, self.delta = in_features, out_features, rank, delta
         self.scale = alpha / rank if rank > 0 else 0.0
         kw = dict(device=device, dtype=dtype)
@@ -215,7 +215,7 @@ class SLLinear(nn.Module):
         base, W0 is drawn as a dense layer (LLaMA._init_weights; a pretrained one replaces it) and V = 0."""
         if self.rank > 0:
             nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
-            if self.values is None:
+            if self.values is None and self.W0 is None:
                 nn.init.kaiming_uniform_(self.B, a=math.sqrt(5))
             else:
                 nn.init.zeros_(self.B)
@@ -223,9 +223,10 @@ class SLLinear(nn.Module):
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.values, -bound, bound)
             self.indices.copy_(uniform_support(self.in_features * self.out_features, self.values.numel()))
-        if self.W0 is not None:
+        if self.W0 is not None:  # <-- SLTrain-FT: W = W0 at the start
             nn.init.normal_(self.W0, mean=0.0, std=0.02)
-            nn.init.zeros_(self.values)  # <-- SLTrain-FT: W = W0 at the start
+            if self.values is not None:
+                nn.init.zeros_(self.values)
 
     def _factors(self, like):
         """B and A, or zero-size stand-ins of the right shape for a sparse-only layer."""
@@ -235,7 +236,8 @@ class SLLinear(nn.Module):
 
     def forward(self, x):
         if self.values is None:  # low-rank only: never form W
-            return (x @ self.A.t()) @ (self.B * self.scale).t()  # (N, in) -> (N, r) -> (N, out); s on B, not (N, r)
+            y = (x @ self.A.t()) @ (self.B * self.scale).t()  # (N, in) -> (N, r) -> (N, out); s on B, not (N, r)
+            return y if self.W0 is None else F.linear(x, self.W0) + y  # LoRA: W0 x + s·B(A x)
         B, A = self._factors(self.values)
         return sl_linear(x, B, A, self.values, self.indices, self.scale, self.W0)  # <-- SLTrain: W = s·BA + S
 
@@ -246,7 +248,8 @@ class SLLinear(nn.Module):
         device = (self.values if self.values is not None else self.A).device.type
         with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
             if self.values is None:
-                return scaled_mm(self.B, self.A, self.scale)
+                W = scaled_mm(self.B, self.A, self.scale)
+                return W if self.W0 is None else W.add_(self.W0)
             B, A = self._factors(self.values)
             return merge(B, A, self.values, self.indices, self.scale, self.W0)
 

@@ -159,7 +159,7 @@ def test_support_seed_draws_supports_apart_from_seed():
 
 
 def test_bad_flags_are_refused_before_work(corpus, dense_ckpt, tmp_path, capsys):  # noqa: F811
-    for extra, message in [(["--method", "full", "--init_from", dense_ckpt], "--init_from"),
+    for extra, message in [(["--method", "relora", "--init_from", dense_ckpt], "--init_from"),
                            (["--support", "top"], "--support top"),
                            (["--method", "full", "--freeze", "lowrank"], "--freeze lowrank"),
                            (["--method", "lowrank", "--freeze", "lowrank"], "--freeze lowrank"),
@@ -240,7 +240,7 @@ def test_spectrum_of_relora_is_of_the_merged_weight(relora_ckpt, tmp_path, capsy
 
 def test_init_from_refuses_a_relora_model(dense_ckpt):
     from model import LLaMA, config_for
-    with pytest.raises(ValueError, match="lowrank or sltrain model, not relora"):
+    with pytest.raises(ValueError, match="sltrain or sltrain_ft model, not relora"):
         analyze.init_from_dense(LLaMA(config_for("tiny", method="relora", vocab_size=96)), dense_ckpt)
 
 

@@ -6,7 +6,6 @@ from the layer's gradients to train.py --method sltrain_ft --init_from, resume, 
 """
 
 import shutil
-import sys
 
 import pytest
 import torch
@@ -64,8 +63,6 @@ def test_the_layer_starts_as_w0_and_keeps_w0_in_checkpoints():
     assert set(layer.state_dict()) == {"A", "B", "values", "indices", "W0"}
     plain = SLLinear(24, 40, 4, 0.1, 8.0)
     assert set(plain.state_dict()) == {"A", "B", "values", "indices"}, "a pretraining layer's checkpoint is as before"
-    with pytest.raises(ValueError, match="needs a sparse part: set delta > 0"):
-        SLLinear(24, 40, 4, 0.0, 8.0, base=True)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -169,26 +166,29 @@ def test_fine_tuning_flags_are_checked_before_work(corpus, dense_ckpt, tmp_path,
     for extra, message in [([], "--method sltrain_ft fine-tunes a pretrained model: pass --init_from"),
                            (["--init_from", dense_ckpt, "--freeze", "lowrank"], "--freeze lowrank"),
                            (["--init_from", dense_ckpt, "--support", "top"], "--support top"),
-                           (["--init_from", dense_ckpt, "--delta", "0"], "needs a sparse part: set delta > 0")]:
+                           (["--init_from", dense_ckpt, "--rank", "0", "--delta", "0"], "rank and delta are both 0")]:
         with pytest.raises(SystemExit):
             train.get_args(base_args(corpus, tmp_path, 1, "--method", "sltrain_ft", *extra))
         assert message in capsys.readouterr().err, extra
     with pytest.raises(SystemExit):
         train.get_args(base_args(corpus, tmp_path, 1, "--method", "relora", "--init_from", dense_ckpt))
-    assert "needs --method lowrank, sltrain or sltrain_ft" in capsys.readouterr().err
+    assert "needs --method full, lowrank, sltrain or sltrain_ft" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer,per_layer,amp", [("adamw", False, False), ("adam8bit", True, False),
-                                                      ("adam8bit", True, True)])
-def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, per_layer, amp):
+@pytest.mark.parametrize("optimizer,per_layer,amp,lora", [("adamw", False, False, False), ("adam8bit", True, False, False),
+                                                           ("adam8bit", True, True, False), ("adamw", False, True, True)],
+                         ids=["adamw", "8bit-per-layer", "8bit-per-layer-amp", "lora-amp"])
+def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, per_layer, amp, lora):
     """Under --amp W0 is kept in bf16 (model.frozen_base_to), not float32 as the trained parameters."""
     precision = dict(dtype="float32", amp=True) if amp else {}
-    counted, index_dtype = em.measure("tiny", "sltrain_ft", None, None, optimizer, per_layer, 2, 32, 1,
+    delta = 0.0 if lora else None
+    counted, index_dtype = em.measure("tiny", "sltrain_ft", None, delta, optimizer, per_layer, 2, 32, 1,
                                       torch.device("cpu"), **precision)
-    est = em.estimate("tiny", "sltrain_ft", None, None, index_dtype, optimizer, per_layer, 2, 32, **precision)
+    est = em.estimate("tiny", "sltrain_ft", None, delta, index_dtype, optimizer, per_layer, 2, 32, **precision)
     for key in ("param", "grad", "optim", "act"):  # exact; the ids are not saved: the embeddings are frozen
         assert counted[key] == pytest.approx(est[key + "_gb"] * 1e9, rel=1e-9), (key, counted, est)
     rank, _, delta = FINETUNE
+    delta = 0.0 if lora else delta
     assert (est["rank"], est["delta"]) == (rank, delta), "the paper's fine-tuning settings by default"
     pretraining = em.estimate("tiny", "sltrain", rank, delta, index_dtype, optimizer, per_layer, 2, 32, **precision)
     full = em.estimate("tiny", "full", None, None, index_dtype, optimizer, per_layer, 2, 32, **precision)
@@ -202,9 +202,45 @@ def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, pe
     assert est["param_gb"] * 1e3 == pytest.approx(expected), (est, w0)
 
 
-def test_the_estimate_refuses_a_fine_tuned_model_without_a_sparse_part(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--size", "tiny", "--method", "sltrain_ft", "--delta", "0"])
-    with pytest.raises(SystemExit):
-        em.main()
-    err = capsys.readouterr().err
-    assert "needs a sparse part: set delta > 0" in err and "Traceback" not in err, err
+def test_lora_is_sltrain_ft_without_a_sparse_part():
+    """delta=0: W0 x + s·B(A x), never forming W; B starts at zero (LoRA's start), so the layer starts as W0."""
+    torch.manual_seed(0)
+    layer = SLLinear(24, 40, 4, 0.0, 8.0, dtype=torch.float64, base=True)
+    assert layer.values is None and torch.equal(layer.merged_weight(), layer.W0)
+    with torch.no_grad():
+        layer.B.normal_()
+    x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 40, dtype=torch.float64)
+    grads = torch.autograd.grad(layer(x), [x, layer.B, layer.A], g)
+    x_ref = x.detach().requires_grad_()
+    W = layer.W0 + layer.scale * layer.B @ layer.A
+    refs = torch.autograd.grad(x_ref @ W.t(), [x_ref, layer.B, layer.A], g)
+    for name, a, b in zip(("x", "B", "A"), grads, refs):
+        assert (a - b).abs().max() < 1e-12, f"d{name} differs by {(a - b).abs().max():.2e}"
+    assert (layer.merged_weight() - W).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("method,extra,trained", [
+    ("sltrain_ft", ["--delta", "0"], ("A", "B")),  # LoRA
+    ("full", [], None),  # full-rank fine-tuning: every weight
+    ("full", ["--optimizer", "galore_adamw"], None)], ids=["lora", "full", "galore"])
+def test_the_papers_fine_tuning_baselines_start_at_the_checkpoint(corpus, dense_ckpt, tmp_path, method, extra,
+                                                                   trained):  # noqa: F811
+    """The rows of the paper's fine-tuning table beside SLTrain-FT: LoRA (--method sltrain_ft --delta 0), full-rank
+    fine-tuning (--method full --init_from) and GaLore's (the same with a GaLore optimizer). Each starts at the
+    pretrained model and trains what it should."""
+    train.main(base_args(corpus, tmp_path, 2, "--method", method, "--init_from", dense_ckpt, "--lr", "1e-2",
+                         "--eval_tokens", "300", *extra))
+    dense = torch.load(dense_ckpt, weights_only=True)["model"]
+    end = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    model = LLaMA(config_for("tiny", method=method, vocab_size=96, delta=0.0 if extra[:1] == ["--delta"] else None))
+    analyze.init_from_dense(model, dense_ckpt)
+    start = model.state_dict()
+    if method == "full":
+        assert all(torch.equal(start[k], t) for k, t in dense.items()), "full-rank fine-tuning starts at the weights"
+    for name, t in end.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if trained is None or leaf in trained:
+            assert not torch.equal(t, start[name]) or leaf == "A", f"{name} did not train"
+        else:
+            assert torch.equal(t, start[name]), f"{name} changed"

@@ -133,7 +133,7 @@ def load_for_resume(args, vocab_size, world, master=True):
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
     if not args.eval_only and "optimizer" not in ckpt:
         raise SystemExit(f"--resume: {path} holds weights only (export.py --merged): evaluate it with --eval_only, "
-                         f"or start a new lowrank, sltrain or sltrain_ft run from it with --init_from")
+                         f"or start a new run from it with --init_from")
     if not args.eval_only and ckpt["world"] != world:
         diff.append(f"{ckpt['world']} processes (now {world})")
     if diff and args.eval_only:
