@@ -44,7 +44,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import galore
 import optim
 from devices import device_from_flag
-from model import LLaMA, SIZES, loss_chunk_rows, config_for, freeze_all_but_values, frozen_base_to, is_projection
+from model import (LLaMA, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values, frozen_base_to,
+                   is_projection)
 from sllinear import SLLinear
 
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")  # the paper's table
@@ -200,7 +201,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain",
             "sltrain_ft": "sltrain_ft"}[method]
     config = config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size)
-    rank, delta = config.rank, config.delta if method in ("sltrain", "sltrain_ft") else 0.0
+    rank, delta = config.rank, config.delta if method in SPARSE else 0.0
     model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size), device="meta")
     if freeze:
         freeze_all_but_values(model)
@@ -306,7 +307,7 @@ def print_table(rows):
 def print_breakdown(r):
     """Appendix F's paragraph for one row, with the parts the paper leaves out."""
     m, kept = r["method"], values_dtype(r)
-    print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m in ("sltrain", "sltrain_ft") else "")
+    print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m in SPARSE else "")
           + ("" if kept == "bf16" else f", {kept}")
           + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
           + (", per-layer updates" if r["per_layer"] else "")
@@ -547,7 +548,7 @@ def check_model_flags(parser, args):
     if args.freeze and methods != ("sltrain",):
         parser.error("--freeze lowrank trains only SLTrain's sparse values: pass --method sltrain")
     for flag, given in (("--delta", args.delta is not None), ("--index_dtype", args.index_dtype is not None)):
-        if given and not {"sltrain", "sltrain_ft"} & {*methods}:
+        if given and not set(SPARSE) & {*methods}:
             parser.error(f"{flag} is of SLTrain's sparse part, which --method {args.method} has none of: drop it, or "
                          "pass --method sltrain")
     if args.freeze and args.delta == 0:
@@ -556,8 +557,7 @@ def check_model_flags(parser, args):
     sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
     # the models the estimate builds: sltrain's and sltrain_ft's, a low-rank one for lowrank and relora; galore's
     # rank is its own
-    checked = [m for m in methods if m in ("sltrain", "sltrain_ft")] + ["lowrank"] * bool({"lowrank", "relora"}
-                                                                                           & {*methods})
+    checked = [m for m in methods if m in SPARSE] + ["lowrank"] * bool({"lowrank", "relora"} & {*methods})
     for size in sizes if args.rank is not None or args.delta is not None else ():
         try:
             for method in checked:

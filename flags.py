@@ -17,7 +17,7 @@ import torch
 import checkpoint
 from devices import device_from_flag
 from estimate_memory import estimate
-from model import LLaMA, SIZES, config_for
+from model import METHODS, SPARSE, LLaMA, SIZES, config_for
 
 # size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
 # whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share
@@ -62,7 +62,7 @@ def make_parser(description=None):
     p = Parser(description=description, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--size", choices=list(SIZES), help="model size (the paper's LLaMA configs; default 60m)")
-    a("--method", "--peft_model", choices=["full", "lowrank", "relora", "sltrain", "sltrain_ft"], default="sltrain",
+    a("--method", "--peft_model", choices=list(METHODS), default="sltrain",
       help="weights: dense, W = s·BA, W = W0 + s·BA with W0 frozen and merged into (ReLoRA), W = s·BA + S, or "
            "fine-tuning a pretrained --init_from: W = W0 + s·BA + S with W0 frozen (only B, A and V learn)")
     a("--rank", type=int, help="rank r of the factors (default: the paper's for the size; sltrain_ft 8)")
@@ -192,7 +192,7 @@ def get_args(argv=None, description=None):
         p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
     if args.freeze and args.method != "sltrain":
         p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
-    if args.support_seed is not None and args.method not in ("sltrain", "sltrain_ft"):
+    if args.support_seed is not None and args.method not in SPARSE:
         p.error(f"--support_seed draws the sparse supports: it needs --method sltrain or sltrain_ft, not "
                 f"{args.method}")
     if args.amp and args.dtype == "bfloat16":
@@ -231,7 +231,7 @@ def unused_flags(method, optimizer):
     not compared on resume (a run from before the refusal may have stored a value for them)."""
     galore = optimizer.startswith("galore")
     read = {"rank", "alpha"} if method != "full" else {"rank"} if galore else set()
-    read |= {"delta"} if method in ("sltrain", "sltrain_ft") else set()
+    read |= {"delta"} if method in SPARSE else set()
     read |= {"galore_rank", "galore_update_gap", "galore_scale"} if galore else set()
     read |= {"relora_reset", "relora_warmup", "relora_prune"} if method == "relora" else set()
     return [name for name in READ_BY if name not in read]

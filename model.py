@@ -24,6 +24,7 @@ from sllinear import SLLinear
 
 PRETRAINING = ("full", "lowrank", "relora", "sltrain")  # the paper's Table 1 methods
 METHODS = PRETRAINING + ("sltrain_ft",)  # and fine-tuning a pretrained model (its appendix)
+SPARSE = ("sltrain", "sltrain_ft")  # the methods with a sparse part S (and so a --delta)
 
 
 @dataclass
@@ -83,7 +84,7 @@ def make_linear(in_features, out_features, config, device):
         return nn.Linear(in_features, out_features, bias=False, device=device)
     if config.method == "relora":
         return ReLoRALinear(in_features, out_features, config.rank, config.alpha, device=device)
-    delta = config.delta if config.method in ("sltrain", "sltrain_ft") else 0.0
+    delta = config.delta if config.method in SPARSE else 0.0
     base = config.method == "sltrain_ft"  # <-- SLTrain-FT: a frozen pretrained W0 under the factors
     return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device, base=base)
 
@@ -140,11 +141,16 @@ def is_projection(name):
     return name.endswith("_proj.weight")
 
 
+def train_only(model, leaves):
+    """Only the parameters whose own name (A, B, values, weight) is in leaves learn; the others stay as they are."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.rsplit(".", 1)[-1] in leaves)
+
+
 def freeze_all_but_values(model):
     """--freeze lowrank (Table 2's sparse training): only SLTrain's sparse values V learn; B, A, embeddings, norms
     and head stay as they are."""
-    for name, p in model.named_parameters():
-        p.requires_grad_(name.rsplit(".", 1)[-1] == "values")
+    train_only(model, ("values",))
 
 
 def frozen_base_to(model, dtype):
@@ -333,8 +339,7 @@ class LLaMA(nn.Module):
         if not (device is not None and torch.device(device).type == "meta"):
             self.apply(self._init_weights)
         if config.method == "sltrain_ft":  # fine-tuning: the pretrained embeddings, norms and head stay as they are
-            for name, p in self.named_parameters():
-                p.requires_grad_(name.rsplit(".", 1)[-1] in ("A", "B", "values"))
+            train_only(self, ("A", "B", "values"))
 
     @staticmethod
     def _init_weights(module):

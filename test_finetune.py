@@ -175,9 +175,9 @@ def test_fine_tuning_flags_are_checked_before_work(corpus, dense_ckpt, tmp_path,
     assert "needs --method full, lowrank, sltrain or sltrain_ft" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer,per_layer,amp,lora", [("adamw", False, False, False), ("adam8bit", True, False, False),
-                                                           ("adam8bit", True, True, False), ("adamw", False, True, True)],
-                         ids=["adamw", "8bit-per-layer", "8bit-per-layer-amp", "lora-amp"])
+@pytest.mark.parametrize("optimizer,per_layer,amp,lora", [
+    ("adamw", False, False, False), ("adam8bit", True, False, False), ("adam8bit", True, True, False),
+    ("adamw", False, True, True)], ids=["adamw", "8bit-per-layer", "8bit-per-layer-amp", "lora-amp"])
 def test_the_memory_estimate_counts_w0_and_trains_only_the_factors(optimizer, per_layer, amp, lora):
     """Under --amp W0 is kept in bf16 (model.frozen_base_to), not float32 as the trained parameters."""
     precision = dict(dtype="float32", amp=True) if amp else {}
