@@ -648,11 +648,12 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
 
     A training step with n micro-batches:
 
+        lr = per_layer.get_last_lr()[0]               # this update's: read before the update moves it on
         for x, y in micro_batches[:-1]:
             with per_layer.accumulating():            # under DDP: with ddp.no_sync(), per_layer.accumulating():
                 (model(x, y)[1] / n).backward()       # adds into .grad, updates nothing
         (model(x, y)[1] / n).backward()               # the last micro-batch: updates, frees every .grad
-        norm, lr = per_layer.grad_norm(), per_layer.get_last_lr()[0]
+        norm = per_layer.grad_norm()
 
     A backward that raises (out of memory, an interrupt) leaves its update half made: the next backward is refused
     until per_layer.reset() drops what it left.

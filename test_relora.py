@@ -133,8 +133,9 @@ def test_train_resume_is_bit_exact_across_a_merge(corpus, tmp_path):  # noqa: F8
     train.main(base_args(corpus, split, 6, "--resume", *extra))
     logs = metrics(straight)[0]
     assert [r["loss"] for r in logs] == [r["loss"] for r in metrics(split)[0]]
-    # the lr logged at update k is the next update's: 0 at every multiple of --relora_reset
-    assert [r["lr"] == 0 for r in logs] == [False, True, False, True, False, True], [r["lr"] for r in logs]
+    # the lr logged at update k is the one it made its step with: 0 at the first (the warmup's start) and at the
+    # first after every restart (after updates 2 and 4)
+    assert [r["lr"] == 0 for r in logs] == [True, False, True, False, True, False], [r["lr"] for r in logs]
     sa, sb = final_state(straight)["model"], final_state(split)["model"]
     for name, t in sa.items():
         assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
@@ -147,9 +148,9 @@ def test_raising_the_steps_at_a_restart_continues_the_cosine_not_the_jag(corpus,
     train.main(base_args(corpus, tmp_path, 16, "--resume", *extra))
     floor, cosine = 0.1, lambda progress: 0.5 * (1 + math.cos(math.pi * progress))
     top = floor + (1 - floor) * cosine((4 - 1) / (8 - 1))  # where the old cosine stood at step 4
-    for row in metrics(tmp_path)[0][4:]:  # the lr logged at update k is update k + 1's; 0 at every restart
-        expected = 0.0 if row["step"] % 2 == 0 else \
-            1e-2 * (floor + (top - floor) * cosine((row["step"] - 4) / (16 - 4)))
+    for row in metrics(tmp_path)[0][4:]:  # the lr logged at update k is its own, lr_lambda(k - 1); 0 after a restart
+        expected = 0.0 if row["step"] % 2 == 1 else \
+            1e-2 * (floor + (top - floor) * cosine((row["step"] - 1 - 4) / (16 - 4)))
         assert row["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15), (row, expected)
 
 

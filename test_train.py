@@ -798,6 +798,14 @@ def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
         assert got == warmup, f"{' '.join(argv)}: warmup {got}, the recipe's is {warmup}"
 
 
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit", "--per_layer"]], ids=["adamw", "per_layer"])
+def test_a_rows_lr_is_the_one_its_update_stepped_with(corpus, tmp_path, extra):
+    # warmup over 2 updates, then the cosine from its top: update k steps with lr · lr_lambda(k - 1); the first
+    # is a step of lr 0, as in the authors' schedule
+    train.main(base_args(corpus, tmp_path, 3, "--lr", "1e-2", "--warmup_steps", "2", *extra))
+    assert [r["lr"] for r in metrics(tmp_path)[0]] == pytest.approx([0.0, 5e-3, 1e-2], abs=1e-15)
+
+
 def test_resume_honors_new_flags_and_continues_the_schedule(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 6, "--lr", "1e-2"))
     lr_end = metrics(tmp_path)[0][-1]["lr"]

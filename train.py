@@ -733,6 +733,7 @@ def train(args, run, ckpt, val, stop):
             if bad_line:
                 where = f"the checkpoint of update {step}, before a bad shard line"
                 loop.stop_at_bad_line(step, data_state, bad_line)
+            lr = loop.lrs.get_last_lr()[0]  # the one this update makes its step with, read before the step moves it
             with watching(step + 1):
                 result = train_step(args, run, micro_batches, stop)
                 if result:
@@ -744,7 +745,7 @@ def train(args, run, ckpt, val, stop):
                 return loop.stop_within_update(step, data_state)
             where = f"the evaluation or checkpoint after update {step + 1}"
             relora_restart(args, run.raw_model, run.optimizers, step + 1)
-            if loop.after_update(step + 1, norm):
+            if loop.after_update(step + 1, norm, lr):
                 return
         loop.summary()
     except Exception as e:  # a GPU's OutOfMemoryError, also wrapped (torch.compile raises its own error around it)
@@ -832,8 +833,9 @@ class Loop:
             print(f"stopped by {self.stop['signal']} within update {step + 1}, which the resumed run makes again: "
                   f"saved {self.args.out_dir}/ckpt.pt at step {step}; rerun with --resume")
 
-    def after_update(self, done, norm):
-        """Log (the only host syncs of the loop), evaluate, save, stop; True when the run stops here."""
+    def after_update(self, done, norm, lr):
+        """Log (the only host syncs of the loop), evaluate, save, stop; True when the run stops here. The row has
+        update `done`'s gradient norm and learning rate, and the mean loss since the last row."""
         args = self.args
         planned = args.stop_after and done - self.start >= args.stop_after and done < self.total  # same on all ranks
         # stop on a signal where all ranks agree (here, or in evaluation): a later one waits for the next update
@@ -844,7 +846,7 @@ class Loop:
         if log_due or evaluate_now:  # a diverged model is neither logged as if fine, nor evaluated, nor recorded
             self.keeper.check_finite()
         if log_due:
-            row = self.meter.row(done, self.lrs.get_last_lr()[0], norm, self.world > 1)
+            row = self.meter.row(done, lr, norm, self.world > 1)
             if self.master:
                 print(self.meter.line(row), flush=True)
             self.keeper.record(row)
