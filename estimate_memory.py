@@ -37,6 +37,7 @@ import math
 import os
 import tempfile
 import textwrap
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -444,8 +445,12 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
             [(names[p], p) for p in ps], config.rank, lambda name, p: is_projection(name)), **hyper, inner=optimizer)
     peak = dict(grads=0, acts=0)
 
+    weak = [weakref.ref(p) for p in params]  # not params: hooks are held in C++, where Python's garbage collector
+    # cannot see a cycle through them (parameter -> hook -> params -> parameter), which would keep the model forever
+
     def track_grads(_):  # registered before the per-layer hooks, so it runs while this gradient is still alive
-        peak["grads"] = max(peak["grads"], sum(p.grad.nbytes for p in params if p.grad is not None))
+        alive = [p for p in (ref() for ref in weak) if p is not None and p.grad is not None]
+        peak["grads"] = max(peak["grads"], sum(p.grad.nbytes for p in alive))
 
     for p in params:
         p.register_post_accumulate_grad_hook(track_grads)

@@ -449,6 +449,14 @@ def _at_end_of_backward(fn):
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def _forward_to(ref, method):
+    """A hook that calls ref()'s method, or does nothing once ref's object is gone."""
+    def hook(*args):
+        target = ref()
+        return None if target is None else getattr(target, method)(*args)
+    return hook
+
+
 class PerLayer:
     """Per-layer updates, made by attach_per_layer(): one optimizer per layer, i.e. per module with trainable
     parameters of its own (an SLLinear's B, A and values; a norm's weight), stepped as soon as the last of them has
@@ -481,11 +489,17 @@ class PerLayer:
         self.steps = 0  # updates done so far; the lr of update k is initial_lr · lr_lambda(k)
         self._accumulating = self._removed = self._in_update = False
         self._arrived, self._norms, self._last_norm = {}, [], None  # this update's: gradients per layer, norms
+        # The hooks reach this PerLayer through a weak reference, and the model holds it. A parameter's hooks are
+        # held in C++, out of sight of Python's garbage collector: a cycle through them (parameter -> hook ->
+        # PerLayer -> parameter) would never be freed, and every model given per-layer updates in one process
+        # (a sweep, a benchmark, a notebook) would keep its parameters and optimizer state to the end.
+        module._per_layer, me = self, weakref.ref(self)
         if self.ddp is None:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.names]
+            self._handles = [p.register_post_accumulate_grad_hook(_forward_to(me, "_on_grad")) for p in self.names]
         else:
             self._handles = []
-            self.ddp.register_comm_hook(None, self._on_bucket)
+            # DDP checks the hook's parameter names; the module holds this PerLayer as long as DDP holds the module
+            self.ddp.register_comm_hook(None, lambda state, bucket: me()._on_bucket(state, bucket))
 
     def _on_grad(self, p):
         if self._accumulating:
@@ -624,6 +638,9 @@ class PerLayer:
                         packed["state"][i] = one["state"][0]
             opt.load_state_dict(packed)
         self.steps = state["steps"]
+
+    def __deepcopy__(self, memo):
+        return None  # copy.deepcopy of the model: the copy's parameters have no hooks, so no per-layer updates
 
     def remove(self):
         """Detach the hooks: later backward passes leave .grad for an ordinary optimizer. DDP cannot unregister a

@@ -295,6 +295,20 @@ def test_measure_relora_counts_w0_once(amp):
     assert counted["param"] == pytest.approx(width * 1e6 * (lowrank["params_m"] + w0), rel=1e-9), (counted, w0)
 
 
+@pytest.mark.parametrize("method, optimizer, per_layer", [("sltrain", "adam8bit", True), ("full", "adamw", False),
+                                                        ("galore", "adam8bit", True)])
+def test_measure_frees_its_model(monkeypatch, method, optimizer, per_layer):
+    # a suite measures many settings in one process: on a GPU a model that outlives its measure sits inside every
+    # later peak (the hooks counting gradients, and those of per-layer updates, once kept it forever)
+    built = []
+    monkeypatch.setattr(em, "LLaMA", lambda *a, **k: built.append(LLaMA(*a, **k)) or built[-1])
+    em.measure("tiny", method, None, None, optimizer, per_layer, 2, 16, 1, torch.device("cpu"))
+    weak = [weakref.ref(model) for model in built] + [weakref.ref(p) for p in built[0].parameters()]
+    built.clear()
+    gc.collect()
+    assert all(ref() is None for ref in weak), f"{sum(ref() is not None for ref in weak)} objects of the model live on"
+
+
 def test_cpu_peak_is_the_most_allocated_at_once_inside_the_window():
     """cpu_peak reads the profiler's memory events: bytes allocated since it started, at their most inside the
     measured window. Known allocations, one of them made (and freed) outside the window."""

@@ -12,6 +12,7 @@ import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -835,6 +836,27 @@ def test_per_layer_remove_detaches():
     model(x[0], y[0])[1].backward()
     assert all(p.grad is not None for p in model.parameters()) and per_layer.steps == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_model_with_per_layer_updates_is_freed_once_dropped():
+    """A parameter's hooks are held in C++, out of the garbage collector's sight: hooks that held the PerLayer made a
+    cycle (parameter -> hook -> PerLayer -> parameter) that was never freed, so every model given per-layer updates
+    in one process (a sweep, a benchmark's settings) kept its parameters and moments to the end."""
+    x, y = bigram_batches(2, batch=2, T=8)
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, OPTIMIZERS["Adam8bit"])
+    weak = [weakref.ref(t) for t in (model.layers[0].attn.q_proj.values, per_layer)]
+    model(x[0], y[0])[1].backward()
+    assert per_layer.steps == 1
+    del per_layer  # the model holds it: a caller that drops it still gets its updates
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x[1], y[1])[1].backward()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "updates stopped with the PerLayer"
+    twin = copy.deepcopy(model)  # a copy's parameters have no hooks: no per-layer updates, and no copy of the moments
+    assert twin._per_layer is None and model._per_layer.steps == 2
+    del model, twin
+    gc.collect()
+    assert all(ref() is None for ref in weak), "the model or its PerLayer outlived every reference to them"
 
 
 def test_per_layer_ddp_matches_global_ddp():
