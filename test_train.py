@@ -798,6 +798,26 @@ def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
         assert got == warmup, f"{' '.join(argv)}: warmup {got}, the recipe's is {warmup}"
 
 
+def test_a_rows_time_counts_the_work_the_device_still_had_queued():
+    """On a GPU the interval's kernels may still run when the row is made; reading its tokens waits for them. The
+    clock must be read after that wait, or each row's ms and tok/s leave out their own last work."""
+    class Queued:  # a device scalar whose work is still queued: reading it waits
+        def __init__(self, value):
+            self.value = value
+
+        def item(self):
+            time.sleep(0.3)
+            return self.value
+
+        def zero_(self):
+            self.value = 0.0
+
+    meter = train.Meter(torch.device("cpu"), 0, 10)
+    meter.tokens = Queued(1000.0)
+    row = meter.row(1, 1e-3, torch.tensor(1.0), ddp=False)
+    assert row["ms_per_step"] >= 300 and row["tokens_per_s"] <= 1000 / 0.3, row
+
+
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit", "--per_layer"]], ids=["adamw", "per_layer"])
 def test_a_rows_lr_is_the_one_its_update_stepped_with(corpus, tmp_path, extra):
     # warmup over 2 updates, then the cosine from its top: update k steps with lr · lr_lambda(k - 1); the first

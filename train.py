@@ -353,7 +353,8 @@ class Meter:
         """The log row of the updates since the last one (this syncs), which starts the next interval."""
         if ddp:
             dist.all_reduce(self.loss)  # each rank holds its share of the token-weighted mean: sum them
-        now, n, tokens = time.perf_counter(), done - self.step_log, self.tokens.item()
+        tokens = self.tokens.item()  # waits for the device: the clock is read once the interval's work is done
+        now, n = time.perf_counter(), done - self.step_log
         row = {"step": done, "loss": self.loss.item() / (done - self.loss_from), "lr": lr, "grad_norm": norm.item(),
                "ms_per_step": 1000 * (now - self.t_log) / n, "tokens_per_s": tokens / (now - self.t_log),
                "peak_mem_gb": peak_mem_gb(self.device)}
@@ -717,6 +718,7 @@ def train(args, run, ckpt, val, stop):
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != loop.total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
+        quiet = quiet and not (args.compile and done == loop.start + 1)  # compiling: on a GPU autotuning syncs
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -755,7 +757,8 @@ def train(args, run, ckpt, val, stop):
     finally:
         batches.close()  # stops the loader's workers now, whatever ended the run
         if syncs and run.rank == 0:
-            print(f"sync_debug: {syncs.blocks} updates between log steps watched; host syncs: {syncs.summary()}")
+            print(f"sync_debug: {syncs.blocks} update{'s' * (syncs.blocks != 1)} between log steps watched; host "
+                  f"syncs: {syncs.summary()}")
         loop.keeper.close()
 
 
@@ -782,6 +785,8 @@ class Loop:
 
     def evaluate(self, done):
         """The evaluation after update `done`, printed and recorded; False if a signal cut it short."""
+        if self.device.type == "cuda":  # the updates still queued are training time, not the evaluation's
+            torch.cuda.synchronize(self.device)
         t_eval = time.perf_counter()
         result = evaluate(self.model, self.val, self.device, self.rank, self.world, self.stop)  # agrees on a signal
         if result and not math.isfinite(result[0]):  # finite parameters, yet the loss overflows: diverged too
