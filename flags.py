@@ -85,7 +85,7 @@ def make_parser(description=None):
       "graph for all, per-layer memory kept) and 8-bit Adam's step (fused kernels; for GPUs: on a CPU inductor's "
       "code for it is slower than eager)")
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
-      "should be none; hostsync.py) and print them at the end")
+      "should be none; hostsync.py; under --compile not the first update, which compiles) and print them at the end")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "

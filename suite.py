@@ -32,6 +32,7 @@ any failed. tiny runs on CPU (float32; memory by the profiler) and is what test_
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -56,13 +57,13 @@ SUITES = {
                 max_length=256, memory_sizes=("350m", "1b", "7b"), memory_steps=3, backend="inductor", rounds=5,
                 optimizer_shapes=((4096, 4096), (11008, 4096), (int(0.05 * 4096 * 11008),)),
                 program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20,
-                             compile=True),
+                             compile=True, timeout=240),
                 inference_sizes=("130m", "350m", "1b", "7b")),
     "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
                  optimizer_shapes=((64, 32), (32, 64), (500,)),
                  program=dict(size="tiny", steps=40, batch=2, eval_every=20, eval_tokens=2000, short=4,
-                              compile=True),  # per block and the 8-bit step: ~half a minute of inductor on CPU
+                              compile=True, timeout=600),  # compile: ~half a minute of inductor on CPU
                  inference_sizes=("tiny",)),
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting,
@@ -286,7 +287,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     straight run), --compile, and torchrun's NCCL (or gloo) path. Each run
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
     raises at the end, naming the runs that failed."""
-    import shutil, subprocess  # only this section starts processes and writes files
+    import shutil, subprocess, threading  # only this section starts processes and writes files
     p = s["program"]
     for run in ("straight", "signalled", "compiled", "eager_sync", "torchrun"):  # the suite's scratch folders, anew
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
@@ -296,12 +297,32 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
             str(p["eval_tokens"]), "--log_every", "1", "--workers", "1"]
     rows = lambda run: [json.loads(line) for line in open(os.path.join(out_dir, run, "metrics.jsonl"))]
 
+    @contextlib.contextmanager
+    def deadline(proc):
+        """Kills proc's process group (torchrun's workers too) after p["timeout"] seconds, so that a hung NCCL start
+        or compile costs its own run, not the rest of the command's time; yields an Event, set if it did."""
+        fired = threading.Event()
+
+        def kill():
+            fired.set()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        timer = threading.Timer(p["timeout"], kill)
+        timer.start()
+        try:
+            yield fired
+        finally:
+            timer.cancel()
+
     def train(run, *extra, launcher=()):
         cmd = [*launcher, *base[1 if launcher else 0:], "--out_dir", os.path.join(out_dir, run), *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        return done.stdout
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        with deadline(proc) as fired:
+            out, err = proc.communicate()
+        if fired.is_set() or proc.returncode:
+            why = f"was killed after {p['timeout']} s" if fired.is_set() else "failed"
+            raise RuntimeError(f"{' '.join(cmd)} {why}:\n{out[-2000:]}{err[-2000:]}")
+        return out
 
     halves = ["--batch_size", str(max(1, p["batch"] // 2))]  # 2 micro-batches per update: a signal can come within one
 
@@ -316,11 +337,14 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"]), *halves]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        for line in proc.stdout:  # the log line of the half-way update, as it is printed
-            if line.startswith(f"step {p['steps'] // 2}/"):
-                os.killpg(proc.pid, signal.SIGTERM)
-                break
-        said = proc.communicate()[0]
+        with deadline(proc) as fired:
+            for line in proc.stdout:  # the log line of the half-way update, as it is printed
+                if line.startswith(f"step {p['steps'] // 2}/"):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    break
+            said = proc.communicate()[0]
+        if fired.is_set():
+            raise RuntimeError(f"the run to signal was killed after {p['timeout']} s: {said[-2000:]}")
         if not os.path.exists(os.path.join(out_dir, "signalled", "metrics.jsonl")):  # it failed before training
             raise RuntimeError(f"the run to signal failed (exit {proc.returncode}): {said.strip().splitlines()[-1:]}")
         stopped_at = max(r["step"] for r in rows("signalled"))
