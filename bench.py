@@ -84,12 +84,12 @@ def timed(fn, device):
 MAX_CALLS = 10_000  # calls per block at most: no torch call takes under 1 µs, so only a timer that read 0 s reaches it
 
 
-def interleave(variants, rounds, device, warmup=2, min_block=0.01):
+def interleave(variants, rounds, device, warmup=2, min_block=0.01, after_round=lambda times: None):
     """{name: [seconds per call, one per round]}: warm-up calls of each variant, then rounds that run each in its
     own block, order alternating. A call shorter than min_block seconds runs back to back in its block, as many
     times (at most MAX_CALLS) as one timed call after the warm-up says make min_block, and the block's time is
     divided by them: a short GPU call timed alone would count the host's launch of its kernels in front of them,
-    where a real run overlaps the two."""
+    where a real run overlaps the two. after_round(times) sees the rounds so far (a suite saves them)."""
     calls = {}
     for name, fn in variants.items():
         for _ in range(warmup):
@@ -106,6 +106,7 @@ def interleave(variants, rounds, device, warmup=2, min_block=0.01):
     for i in range(rounds):
         for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
             times[name].append(timed(block(variants[name], calls[name]), device) / calls[name])
+        after_round(times)
     return times
 
 

@@ -7,21 +7,22 @@ printed as tables (beside the layer's floor and the paper's memory reductions) a
     python suite.py gpu --only layer optimizer amp --out out/gpu_a.json  # some of them
     python suite.py tiny --data_dir data/c4                             # the same code at toy sizes, on CPU
 
-Sections, in the order they run (--only picks some; default all, program only with --data_dir):
+Sections, in the order they run, the paper's headline claims first (--only picks some; default all, program only
+with --data_dir):
+    memory          peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and low-rank
+                    8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
+                    (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
     layer           SLTrain forward+backward ÷ nn.Linear at every projection shape of 60m/350m/1b/7b (N = 32768,
                     bf16), beside the floor 1 + 4r/(3N), with the parts of SLTrain's extra work timed alone
     model           350m train-step tokens/s of the four methods, AdamW and 8-bit per-layer, ÷ full AdamW
                     (paper: sltrain/full = 0.945)
-    model_compiled  the same, compiled as train.py --compile, for full, lowrank and sltrain
-    amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
-    memory          peak memory at 350m, 1b and 7b (batch 1 x 256, bf16) of full-rank AdamW, full-rank and low-rank
-                    8-bit per-layer and 8-bit SLTrain per-layer, beside estimate_memory.py's estimate of each
-                    (paper, SLTrain vs full AdamW: -51%, -58%, -73%)
     optimizer       the 8-bit step, eager and compiled, ÷ fused AdamW on the 7b shapes, and the host time of
                     per-layer updates
-    inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
+    amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
-                    --compile, --sync_debug, torchrun
+                    --compile, --sync_debug, torchrun (each run killed at a timeout)
+    inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
+    model_compiled  the model section compiled as train.py --compile, for full, lowrank and sltrain
     memory_galore   the memory section for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
                     (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
                     command
@@ -151,28 +152,32 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     return step
 
 
-def suite_model(s, device, dtype, compiled):
+def suite_model(s, device, dtype, compiled, progress=lambda partial: None):
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
-    issue's targets name (each method's block compiles once)."""
+    issue's targets name (each method's block compiles once). progress gets the figures after each round."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
                 train_step(s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype,
                            s["backend"] if compiled else None, s.get("vocab"))
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
-    times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1)  # compiling is warm-up
-    v = summary(times, "full/adamw", invert=True)
-    for row in v.values():
-        row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
-    return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], compiled=compiled,
-                variants=v)
+
+    def figures(times):
+        v = summary(times, "full/adamw", invert=True)
+        for row in v.values():
+            row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
+        return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], compiled=compiled,
+                    rounds=len(times["full/adamw"]), variants=v)
+    times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1,  # compiling is warm-up
+                       after_round=lambda times: progress(figures(times)))
+    return figures(times)
 
 
-def suite_amp(s, device, dtype):
+def suite_amp(s, device, dtype, progress=lambda partial: None):
     """train.py --amp (float32 parameters and state, bf16 autocast) beside the paper's pure bf16: train-step tokens/s
     (side by side, ratio to pure bf16) and, on CUDA, the peak memory of each setting alone beside estimate_memory's
     estimate of it (the peak less what was allocated before the model, as suite_memory), full AdamW and sltrain
-    8-bit per-layer."""
+    8-bit per-layer. progress gets the figures after each setting."""
     def make(method, optimizer, per_layer, amp):
         return train_step(s["model_size"], method, optimizer, per_layer, s["model_batch"], s["max_length"], device,
                           dtype, vocab=s.get("vocab"), amp=amp)
@@ -203,6 +208,8 @@ def suite_amp(s, device, dtype):
             del step
             gc.collect()
         result[name] = v
+        progress(dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"],
+                      settings=dict(result)))
     return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], settings=result)
 
 
@@ -255,7 +262,7 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
     return result
 
 
-def suite_optimizer(s, device, dtype):
+def suite_optimizer(s, device, dtype, progress=lambda partial: None):
     """optim.Adam8bit step, eager and compiled, ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the
     host's time per update of per-layer updates for the model section's size (per_layer_host_time): what
     bounds a per-layer GPU step when it exceeds the device's time."""
@@ -275,10 +282,12 @@ def suite_optimizer(s, device, dtype):
                         "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper)),
                         "optim.Adam8bit(compile=True)": stepper(lambda ps: optim.Adam8bit(ps, **hyper, compile=True))},
                        s["rounds"], device)  # the compiled step compiles in the warm-up
-    return dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
-                variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"],
-                host_ms_per_update={m: per_layer_host_time(device, s["model_size"], m)
-                                    for m in ("full", "sltrain")})
+    result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
+                  variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})
+    progress(result)  # saved before the host times, which build a model of host_size per method
+    for m in ("full", "sltrain"):
+        result["host_ms_per_update"][m] = per_layer_host_time(device, s["model_size"], m)
+    return result
 
 
 def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
@@ -402,12 +411,13 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
             progress(rows)
         return rows
 
-    # each takes progress(partial): the long ones pass it what they have finished, which is saved before they go on
-    run = dict(layer=lambda p: suite_layer(s, device, dtype, p), model=lambda _: suite_model(s, device, dtype, False),
-               model_compiled=lambda _: suite_model(s, device, dtype, True),
-               amp=lambda _: suite_amp(s, device, dtype), memory=lambda p: suite_memory(s, device, p),
-               optimizer=lambda _: suite_optimizer(s, device, dtype), inference=inference,
-               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
+    # each takes progress(partial) and passes it what it has finished, which is saved before it goes on
+    # in order of what the paper claims most, so that a command cut short by a time limit has measured those
+    run = dict(memory=lambda p: suite_memory(s, device, p), layer=lambda p: suite_layer(s, device, dtype, p),
+               model=lambda p: suite_model(s, device, dtype, False, p),
+               optimizer=lambda p: suite_optimizer(s, device, dtype, p), amp=lambda p: suite_amp(s, device, dtype, p),
+               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p), inference=inference,
+               model_compiled=lambda p: suite_model(s, device, dtype, True, p),
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
     sections = sorted(sections, key=list(run).index) if sections else [k for k in run if k != "program" or data_dir]
@@ -512,9 +522,9 @@ def report_suite_optimizer(r):
 
 
 # each suite section's table, printed as the section ends and again, from the JSON alone, by report_suite
-SUITE_REPORTS = dict(layer=report_layer, model=report_model,
-                     model_compiled=lambda r: report_model(r, "model_compiled"), amp=report_amp, memory=report_memory,
-                     inference=report_inference, program=report_program, optimizer=report_suite_optimizer,
+SUITE_REPORTS = dict(memory=report_memory, layer=report_layer, model=report_model, optimizer=report_suite_optimizer,
+                     amp=report_amp, program=report_program, inference=report_inference,
+                     model_compiled=lambda r: report_model(r, "model_compiled"),
                      memory_galore=lambda r: report_memory(r, "memory_galore"))
 
 
