@@ -76,7 +76,8 @@ def make_parser(description=None):
       help="optimizer (written from scratch: optim.py, galore.py); *_per_layer is --per_layer; galore_* needs "
            "--method full")
     a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
-    a("--grad_clipping", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
+    a("--grad_clipping", type=float, help="clip the global gradient norm to this, 0: off (default: 1.0 at 7b, as its "
+      "authors' script, unless --per_layer, which cannot clip globally; else 0)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
     a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU)")
     a("--amp", action="store_true", help="mixed precision: float32 parameters and optimizer state, bf16 autocast "
@@ -178,9 +179,11 @@ def get_args(argv=None, description=None):
         p.error(f"--max_length must be at least 2 (an input token and its target), got {args.max_length}")
     if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps:
         p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
-    if args.per_layer and args.grad_clipping > 0:
+    if args.per_layer and args.grad_clipping:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
+    if args.grad_clipping is None:  # the authors clip at 7b alone (their 7b script; the others do not)
+        args.grad_clipping = 1.0 if args.size == "7b" and not args.per_layer else 0.0
     starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint
     if args.init_from and (args.method == "relora" or starting and not os.path.isfile(args.init_from)):
         p.error(f"--init_from {args.init_from}: needs --method full, lowrank, sltrain or sltrain_ft and an existing "

@@ -5,8 +5,11 @@ AdamW or Adam8bit.
 
     G (m, n)  ->  R = G Pᵀ (m, r), P (r, n) the top-r right singular vectors of G, when m >= n
                   R = Pᵀ G (r, n), P (m, r) the top-r left singular vectors of G,  when m < n
-    Adam's moments follow R; its normalized step N = m̂ / (√v̂ + ε) goes back, W -= lr · scale · N P (or P N).
+    Adam's moments follow R; its normalized step N = m̂ / (√v̂ + ε') goes back, W -= lr · scale · N P (or P N).
     P is recomputed from the current G every update_gap updates; the moments carry over.
+
+Over AdamW, ε is GaLore's own: its AdamW (Hugging Face's) adds ε = 1e-6 to √v, not to √v̂, so ε' = ε / √(1 - β2ᵗ),
+100 times torch's 1e-8 and more in the first updates; over Adam8bit, bitsandbytes' ε' = ε = 1e-8, as its code ran.
 
     groups = galore_param_groups(model.named_parameters(), 128, lambda name, p: name.endswith("_proj.weight"))
     opt = GaLore(groups, lr=1e-2, inner="adam8bit")                 # GaLore on the projections, 8-bit moments
@@ -30,8 +33,9 @@ def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False):
             state["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
         state["step"] += 1
+        eps = group["eps"] / (1 - beta2 ** state["step"]) ** 0.5  # GaLore's AdamW adds ε to √v: to √v̂ this is ε'
         _adamw_([target], [target.grad], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], lr, beta1, beta2,
-                group["eps"], weight_decay)
+                eps, weight_decay)
         return
     if "step" not in state:
         Adam8bit._init_state(target, state, group)
@@ -65,16 +69,17 @@ class GaLore(torch.optim.Optimizer):
     """GaLore (Zhao et al. 2024, "Memory-Efficient LLM Training by Gradient Low-Rank Projection") over our AdamW
     (inner="adamw") or Adam8bit (inner="adam8bit", 8-bit moments of the projected gradient).
 
-    A param group with rank=r (an int) projects each of its 2-D weights; rank=None groups get plain AdamW/Adam8bit.
-    See galore_param_groups. The state of a projected weight holds the moments of the projected gradient, the
+    A param group with rank=r (an int) projects each of its 2-D weights; rank=None groups get plain AdamW/Adam8bit,
+    with the same ε as GaLore's code (module docstring). See galore_param_groups. The state of a projected weight holds the moments of the projected gradient, the
     projector P and `projection_step`, the update at which P was computed: a checkpoint resumes exactly. Weight decay
     is decoupled and applied to the full weight, before the update."""
 
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, rank=None,
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=None, weight_decay=0.0, rank=None,
                  update_gap=200, scale=0.25, inner="adamw", block_size=256, min_8bit_size=4096, compile=False):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
         if inner not in ("adamw", "adam8bit"):
             raise ValueError(f"inner must be adamw or adam8bit, got {inner!r}")
+        eps = (1e-6 if inner == "adamw" else 1e-8) if eps is None else eps  # GaLore's AdamW's; bitsandbytes'
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank, update_gap=update_gap,

@@ -18,7 +18,8 @@ from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (c
 
 
 def reference_galore(W, grads, rank, gap, lr, scale, betas, eps, weight_decay):
-    """GaLore from its equations, in float64: P from the SVD of G every `gap` updates, Adam on R, W -= lr·scale·N."""
+    """GaLore from its equations, in float64: P from the SVD of G every `gap` updates, Adam on R as GaLore's AdamW
+    (Hugging Face's) makes it, ε added to √v and the bias corrections in the step size, W -= lr·scale·N."""
     W, (b1, b2) = W.double().clone(), betas
     m = v = P = None
     right = W.shape[0] >= W.shape[1]
@@ -30,7 +31,7 @@ def reference_galore(W, grads, rank, gap, lr, scale, betas, eps, weight_decay):
         R = G @ P.T if right else P.T @ G  # (m, r) or (r, n)
         m = (1 - b1) * R if m is None else b1 * m + (1 - b1) * R
         v = (1 - b2) * R * R if v is None else b2 * v + (1 - b2) * R * R
-        N = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        N = (1 - b2**t) ** 0.5 / (1 - b1**t) * m / (v.sqrt() + eps)
         W = W * (1 - lr * weight_decay) - lr * scale * (N @ P if right else P @ N)
     return W
 
@@ -40,14 +41,31 @@ def test_steps_match_the_equations(shape):
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(shape))
     grads = [torch.randn(shape) for _ in range(5)]
-    hyper = dict(lr=0.01, scale=0.25, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-    expected = reference_galore(W.detach(), grads, rank=3, gap=2, **hyper)
+    hyper = dict(lr=0.01, scale=0.25, betas=(0.9, 0.999), weight_decay=0.1)
+    expected = reference_galore(W.detach(), grads, rank=3, gap=2, eps=1e-6, **hyper)  # GaLore's AdamW's default ε
     opt = GaLore([dict(params=[W], rank=3)], update_gap=2, **hyper)
     for G in grads:
         W.grad = G.clone()
         opt.step()
     diff = (W.detach().double() - expected).abs().max().item()
     assert diff < 1e-6, f"GaLore differs from its equations by {diff}"
+
+
+def test_unprojected_weights_step_as_galores_adamw():
+    # GaLore's code steps the embeddings, norms and head with the same AdamW as the projections: ε = 1e-6 added to √v
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6))
+    grads = [torch.randn(6) * 1e-5 for _ in range(4)]  # small: ε weighs
+    (b1, b2), lr, expected, m, v = (0.9, 0.999), 1e-2, w.detach().double().clone(), 0, 0
+    for t, g in enumerate(grads, start=1):
+        m, v = b1 * m + (1 - b1) * g.double(), b2 * v + (1 - b2) * g.double() ** 2
+        expected -= lr * (1 - b2**t) ** 0.5 / (1 - b1**t) * m / (v.sqrt() + 1e-6)
+    opt = GaLore([dict(params=[w], rank=None)], lr=lr)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    diff = (w.detach().double() - expected).abs().max().item()
+    assert diff < 1e-6, f"GaLore's plain AdamW differs from GaLore's code by {diff}"
 
 
 def test_projection_is_recomputed_every_gap_updates_and_state_is_projected():

@@ -440,7 +440,7 @@ def test_every_parameter_learns_from_the_start(method):
         optimizer.step()
     still = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.any()]
     assert not still, f"{method}: no gradient for {still}"
-    if method == "lowrank":  # B and A both Kaiming-uniform, as ReLoRA's low-rank-only baseline
+    if method == "lowrank":  # B and A both Kaiming-uniform: with B = 0 nothing would ever learn
         B = LLaMA(config_for("tiny", method=method, vocab_size=256)).layers[0].mlp.down_proj.B  # (out, r)
         bound = 1 / math.sqrt(B.shape[1])
         assert B.abs().max() <= bound and abs(B.std().item() - bound / math.sqrt(3)) < 0.1 * bound

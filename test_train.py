@@ -788,6 +788,15 @@ def test_help_shows_every_default(capsys):
         assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
 
 
+def test_default_clipping_is_the_authors_at_7b_and_an_explicit_one_stands(monkeypatch):
+    monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 7b run need not fit this machine
+    for argv, clip in ((["--size", "7b"], 1.0), (["--size", "7b", "--optimizer", "adam8bit", "--per_layer"], 0.0),
+                       (["--size", "7b", "--grad_clipping", "0"], 0.0), (["--size", "60m"], 0.0),
+                       (["--size", "60m", "--grad_clipping", "0.5"], 0.5)):
+        got = train.get_args([*argv, "--device", "cpu"]).grad_clipping
+        assert got == clip, f"{' '.join(argv)}: grad_clipping {got}, expected {clip}"
+
+
 def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
     # the authors' scripts warm up over 10% of the updates, except 1b's: 10,000 of 140,000
     monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 1b or 7b run need not fit this machine
