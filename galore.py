@@ -70,9 +70,10 @@ class GaLore(torch.optim.Optimizer):
     (inner="adamw") or Adam8bit (inner="adam8bit", 8-bit moments of the projected gradient).
 
     A param group with rank=r (an int) projects each of its 2-D weights; rank=None groups get plain AdamW/Adam8bit,
-    with the same ε as GaLore's code (module docstring). See galore_param_groups. The state of a projected weight holds the moments of the projected gradient, the
-    projector P and `projection_step`, the update at which P was computed: a checkpoint resumes exactly. Weight decay
-    is decoupled and applied to the full weight, before the update."""
+    with the same ε as GaLore's code (module docstring). See galore_param_groups. The state of a projected weight
+    holds the moments of the projected gradient, the projector P and `projection_step`, the update at which P was
+    computed: a checkpoint resumes exactly. Weight decay is decoupled and applied to the full weight, before the
+    update (GaLore's code decays after it; the same at its default of 0)."""
 
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=None, weight_decay=0.0, rank=None,
                  update_gap=200, scale=0.25, inner="adamw", block_size=256, min_8bit_size=4096, compile=False):
