@@ -12,8 +12,11 @@ empty or bit-flipped file is caught on load instead of training on from garbage.
 """
 
 import errno
+import fcntl
 import hashlib
 import os
+import re
+import secrets
 import sys
 from contextlib import contextmanager, suppress
 
@@ -76,12 +79,15 @@ class _Writes:
 
 @contextmanager
 def atomic_file(path):
-    """A binary file to write that appears at path whole or not at all: path.tmp, fsynced, renamed over path. A kill
-    leaves the old file or the new one, never a mix; an error (or Ctrl-C) in the writing removes path.tmp, a partial
-    file that would only fill the disk further, and leaves an earlier file at path as it was."""
-    tmp = f"{path}.tmp"
+    """A binary file to write that appears at path whole or not at all: a temporary file beside it, of a name of its
+    own (path.PID.RANDOM.tmp: two writers never write into one file), fsynced, renamed over path. A kill leaves the
+    old file or the new one, never a mix (and the temporary, which folder_lock removes); an error (or Ctrl-C) in the
+    writing removes the temporary, a partial file that would only fill the disk further, and leaves an earlier file
+    at path as it was."""
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open()'s files
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -95,6 +101,51 @@ def atomic_file(path):
         os.fsync(dir_fd)  # the rename itself
     finally:
         os.close(dir_fd)
+
+
+class FolderBusy(Exception):
+    """Another process holds the folder's lock (folder_lock)."""
+
+
+@contextmanager
+def folder_lock(folder):
+    """An exclusive lock on folder/.lock while inside, so that one run at a time writes a folder's checkpoint and
+    metrics (two at once, a requeued job beside the old one still ending, would write over each other's files).
+    The OS releases it when the process ends, however it ends. FolderBusy names the holder's process id. Once held,
+    the temporaries of atomic_file that a killed writer left in the folder (a whole checkpoint each) are removed. A
+    filesystem without locks (some network ones) gets no lock, and a note says so. A folder left holding the lock
+    file alone (a run refused before it wrote) is left as it was found: the lock file goes, and the folder if made."""
+    made, lock = make_folder(folder), os.path.join(folder, ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        remove_empty(made)
+        raise
+    held = False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            holder = os.pread(fd, 20, 0).decode(errors="replace").strip() or "unknown"
+            raise FolderBusy(f"another process (pid {holder}) is writing into {folder}") from None
+        except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem that cannot lock
+            print(f"note: {folder} cannot be locked ({e.strerror or e}): make sure no other run writes into it")
+        else:
+            with suppress(OSError):  # the holder's id, for the message; a full disk may refuse it
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+            for name in os.listdir(folder):
+                if re.fullmatch(r".+\.\d+\.[0-9a-f]{8}\.tmp", name):
+                    with suppress(OSError):
+                        os.remove(os.path.join(folder, name))
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+        with suppress(OSError):
+            if held and os.listdir(folder) == [".lock"]:  # (another's lock file stays: it holds its lock)
+                os.remove(lock)
+                remove_empty(made)
 
 
 def make_folder(path):

@@ -952,12 +952,12 @@ def test_a_write_the_filesystem_refuses_is_one_line_and_keeps_what_was_saved(cor
             save(path, state)
 
     monkeypatch.setattr(checkpoint, "save", save_under_a_limit_from_the_failing_call)
-    then = "then start again" if failing == 1 else "then rerun with --resume"
+    then = "then start again" if failing == 1 else rf"then rerun with --resume {tmp_path}/ckpt.pt \(step 1\)"
     kept = "none was saved there yet" if failing == 1 else "the previous checkpoint there is kept"
     with pytest.raises(SystemExit, match=rf"^could not write {tmp_path}/ckpt.pt \(File too large\); {kept}\. See to "
                                          rf"the cause \(.*\) or pass a new --out_dir, {then}$") as e:
         train.main(base_args(corpus, tmp_path, 4, "--save_every", "1"))
-    assert "\n" not in str(e.value) and not (tmp_path / "ckpt.pt.tmp").exists()
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("*.tmp"))
     if failing == 1:
         assert not (tmp_path / "ckpt.pt").exists()
         return
@@ -983,11 +983,85 @@ def test_atomic_file_leaves_the_old_file_whole_on_any_error(tmp_path):
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f"]
 
 
+def test_two_writers_of_one_file_never_write_into_the_same_temporary(tmp_path):
+    """Two runs saving into one folder at once (a requeued job beside the old one still ending) once shared
+    path.tmp: the second truncated the first's file mid-write and moved it away, so a save reported as done was
+    damaged. Each writer now has a temporary of its own: the last to finish wins, whole."""
+    path = tmp_path / "ckpt.pt"
+    with checkpoint.atomic_file(path) as first:
+        first.write(b"A" * 1000)
+        with checkpoint.atomic_file(path) as second:
+            second.write(b"B" * 2000)
+        first.write(b"A" * 1000)
+    assert path.read_bytes() == b"A" * 2000 and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_a_run_into_a_folder_another_run_writes_is_refused_before_any_work(corpus, tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(train, "build", lambda *args: built.append(args))
+    with checkpoint.folder_lock(str(tmp_path / "run")):  # another run, alive
+        for extra in ([], ["--overwrite"]):
+            with pytest.raises(SystemExit, match=rf"^--out_dir: another process \(pid {os.getpid()}\) is writing into "
+                                                 rf"{tmp_path}/run; wait for it to end, or pass a new --out_dir$"):
+                train.main(base_args(corpus, tmp_path / "run", 4, *extra))
+    assert not built
+    # a run refused for another reason leaves no folder (nor lock file) it made
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        train.main(base_args(corpus, tmp_path / "none", 4, "--resume"))
+    assert not (tmp_path / "none").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_lock_clears_what_a_killed_writer_left(tmp_path):
+    left = tmp_path / "ckpt.pt.4242.0badcafe.tmp"  # a SIGKILL mid-save: a whole checkpoint's worth, at 7b 40 GB
+    left.write_bytes(b"partial")
+    (tmp_path / "notes.tmp").write_bytes(b"the user's")
+    with checkpoint.folder_lock(str(tmp_path)):
+        assert not left.exists() and (tmp_path / "notes.tmp").exists()
+    assert sorted(os.listdir(tmp_path)) == [".lock", "notes.tmp"]
+
+
+def test_overwrite_removes_the_old_checkpoint_with_its_rows(corpus, tmp_path):
+    """--overwrite empties the old run's metrics at the start; its checkpoint goes then too, so a new run that stops
+    before its first save leaves neither, not the old checkpoint beside the new rows."""
+    train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2"))
+    with pytest.raises(SystemExit, match="No checkpoint was saved yet"):
+        train.main(base_args(corpus, tmp_path, 4, "--overwrite", "--lr", "1e9", "--warmup_steps", "0"))
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_a_stop_signal_with_stdouts_reader_gone_still_saves(corpus, tmp_path):
+    """`python train.py | tee log`, and the job's signal ends tee too: each write to stdout then fails (EPIPE). The
+    stop must still save its checkpoint and exit 0, not die of a BrokenPipeError in the signal handler."""
+    proc = start([sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path, 100_000, "--workers", "1")])
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.stdout.close()  # the reader is gone
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert 2 <= final_state(tmp_path)["step"] < 100_000
+
+
+def test_a_script_run_ignores_stop_signals_once_it_has_ended(corpus, tmp_path):
+    # python train.py: between main's end and the exit, a late signal's default action would kill a saved run
+    old = {sig: signal.getsignal(sig) for sig in data.STOP_SIGNALS}
+    try:
+        train.main(base_args(corpus, tmp_path, 2), exiting=True)
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in data.STOP_SIGNALS)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def test_disk_full_keeps_the_previous_checkpoint(corpus, tmp_path):
     with small_disk(corpus, tmp_path, 1.5) as mnt:  # the second checkpoint, written beside the first, fails
         with pytest.raises(SystemExit, match="^disk full: could not write .*the previous checkpoint there is kept"):
             train.main(base_args(corpus, mnt, 4, "--save_every", "1"))
-        assert final_state(mnt)["step"] == 1 and not (mnt / "ckpt.pt.tmp").exists()
+        assert final_state(mnt)["step"] == 1 and not list(mnt.glob("*.tmp"))
 
 
 def test_disk_full_under_torchrun_stops_every_rank_in_one_line(corpus, tmp_path):
@@ -1000,7 +1074,7 @@ def test_disk_full_under_torchrun_stops_every_rank_in_one_line(corpus, tmp_path)
         output = proc.stdout + proc.stderr
         assert proc.returncode != 0 and output.count("disk full: could not write") == 1, output
         assert "gloo" not in output and "[rank1]" not in output, output  # torchrun's own report of rank 0 stays
-        assert final_state(mnt)["step"] == 1 and not (mnt / "ckpt.pt.tmp").exists()
+        assert final_state(mnt)["step"] == 1 and not list(mnt.glob("*.tmp"))
 
 
 def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path):
@@ -1011,12 +1085,13 @@ def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path
                 with suppress(OSError):
                     while True:
                         f.write(b"\0" * block)
-        with pytest.raises(SystemExit, match=rf"^cannot write {mnt}/metrics.jsonl.tmp \(No space left on device\); "
-                                             "free space .* then rerun with --resume"):
+        with pytest.raises(SystemExit, match=rf"^cannot write {mnt}/metrics.jsonl \(No space left on device\); "
+                                             rf"free space .* then rerun with --resume {mnt}/ckpt.pt \(step 2\)$"):
             train.main(base_args(corpus, mnt, 60, "--resume"))  # the resume's rewrite of the metrics fails first
         os.truncate(mnt / "filler", (mnt / "filler").stat().st_size - 4096)  # one page free: the rows fill it
         with pytest.raises(SystemExit, match=rf"^cannot write {mnt}/metrics.jsonl at step \d+ \(No space left on "
-                                             rf"device\); the last checkpoint is {mnt}/ckpt.pt, step 2: free space"):
+                                             rf"device\); free space .*, then rerun with --resume {mnt}/ckpt.pt "
+                                             r"\(step 2\)$"):
             train.main(base_args(corpus, mnt, 60, "--resume"))
         assert final_state(mnt)["step"] == 2
         (mnt / "filler").unlink()

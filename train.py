@@ -16,6 +16,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 
 import argparse
 import ctypes
+import errno
 import functools
 import gc
 import hashlib
@@ -27,7 +28,7 @@ import signal
 import sys
 import time
 import warnings
-from contextlib import nullcontext, suppress
+from contextlib import ExitStack, nullcontext, suppress
 from dataclasses import asdict, dataclass
 
 import torch
@@ -176,11 +177,30 @@ def set_hyperparameters(args, optimizers, scheduler):
         scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
+def lock_out_dir(args, held, rank, world):
+    """One run at a time writes into out_dir (checkpoint.folder_lock, held by rank 0 till main ends): a second one,
+    a requeued job beside the old one still ending, is refused before any work, on every rank."""
+    busy = None
+    if rank == 0:
+        try:
+            held.enter_context(checkpoint.folder_lock(args.out_dir))
+        except checkpoint.FolderBusy as e:
+            busy = f"--out_dir: {e}; wait for it to end, or pass a new --out_dir"
+        except OSError as e:
+            busy = f"--out_dir {args.out_dir} cannot be made ({e.strerror or e}): pass a folder you can write"
+    if any_rank(busy is not None) if world > 1 else busy:
+        raise SystemExit(busy or 1)
+
+
 def refuse_overwrite(args):
     """A checkpoint in out_dir is replaced only with --overwrite: by a fresh run, or by one continuing another
     checkpoint (--resume PATH) into this out_dir."""
     path = os.path.join(args.out_dir, "ckpt.pt")
-    if not os.path.exists(path) or args.overwrite or args.eval_only:  # --eval_only writes nothing
+    if args.overwrite:  # (flags.py refuses it with a --resume of this checkpoint)
+        with suppress(FileNotFoundError):  # every rank tries; and now, as metrics.jsonl is emptied: a run that
+            os.remove(path)  # fails before its first save leaves neither the old run's checkpoint nor its rows
+        return
+    if not os.path.exists(path) or args.eval_only:  # --eval_only writes nothing
         return
     if args.resume and not os.path.exists(resume_path(args)):
         return  # load_for_resume says there is no checkpoint to resume
@@ -192,7 +212,7 @@ def refuse_overwrite(args):
                          f"another checkpoint: pass a new --out_dir, or --overwrite to replace {path}")
 
 
-def trim_metrics(source, step, path, eval_pending=False):
+def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
     """The rows of the resumed run, up to its checkpoint's step, into path: after a kill, the rows past the
     checkpoint are redone on resume, so they are dropped and each step appears once. source is path itself, or the
     metrics beside a checkpoint resumed from another folder (none there: path starts empty). A line that a kill or
@@ -216,8 +236,17 @@ def trim_metrics(source, step, path, eval_pending=False):
         with checkpoint.atomic_file(path) as f:
             f.write("".join(rows).encode())
     except OSError as e:  # a full disk: nothing is changed yet
-        raise SystemExit(f"cannot write {path}.tmp ({e.strerror or e}); free space (or pass a new --out_dir on a disk "
-                         "with room), then rerun with --resume") from None
+        raise SystemExit(f"cannot write {path} ({e.strerror or e}); {after_failed_write(e, [resume_from, step])}") \
+            from None
+
+
+def after_failed_write(e, last_good):
+    """What to do once a file of the run could not be written: the fix by the error (a full disk, or another cause),
+    then where the run goes on from: the last good checkpoint, named (it may be in another folder), or a new start."""
+    fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+        "see to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
+    return f"{fix}, then " + (f"rerun with --resume {last_good[0]} (step {last_good[1]})" if last_good else
+                              "start again")
 
 
 def diverged(why, last_good):
@@ -510,11 +539,14 @@ def rank_0_speaks(fn):
     return said_once
 
 
-def prepare(args):
-    """Everything before the first update: processes, data checks, the checkpoint to resume, validation data and the
-    Run, the config printed. Returns (ddp, ckpt, its path, validation batches, run)."""
+def prepare(args, held):
+    """Everything before the first update: processes, data checks, out_dir's lock (into held, an ExitStack), the
+    checkpoint to resume, validation data and the Run, the config printed. Returns (ddp, ckpt, its path, validation
+    batches, run)."""
     ddp, rank, world, device, dtype, vocab_size = setup(args)
     ckpt = ckpt_path = None
+    if not args.eval_only:  # which writes nothing
+        lock_out_dir(args, held, rank, world)
     refuse_overwrite(args)
     if args.resume or args.eval_only:
         ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0)
@@ -538,13 +570,21 @@ def prepare(args):
 
 
 @rank_0_speaks
-def main(argv=None):
+def main(argv=None, exiting=False):
+    """exiting: the process ends after main (python train.py), so a stop signal after the run is ignored, not
+    answered by the default handler, which would turn a saved run's exit 0 into a kill."""
     args = get_args(argv)
     stop_when_torchrun_ends()
-    try:
-        ddp, ckpt, ckpt_path, val, run = prepare(args)
-    except KeyboardInterrupt:  # Ctrl-C while the data loads or the model is built: nothing to keep yet
-        raise SystemExit("interrupted before the first update: nothing was saved") from None
+    with ExitStack() as held:  # out_dir's lock, released as main ends, however it ends
+        try:
+            prepared = prepare(args, held)
+        except KeyboardInterrupt:  # Ctrl-C while the data loads or the model is built: nothing to keep yet
+            raise SystemExit("interrupted before the first update: nothing was saved") from None
+        run_or_evaluate(args, *prepared, exiting)
+
+
+def run_or_evaluate(args, ddp, ckpt, ckpt_path, val, run, exiting):
+    """The stop signals answered, then the training run (or --eval_only's evaluation), then the teardown."""
     device, rank, world, master = run.device, run.rank, run.world, run.rank == 0
 
     # ---- a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2): said at once, then a checkpoint of the last whole
@@ -555,9 +595,10 @@ def main(argv=None):
         "before the next micro-batch (or in the evaluation), with a checkpoint of the last whole update"
 
     def on_signal(signum, frame):
-        if master and stop["signal"] is None:  # os.write: a print here could re-enter a print in progress
-            os.write(1, f"{signal.Signals(signum).name}: stopping {what}\n".encode())
-        stop["signal"] = signal.Signals(signum).name
+        first, stop["signal"] = stop["signal"] is None, stop["signal"] or signal.Signals(signum).name
+        if master and first:  # os.write: a print here could re-enter a print in progress
+            with suppress(OSError):  # stdout's reader gone (`| tee` ended by the same signal): the stop goes on
+                os.write(1, f"{signal.Signals(signum).name}: stopping {what}\n".encode())
     old_handlers = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS
                     if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
@@ -583,7 +624,7 @@ def main(argv=None):
             gc.collect()
             dist.destroy_process_group()
         for sig, handler in old_handlers.items():  # after the teardown: a second signal must not cut it short
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if exiting else handler)
 
 
 def stop_when_torchrun_ends():
@@ -638,7 +679,7 @@ class Keeper:
                              "you can write") from None
         if ckpt:
             beside = os.path.join(os.path.dirname(resume_path(self.args)), "metrics.jsonl")
-            trim_metrics(beside, start, self.metrics_path, ckpt.get("eval_pending", False))
+            trim_metrics(beside, start, self.metrics_path, ckpt.get("eval_pending", False), resume_path(self.args))
         try:
             self.metrics = open(self.metrics_path, "a" if ckpt else "w")
         except OSError as e:
@@ -664,11 +705,8 @@ class Keeper:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
         except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
-            where = (f"the last checkpoint is {self.last_good[0]}, step {self.last_good[1]}: free space (or pass a "
-                     "new --out_dir on a disk with room), then rerun with --resume") if self.last_good else \
-                "no checkpoint was saved yet: free space and start again"
             raise SystemExit(f"cannot write {self.metrics_path} at step {row['step']} ({e.strerror or e}); "
-                             f"{where}") from None
+                             f"{after_failed_write(e, self.last_good)}") from None
 
     def save(self, step, data_state, eval_pending=False, meter_state=None):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
@@ -700,10 +738,9 @@ class Keeper:
     def _write_checkpoint(self, state):
         try:
             checkpoint.save(self.path, state)
-        except checkpoint.SaveFailed as e:
-            fix = "Free space (or pass a new --out_dir on a disk with room)" if e.disk_full else \
-                "See to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
-            raise SystemExit(f"{e}. {fix}, then {'rerun with --resume' if e.kept else 'start again'}") from None
+        except checkpoint.SaveFailed as e:  # last_good is still the one before
+            said = after_failed_write(e.cause, self.last_good)
+            raise SystemExit(f"{e}. {said[0].upper()}{said[1:]}") from None
 
     def close(self):
         if self.metrics:
@@ -936,9 +973,41 @@ def train_step(args, run, micro_batches, stop=None):
     return step_loss, norm, n_total
 
 
+class Unbroken:
+    """stdout that, once its reader is gone (`python train.py | tee log` with tee ended by the job's signal, or a
+    closed terminal), sends what follows to /dev/null instead of raising in the middle of the run: the stop it is
+    answering still saves its checkpoint, and the run still exits 0."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _gone(self):
+        with suppress(OSError):  # fd 1 itself now leads nowhere: the stream's buffer flushes there, at exit too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self._gone()
+            with suppress(OSError):
+                self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 if __name__ == "__main__":
+    sys.stdout = Unbroken(sys.stdout)
     try:
-        main()
+        main(exiting=True)
     finally:  # the run has ended, saved or said why: a late signal must not turn the exit into a kill
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
