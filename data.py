@@ -320,7 +320,7 @@ class TrainLoader:
     def _config(self):
         return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size, "pack": self.pack,
                 "max_length": self.max_length, "shuffle_buffer": self.shuffle_buffer, "block_docs": self.block_docs,
-                "shards": [p.name for p in self.shards]}
+                "shards": [p.name for p in self.shards], "sizes": [p.stat().st_size for p in self.shards]}
 
     def state_dict(self):
         epoch, shard, block, offset = self._pos
@@ -332,10 +332,23 @@ class TrainLoader:
                 raise ValueError(f"checkpoint holds loader states for {len(state)} ranks but world_size is "
                                  f"{self.world_size}; resume with the same number of processes")
             state = state[self.rank]
-        for key, mine in self._config().items():
-            if state.get(key) != mine:
-                raise ValueError(f"the checkpoint's loader had {key}={state.get(key)!r} but this one has {mine!r}; "
-                                 f"resume with the same data, seed, sequence settings and number of processes")
+        mine = self._config()
+        if state.get("shards") != mine["shards"]:  # named, not listed: a full run has 1024
+            old, new = state.get("shards") or [], mine["shards"]
+            gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+            raise ValueError(f"the data folder's training shards are not the checkpoint's: {len(gone)} gone "
+                             f"{gone[:3]}, {len(added)} added {added[:3]}; resume with the same shards")
+        changed = [(name, a, b) for name, a, b in zip(mine["shards"], state.get("sizes", mine["sizes"]), mine["sizes"])
+                   if a != b]  # (a checkpoint from before sizes were kept has none: its shards are taken as they are)
+        if changed:
+            name, a, b = changed[0]
+            raise ValueError(f"{len(changed)} training shard(s) changed since the checkpoint, {name} from {a:,} to "
+                             f"{b:,} bytes: the run would go on with other data; restore them, or start a new run")
+        for key in ("seed", "rank", "world_size", "pack", "max_length", "shuffle_buffer", "block_docs"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"the checkpoint's loader had {key}={state.get(key)!r} but this one has "
+                                 f"{mine[key]!r}; resume with the same data, seed, sequence settings and number of "
+                                 "processes")
         self._pos = tuple(int(state[k]) for k in ("epoch", "shard", "block", "offset"))
 
     def __iter__(self):

@@ -1112,6 +1112,26 @@ def corpus_with_a_bad_line(corpus, tmp_path, shard="c4-train.00001-of-00002.json
     return str(folder), corpus[1]
 
 
+@pytest.mark.parametrize("damage", ["a bad first line", "an empty shard", "not gzip"])
+def test_a_shard_that_cannot_be_read_at_all_is_one_line_before_the_model_is_built(corpus, tmp_path, monkeypatch,
+                                                                                    damage):
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    for f in Path(corpus[0]).iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    for shard in folder.glob("c4-train.*"):  # whichever the shuffled order reads first
+        lines = gzip.decompress(shard.read_bytes()).decode().splitlines(keepends=True)
+        shard.write_bytes({"a bad first line": gzip.compress("".join(["not json\n", *lines[1:]]).encode()),
+                           "an empty shard": gzip.compress(b""), "not gzip": b"plain text"}[damage])
+    built = []
+    monkeypatch.setattr(train, "build", lambda *args: built.append(args))
+    expected = {"a bad first line": r"\.json\.gz:1: not a JSON object", "an empty shard": "holds no documents",
+                "not gzip": "the file is truncated or corrupt"}[damage]
+    with pytest.raises(SystemExit, match=rf"^train.py --size tiny: {folder}/c4-train.*{expected}"):
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 10, "--workers", "1"))
+    assert not built
+
+
 def test_bad_shard_line_saves_then_names_file_and_line(corpus, tmp_path):
     args = base_args(corpus_with_a_bad_line(corpus, tmp_path), tmp_path / "out", 10_000, "--workers", "1")
     with pytest.raises(SystemExit, match=r"c4-train.00001-of-00002.json.gz:101: not a JSON object") as e:
@@ -1395,7 +1415,15 @@ def test_out_dir_inside_a_file_and_changed_shards_are_one_line(corpus, tmp_path)
         (folder / f.name).write_bytes(f.read_bytes())
     train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--stop_after", "2"))
     (folder / "c4-train.00002-of-00003.json.gz").write_bytes((folder / "c4-train.00000-of-00002.json.gz").read_bytes())
-    with pytest.raises(SystemExit, match=f"^--resume {tmp_path}/out/ckpt.pt: the checkpoint's loader had shards="):
+    with pytest.raises(SystemExit, match=rf"^--resume {tmp_path}/out/ckpt.pt: the data folder's training shards are "
+                                         r"not the checkpoint's: 0 gone \[\], 1 added \['c4-train.00002-of-00003"):
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--resume"))
+    (folder / "c4-train.00002-of-00003.json.gz").unlink()
+    shard = folder / "c4-train.00001-of-00002.json.gz"  # cut short under its own name: a resume would read on
+    lines = gzip.decompress(shard.read_bytes()).decode().splitlines(keepends=True)  # in other data
+    shard.write_bytes(gzip.compress("".join(lines[:20]).encode()))
+    with pytest.raises(SystemExit, match=rf"^--resume {tmp_path}/out/ckpt.pt: 1 training shard\(s\) changed since the "
+                                         r"checkpoint, c4-train.00001-of-00002.json.gz from [\d,]+ to [\d,]+ bytes"):
         train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--resume"))
 
 

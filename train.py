@@ -541,8 +541,9 @@ def rank_0_speaks(fn):
 
 def prepare(args, held):
     """Everything before the first update: processes, data checks, out_dir's lock (into held, an ExitStack), the
-    checkpoint to resume, validation data and the Run, the config printed. Returns (ddp, ckpt, its path, validation
-    batches, run)."""
+    checkpoint to resume, the data and the Run, the config printed. Returns (ddp, ckpt, its path, (validation batches,
+    this rank's training loader), run). The data is read before the model is built: a bad shard is one line, not a
+    traceback after minutes of work."""
     ddp, rank, world, device, dtype, vocab_size = setup(args)
     ckpt = ckpt_path = None
     if not args.eval_only:  # which writes nothing
@@ -555,6 +556,7 @@ def prepare(args, held):
                                  eval_tokens=args.eval_tokens, pack=args.pack)
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
+    loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         vocab_size=vocab_size)
     run = build(args, config, device, dtype, ddp, ckpt)
@@ -566,7 +568,7 @@ def prepare(args, held):
         print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
               f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s "
               f"counts trained (non-pad) tokens; mem is {mem}")
-    return ddp, ckpt, ckpt_path, val, run
+    return ddp, ckpt, ckpt_path, (val, loader), run
 
 
 @rank_0_speaks
@@ -583,9 +585,10 @@ def main(argv=None, exiting=False):
         run_or_evaluate(args, *prepared, exiting)
 
 
-def run_or_evaluate(args, ddp, ckpt, ckpt_path, val, run, exiting):
+def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, exiting):
     """The stop signals answered, then the training run (or --eval_only's evaluation), then the teardown."""
     device, rank, world, master = run.device, run.rank, run.world, run.rank == 0
+    val, loader = data
 
     # ---- a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2): said at once, then a checkpoint of the last whole
     # update and a clean exit, before the next micro-batch: a scheduler's grace period may be shorter than an update
@@ -615,7 +618,7 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, val, run, exiting):
                 print(f"{ckpt_path} at step {ckpt['step']} | val loss {result[0]:.4f} | val ppl {result[1]:.2f} | "
                       f"{result[2]:,} validation tokens ({len(val)} batches)")
         else:
-            train(args, run, ckpt, val, stop)
+            train(args, run, ckpt, val, loader, stop)
     finally:
         if ddp:  # DDP's reducer (and the per-layer hooks on it) must go before the process group does
             if run.per_layer:
@@ -748,9 +751,25 @@ class Keeper:
                 self.metrics.close()
 
 
-def train(args, run, ckpt, val, stop):
+def train_loader(args, rank, world, ckpt):
+    """This rank's training batches (data.TrainLoader), at the checkpoint's data position; a shard that cannot be read,
+    or a data folder that no longer holds what the checkpoint read, is one line naming the fix."""
+    try:
+        loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
+                             seed=args.seed, rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py --size {args.size}: {e}") from None
+    if ckpt:
+        try:
+            loader.load_state_dict(ckpt["data"][rank])
+        except ValueError as e:
+            raise SystemExit(f"--resume {resume_path(args)}: {e}") from None
+    return loader
+
+
+def train(args, run, ckpt, val, loader, stop):
     """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
-    loop = Loop(args, run, ckpt, val, stop)
+    loop = Loop(args, run, ckpt, val, loader, stop)
     batches, syncs = iter(loop.loader), HostSyncs(run.device) if args.sync_debug else None
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
@@ -803,18 +822,13 @@ class Loop:
     """What train() does between updates: the loader (at the checkpoint's data position), the Keeper of metrics and
     checkpoints, the Meter of the loss; after each update the log row, the evaluation, the checkpoint and the stop."""
 
-    def __init__(self, args, run, ckpt, val, stop):
+    def __init__(self, args, run, ckpt, val, loader, stop):
         self.args, self.model, self.val, self.device, self.stop = args, run.raw_model, val, run.device, stop
         rank, world = run.rank, run.world
         self.rank, self.world, self.master, self.lrs = rank, world, rank == 0, run.per_layer or run.scheduler
         self.start, self.total = ckpt["step"] if ckpt else 0, args.num_training_steps
-        self.loader = TrainLoader(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
-                                  seed=args.seed, rank=rank, world_size=world, pack=args.pack, num_workers=args.workers)
+        self.loader = loader
         if ckpt:
-            try:
-                self.loader.load_state_dict(ckpt["data"][rank])
-            except ValueError as e:
-                raise SystemExit(f"--resume {resume_path(args)}: {e}" if self.master else 1) from None
             torch.set_rng_state(ckpt["rng"])
         self.keeper = Keeper(args, run, ckpt, val)
         carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
