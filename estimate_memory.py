@@ -78,14 +78,14 @@ def slip(size, method, rank, delta):
     return SLIPS.get((size, method, rank, delta))
 
 
-def moment_bytes(numel, optimizer, width=BF16):
+def moment_bytes(numel, optimizer, width=BF16, block_size=BLOCK_SIZE):
     """Bytes of Adam's two moments of one tensor whose parameter has `width` bytes (AdamW keeps its dtype)."""
     if optimizer == "adamw":
         return 2 * width * numel
     if numel < MIN_8BIT_SIZE:  # small tensors (norms) keep float32 moments: quantizing them saves nothing
         return 2 * 4 * numel
-    blocks = math.ceil(numel / BLOCK_SIZE)
-    return 2 * blocks * (BLOCK_SIZE + 4)  # per block: a 1-byte code per element (last block padded) + a float32 absmax
+    blocks = math.ceil(numel / block_size)
+    return 2 * blocks * (block_size + 4)  # per block: a 1-byte code per element (last block padded) + a float32 absmax
 
 
 class SavedTensors:
@@ -185,12 +185,12 @@ def check_dtype(dtype, amp):
 
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
              batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None,
-             freeze=None):
+             freeze=None, block_size=BLOCK_SIZE):
     """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
     gradients and activations of one method at one size. dtype and amp as train.py's --dtype and --amp: the paper's
     bf16 by default; float32 parameters, gradients and state (and under amp, activations as bf16 autocast keeps
     them). vocab_size: another tokenizer's (default: T5's 32000). freeze="lowrank" as train.py's --freeze: only
-    SLTrain's sparse values have gradients and moments."""
+    SLTrain's sparse values have gradients and moments. block_size: 8-bit Adam's, train.py's --block_size."""
     dtype = check_dtype(dtype, amp)
     check_freeze(freeze, method)
     if method not in METHODS:
@@ -215,7 +215,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     stored = n["total"]
     param_bytes = width * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
     trained = [p.numel() for p in model.parameters() if p.requires_grad]
-    optim_bytes = sum(moment_bytes(k, optimizer, width) for k in trained)
+    optim_bytes = sum(moment_bytes(k, optimizer, width, block_size) for k in trained)
     state_numel = 2 * sum(trained)
     layer_numel = layer_grad_numel(model, lambda p: p.requires_grad)
     grad_numel = layer_numel if per_layer else sum(trained)
@@ -239,7 +239,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         dense = [p for name, p in model.named_parameters() if not is_projection(name)]
         projected = [rank * max(shape) for shape in weights]
         projection_numel = sum(rank * min(shape) for shape in weights)
-        optim_bytes = (sum(moment_bytes(k, optimizer, width) for k in projected + [p.numel() for p in dense])
+        moments = projected + [p.numel() for p in dense]
+        optim_bytes = (sum(moment_bytes(k, optimizer, width, block_size) for k in moments)
                        + width * projection_numel)  # the projection keeps the parameters' dtype, even with 8-bit Adam
         state_numel = 2 * (sum(projected) + sum(p.numel() for p in dense)) + projection_numel
         row["projection_m"] = projection_numel / 1e6

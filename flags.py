@@ -16,7 +16,7 @@ import torch
 
 import checkpoint
 from devices import device_from_flag
-from estimate_memory import estimate
+from estimate_memory import BLOCK_SIZE, estimate
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for
 
 # size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
@@ -28,6 +28,7 @@ BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 200
              "relora_prune": 0.99}
 # the flags one method or optimizer reads, and the fix to name when another run is given them
 READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain, sltrain_ft) or a galore_* --optimizer",
+           "block_size": "an 8-bit --optimizer (adam8bit, galore_adam8bit)",
            "alpha": "a --method with factors (lowrank, relora, sltrain, sltrain_ft)",
            "delta": "--method sltrain or sltrain_ft",
            **dict.fromkeys(("galore_rank", "galore_update_gap", "galore_scale"), "a galore_* --optimizer"),
@@ -76,6 +77,8 @@ def make_parser(description=None):
       help="optimizer (written from scratch: optim.py, galore.py); *_per_layer is --per_layer; galore_* needs "
            "--method full")
     a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
+    a("--block_size", type=int, help="8-bit Adam: entries per block, each block with one float32 scale (default "
+      "256, bitsandbytes' since 0.44; before, when the paper's 8-bit runs were made, its blocks were of 2048)")
     a("--grad_clipping", type=float, help="clip the global gradient norm to this, 0: off (default: 1.0 at 7b, as its "
       "authors' script, unless --per_layer, which cannot clip globally; else 0)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
@@ -211,6 +214,10 @@ def get_args(argv=None, description=None):
         fixes = " or ".join(dict.fromkeys(READ_BY[name] for name in given))
         p.error(f"{', '.join('--' + name for name in given)}: not read by --method {args.method} with --optimizer "
                 f"{args.optimizer}; drop {'them' if len(given) > 1 else 'it'}, or pass {fixes}")
+    if args.optimizer.endswith("adam8bit"):
+        args.block_size = BLOCK_SIZE if args.block_size is None else args.block_size
+        if args.block_size < 1:
+            p.error(f"--block_size must be >= 1, got {args.block_size}")
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta)
         LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
@@ -236,6 +243,7 @@ def unused_flags(method, optimizer):
     read = {"rank", "alpha"} if method != "full" else {"rank"} if galore else set()
     read |= {"delta"} if method in SPARSE else set()
     read |= {"galore_rank", "galore_update_gap", "galore_scale"} if galore else set()
+    read |= {"block_size"} if optimizer.endswith("adam8bit") else set()
     read |= {"relora_reset", "relora_warmup", "relora_prune"} if method == "relora" else set()
     return [name for name in READ_BY if name not in read]
 
@@ -322,7 +330,7 @@ def check_memory(p, args, device, world):
         return estimate(args.size, method, rank, args.delta, index_dtype="int32",
                         optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
                         max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
-                        amp=args.amp, freeze=args.freeze)["train_gb"] * 1e9
+                        amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE)["train_gb"] * 1e9
     needed = need(args.batch_size)
     if needed <= share * available:
         return

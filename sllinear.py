@@ -210,10 +210,10 @@ class SLLinear(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """§3.3: A Kaiming-uniform and B zero (as LoRA), values U[-1/√in, 1/√in], a uniform random support. A
-        low-rank-only layer draws B Kaiming-uniform too (a departure from LoRA's start, which ReLoRA keeps): with B
-        zero and no S, W = 0 in every layer, and so are all their input and factor gradients, a point no update
-        leaves. With a base, W0 is drawn as a dense layer (LLaMA._init_weights; a pretrained one replaces it) and
-        V = 0."""
+        low-rank-only layer draws B Kaiming-uniform too (as early versions of ReLoRA's code did for its low-rank-only
+        baseline; later ones start B at zero): with B zero and no S, W = 0 in every layer, and so are all their input
+        and factor gradients, a point no update leaves. With a base, W0 is drawn as a dense layer
+        (LLaMA._init_weights; a pretrained one replaces it) and V = 0."""
         if self.rank > 0:
             nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
             if self.values is None and self.W0 is None:

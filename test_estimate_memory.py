@@ -105,6 +105,13 @@ def test_int32_indices_save_four_bytes_per_sparse_entry():
     assert narrow["optim_gb"] == wide["optim_gb"] and narrow["footnote"] is None
 
 
+def test_block_size_counts_one_float32_scale_per_block():
+    # train.py --block_size: bitsandbytes' 8-bit blocks were of 2048 entries before 0.44, of 256 since
+    assert em.moment_bytes(10_000, "adam8bit", block_size=2048) == 2 * 5 * (2048 + 4)
+    small, big = (em.estimate("60m", "sltrain", optimizer="adam8bit", block_size=b)["optim_gb"] for b in (256, 2048))
+    assert big < small < big * 1.02, (small, big)
+
+
 def test_adam8bit_state():
     # exact accounting as optim.Adam8bit stores it: per moment a 1-byte code per element, the last 256-block padded,
     # and a float32 absmax per block; float32 moments under 4096 elements

@@ -161,12 +161,37 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     (["--rank", "64"], "rank must be in"),
     (["--model_config", "configs/llama_99m.json"], "expected configs/llama_<size>.json"),
     (["--model_config", "configs/llama_60m.json"], "is size 60m, --size says tiny: drop one"),  # base_args' --size
+    (["--block_size", "2048"], "--block_size: not read by --method sltrain with --optimizer adamw; drop it, or pass an "
+                               "8-bit --optimizer"),
+    (["--optimizer", "adam8bit", "--block_size", "0"], "--block_size must be >= 1, got 0"),
 ])
 def test_bad_flags_fail_before_any_work(corpus, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
         train.main(base_args(corpus, tmp_path, 4, *extra))
     assert message in str(e.value) + capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists(), "no work may start before the flags are checked"
+
+
+def test_block_size_is_honored_kept_by_resume_and_an_older_run_had_256(corpus, tmp_path):
+    """--block_size 2048: the paper's 8-bit runs were made with bitsandbytes before 0.44, whose blocks were of 2048
+    entries (256 since). One float32 scale per block in the saved state; a resume with another block size is refused,
+    and a checkpoint from before the flag resumes as the 256 it had."""
+    eight = ["--optimizer", "adam8bit", "--per_layer"]
+    train.main(base_args(corpus, tmp_path / "a", 4, *eight, "--block_size", "2048", "--stop_after", "2"))
+    state = final_state(tmp_path / "a")
+    one = state["optimizer"]["optimizers"]["embed.weight"]["state"][0]  # 6144 entries: 8-bit
+    assert state["args"]["block_size"] == 2048 and one["exp_avg_absmax"].numel() == -(-one["exp_avg_codes"].numel()
+                                                                                      // 2048)
+    with pytest.raises(SystemExit, match=r"written by another run: block_size 2048 \(now 256\)"):
+        train.main(base_args(corpus, tmp_path / "a", 4, *eight, "--resume"))
+    train.main(base_args(corpus, tmp_path / "a", 4, *eight, "--block_size", "2048", "--resume"))
+    assert final_state(tmp_path / "a")["step"] == 4
+    train.main(base_args(corpus, tmp_path / "b", 4, *eight, "--stop_after", "2"))
+    old = final_state(tmp_path / "b")
+    del old["args"]["block_size"], old["sha256"]
+    checkpoint.save(tmp_path / "b" / "ckpt.pt", old)
+    train.main(base_args(corpus, tmp_path / "b", 4, *eight, "--resume"))
+    assert final_state(tmp_path / "b")["step"] == 4
 
 
 def test_resume_from_another_run_is_refused(corpus, tmp_path):

@@ -88,7 +88,8 @@ def galore_maker(args, model):
                                      lambda name, p: is_projection(name))
         return GaLore(groups, lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
                       update_gap=args.galore_update_gap, scale=args.galore_scale,
-                      inner=args.optimizer.removeprefix("galore_"), compile=args.compile)
+                      inner=args.optimizer.removeprefix("galore_"), block_size=args.block_size or 256,
+                      compile=args.compile)
     return make
 
 
@@ -105,7 +106,8 @@ def relora_restart(args, model, optimizers, done):
 RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total_batch_size", "max_length", "pack",
                                                 "seed", "dtype", "data_dir", "tokenizer_sha256", "galore_rank",
                                                 "galore_update_gap", "galore_scale", "relora_reset", "relora_warmup",
-                                                "relora_prune", "init_from", "support", "freeze", "support_seed")
+                                                "relora_prune", "init_from", "support", "freeze", "support_seed",
+                                                "block_size")
 EVAL_MUST_MATCH = ("size",) + MODEL_FIELDS + ("tokenizer_sha256",)
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile", "amp",
@@ -124,6 +126,8 @@ def load_for_resume(args, vocab_size, world, master=True):
     except ValueError as e:
         raise SystemExit(str(e)) from None
     old = ckpt["args"]
+    if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
+        old["block_size"] = 256 if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
         args.init_from = old.get("init_from")
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
@@ -503,7 +507,8 @@ def build(args, config, device, dtype, ddp, ckpt):
         return Run(model, raw_model, None, None, None, config, device, rank, world)
     hyper = dict(lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
     make_optimizer = {"adamw": lambda params: AdamW(params, **hyper),
-                      "adam8bit": lambda params: Adam8bit(params, **hyper, compile=args.compile)}.get(args.optimizer)
+                      "adam8bit": lambda params: Adam8bit(params, **hyper, block_size=args.block_size,
+                                                          compile=args.compile)}.get(args.optimizer)
     make_optimizer = make_optimizer or galore_maker(args, raw_model)
     if args.per_layer:
         per_layer, optimizer, scheduler = attach_per_layer(model, make_optimizer, lr_lambda_for(args)), None, None
