@@ -4,7 +4,7 @@ memory, the 8-bit step, inference and train.py itself, each measured side by sid
 printed as tables (beside the layer's floor and the paper's memory reductions) and written to one JSON file.
 
     python suite.py gpu --data_dir data/c4 --out out/gpu.json          # every section, one H100
-    python suite.py gpu --only layer optimizer amp --out out/gpu_a.json  # some of them
+    python suite.py gpu --only memory layer model --out out/gpu_1.json   # some of them (BENCHMARKS.md: "On a GPU")
     python suite.py tiny --data_dir data/c4                             # the same code at toy sizes, on CPU
 
 Sections, in the order they run, the paper's headline claims first (--only picks some; default all, program only
