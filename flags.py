@@ -26,6 +26,8 @@ RECIPES = {"tiny": (1000, 100, 3e-3, 16), "60m": (11_000, 1100, 3e-3, 128), "130
 # the baselines' own flags (GaLore's paper and ReLoRA's): their defaults, filled in once the method is known
 BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 2000, "relora_warmup": 50,
              "relora_prune": 0.99}
+# GaLore's lr and projection gap per size, as its scripts (lr 0.01 and gap 200 up to 1b; its 7b script: 0.005, 500)
+GALORE = {size: (5e-3, 500) if size == "7b" else (1e-2, 200) for size in RECIPES}
 # the flags one method or optimizer reads, and the fix to name when another run is given them
 READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain, sltrain_ft) or a galore_* --optimizer",
            "block_size": "an 8-bit --optimizer (adam8bit, galore_adam8bit)",
@@ -134,7 +136,8 @@ def make_parser(description=None):
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
     a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
     a("--galore_update_gap", type=int,
-      help=f"GaLore: recompute each projection every this many updates (default {BASELINES['galore_update_gap']})")
+      help=f"GaLore: recompute each projection every this many updates (default {BASELINES['galore_update_gap']}; "
+      f"7b {GALORE['7b'][1]}, as GaLore's scripts)")
     a("--galore_scale", type=float, help=f"GaLore: scale of the update projected back (default "
       f"{BASELINES['galore_scale']})")
     a("--relora_reset", type=int, help=f"ReLoRA: merge BA into W0 and restart every this many updates (default "
@@ -165,7 +168,7 @@ def get_args(argv=None, description=None):
     steps, _, lr, _ = RECIPES[args.size]
     args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
     galore = args.optimizer.startswith("galore")
-    args.lr = (1e-2 if galore else lr) if args.lr is None else args.lr  # GaLore's paper: lr 0.01
+    args.lr = (GALORE[args.size][0] if galore else lr) if args.lr is None else args.lr
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
                 "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after")
     for name in positive:
@@ -251,7 +254,7 @@ def unused_flags(method, optimizer):
 def check_baseline_flags(p, args, config):
     """GaLore's and ReLoRA's flags (the baselines of Table 1)."""
     galore = args.optimizer.startswith("galore")
-    for name, default in BASELINES.items():
+    for name, default in dict(BASELINES, galore_update_gap=GALORE[args.size][1]).items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     args.galore_rank = args.rank if args.galore_rank is None else args.galore_rank  # an explicit 0 is refused below
     if galore and args.method != "full":

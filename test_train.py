@@ -813,6 +813,15 @@ def test_help_shows_every_default(capsys):
         assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
 
 
+def test_galore_defaults_are_its_scripts_and_explicit_ones_stand(monkeypatch):
+    monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 7b run need not fit this machine
+    galore = ["--method", "full", "--optimizer", "galore_adam8bit", "--device", "cpu"]
+    for argv, lr, gap in ((["--size", "7b"], 5e-3, 500), (["--size", "1b"], 1e-2, 200),
+                          (["--size", "7b", "--lr", "1e-3", "--galore_update_gap", "100"], 1e-3, 100)):
+        args = train.get_args([*argv, *galore])
+        assert (args.lr, args.galore_update_gap) == (lr, gap), f"{' '.join(argv)}: {args.lr}, {args.galore_update_gap}"
+
+
 def test_default_clipping_is_the_authors_at_7b_and_an_explicit_one_stands(monkeypatch):
     monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 7b run need not fit this machine
     for argv, clip in ((["--size", "7b"], 1.0), (["--size", "7b", "--optimizer", "adam8bit", "--per_layer"], 0.0),
