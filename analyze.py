@@ -507,7 +507,7 @@ def weights(args):
                          "--tokenizer")
     eval_tokens = run.get("eval_tokens", 10_000_000) if args.eval_tokens is None else args.eval_tokens
     try:
-        load_tokenizer(tokenizer, pieces=model.config.vocab_size)
+        load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     except (OSError, ValueError) as e:
         raise SystemExit(f"analyze.py prune: {e}") from None
     try:

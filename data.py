@@ -58,11 +58,16 @@ def _cpus():
 
 # ----------------------------------------------------------------------------- files and tokenizer
 
-def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None):
+def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     """A sentencepiece model with an EOS piece (documents end with EOS); the default is T5's: pad 0, eos 1. data_dir
     is the folder a missing one could be trained on, for the message; pieces, a model's vocabulary size that the
-    tokenizer must have (a checkpoint read with another tokenizer would index past its embedding, or mean nothing)."""
+    tokenizer must have (a checkpoint read with another tokenizer would index past its embedding, or mean nothing);
+    sha256, the digest of the file a checkpoint was trained with (train.py records it): the same size is not the
+    same tokenizer."""
     path = Path(path)
+    if sha256 is not None and path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        raise ValueError(f"tokenizer {path} is not the one the checkpoint was trained with (its sha256 differs); pass "
+                         "--tokenizer with that one")
     fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
            f"(python data.py train-tokenizer --data_dir {data_dir} --out data/spm), then pass --tokenizer")
     if not path.is_file():

@@ -137,7 +137,7 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError("the checkpoint names no tokenizer; pass --tokenizer")
-    sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size)
+    sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     with open(tokenizer, "rb") as f:
         spm = f.read()  # read first: --tokenizer may be the tokenizer.model of this very folder
     os.makedirs(out_dir, exist_ok=True)

@@ -452,6 +452,33 @@ def test_export_refuses_a_tokenizer_of_another_size_before_writing(sl_ckpt, othe
     assert not (tmp_path / "hf").exists(), "nothing is written, and the folder made for the export is gone"
 
 
+def test_the_tools_refuse_a_tokenizer_of_the_same_size_but_not_the_runs(sl_ckpt, corpus, tmp_path):  # noqa: F811
+    """The same vocabulary size is not the same tokenizer: sample.py, export.py and analyze.py prune check the sha256
+    train.py recorded, as train.py --eval_only does (a tokenizer trained on fewer documents: 96 pieces, other ids)."""
+    import analyze
+    import data
+    other = str(data.train_tokenizer(corpus[0], tmp_path / "tok" / "spm", vocab_size=96, max_docs=60))
+    assert data.load_tokenizer(other).get_piece_size() == 96
+    refusal = "is not the one the checkpoint was trained with .*; pass --tokenizer with that one"
+    with pytest.raises(ValueError, match=refusal):
+        sample.sample(sl_ckpt, "the", max_new_tokens=2, tokenizer=other)
+    with pytest.raises(SystemExit, match=refusal):
+        export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", other])
+    assert not (tmp_path / "hf").exists()
+    dense = tmp_path / "dense.pt"
+    export.main([sl_ckpt, "--merged", str(dense)])
+    with pytest.raises(SystemExit, match=refusal):
+        analyze.main(["prune", str(dense), "--tokenizer", other])
+
+
+def test_a_checkpoint_names_its_tokenizer_wherever_the_tools_run(corpus, tmp_path, monkeypatch):  # noqa: F811
+    folder, tokenizer = corpus
+    monkeypatch.chdir(os.path.dirname(tokenizer))  # trained with --tokenizer spm.model, relative
+    train.main(base_args((folder, os.path.basename(tokenizer)), tmp_path / "run", 2))
+    monkeypatch.chdir(tmp_path)  # then sampled from another folder
+    assert sample.sample(str(tmp_path / "run" / "ckpt.pt"), "the", max_new_tokens=2, temperature=0)
+
+
 def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path):
     """Re-exporting into a folder, with its own tokenizer.model as --tokenizer (the run's may be gone), rewrites every
     file whole."""

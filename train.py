@@ -452,8 +452,8 @@ def setup(args):
         vocab_size = load_tokenizer(args.tokenizer, args.data_dir).get_piece_size()  # 32000 for T5's, as the paper
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
-    args.data_dir = os.path.abspath(args.data_dir)
-    with open(args.tokenizer, "rb") as f:
+    args.data_dir, args.tokenizer = os.path.abspath(args.data_dir), os.path.abspath(args.tokenizer)  # tools read
+    with open(args.tokenizer, "rb") as f:  # them from the checkpoint, from any folder
         args.tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()  # same vocabulary size is not same tokenizer
     if ddp:  # on GPUs the gradients go through NCCL and the ranks' one-number flags (a signal, a bad shard line)
         # through gloo, on the host: reading a flag then never waits for a GPU to finish its queue
