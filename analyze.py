@@ -453,8 +453,10 @@ def main(argv=None):
     args = get_args(argv)
     try:
         return (curves if args.command == "curves" else weights)(args)
-    except BaseException:  # an error, a refusal or Ctrl-C: no empty folder made for this command stays behind
+    except BaseException as e:  # an error, a refusal or Ctrl-C: no empty folder made for this command stays behind
         remove_empty(args.made_folders)
+        if isinstance(e, KeyboardInterrupt):
+            raise SystemExit(f"analyze.py {args.command}: interrupted; a file it was writing is removed") from None
         raise
 
 

@@ -65,9 +65,6 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     sha256, the digest of the file a checkpoint was trained with (train.py records it): the same size is not the
     same tokenizer."""
     path = Path(path)
-    if sha256 is not None and path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
-        raise ValueError(f"tokenizer {path} is not the one the checkpoint was trained with (its sha256 differs); pass "
-                         "--tokenizer with that one")
     fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
            f"(python data.py train-tokenizer --data_dir {data_dir} --out data/spm), then pass --tokenizer")
     if not path.is_file():
@@ -82,6 +79,9 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     if pieces is not None and sp.get_piece_size() != pieces:
         raise ValueError(f"tokenizer {path} has {sp.get_piece_size()} pieces but the model {pieces}; pass the "
                          "--tokenizer it was trained with")
+    if sha256 is not None and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        raise ValueError(f"tokenizer {path} is not the one the checkpoint was trained with (its sha256 differs); pass "
+                         "--tokenizer with that one")
     return sp
 
 

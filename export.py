@@ -163,7 +163,8 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
 def export_merged(model, ckpt, path, dtype=None, merged_from=None):
     """A full-rank checkpoint of the same model, in train.py's format (weights, config and the run's args). The model
     is made dense in place (densify); merged_from is the method it was trained with (default: the model's)."""
-    run = dict(ckpt.get("args", {}), method="full", merged_from=merged_from or model.config.method)
+    run = ckpt.get("args", {})  # a merged checkpoint merged again keeps what it was first trained as
+    run = dict(run, method="full", merged_from=run.get("merged_from") or merged_from or model.config.method)
     densify(model, dtype)
     save(path, {"model": model.state_dict(), "model_config": asdict(model.config), "args": run,
                 "step": ckpt.get("step")})  # atomic and checksummed, as train.py's
@@ -176,6 +177,7 @@ def main(argv=None):
     p.add_argument("--merged", help="write a full-rank checkpoint in our format to this file")
     p.add_argument("--tokenizer", help="sentencepiece model (default: the one the checkpoint was trained with)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: as trained)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --merged file")
     args = p.parse_args(argv)
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
@@ -183,6 +185,8 @@ def main(argv=None):
     if both and os.path.samefile(args.merged, args.ckpt):
         p.error(f"--merged {args.merged} is the checkpoint being exported: its optimizer and resume state would be "
                 "lost; pass another file")
+    if args.merged and os.path.isfile(args.merged) and not args.overwrite:  # another run's ckpt.pt, say
+        p.error(f"--merged {args.merged} exists: pass another file, or --overwrite to replace it")
     # the output paths first: a bad one would otherwise fail after the load, and --merged after the folder was written
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out} is a file; pass a folder (it is created if missing)")
@@ -222,6 +226,9 @@ def main(argv=None):
         remove_empty(made)
         if isinstance(e, (OSError, ValueError, SaveFailed)):  # the partial file is gone already: one line
             raise SystemExit(f"export.py: {e}") from None
+        if isinstance(e, KeyboardInterrupt):
+            raise SystemExit("export.py: interrupted; a file it was writing is removed, the ones it finished stay") \
+                from None
         raise
 
 

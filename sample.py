@@ -166,6 +166,8 @@ def main(argv=None):
                        args.top_p if args.top_p < 1 else None, not args.keep_factors)
     except (OSError, ValueError) as e:
         raise SystemExit(f"sample.py: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("sample.py: interrupted") from None
     for text in texts:
         print(text)
         print("-" * 40)

@@ -326,7 +326,8 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
              (["--merged", str(tmp_path / "m.pt"), "--tokenizer", str(tmp_path / "t.model")],
               "--tokenizer is for the Hugging Face folder: add --out FOLDER, or drop --tokenizer"),
              (["--out", str(tmp_path / "a_file"), "--tokenizer", str(tmp_path / "t.model")], "is a file"),
-             (["--out", str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "t.model")], "--tokenizer: tokenizer")]
+             (["--out", str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "t.model")], "--tokenizer: tokenizer"),
+             (["--merged", str(tmp_path / "a_file")], "exists: pass another file, or --overwrite to replace it")]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             export.main([str(tmp_path / "ckpt.pt"), *argv])
@@ -477,6 +478,15 @@ def test_a_checkpoint_names_its_tokenizer_wherever_the_tools_run(corpus, tmp_pat
     train.main(base_args((folder, os.path.basename(tokenizer)), tmp_path / "run", 2))
     monkeypatch.chdir(tmp_path)  # then sampled from another folder
     assert sample.sample(str(tmp_path / "run" / "ckpt.pt"), "the", max_new_tokens=2, temperature=0)
+
+
+def test_merged_again_replaces_only_when_asked_and_keeps_its_origin(sl_ckpt, tmp_path):
+    dense = tmp_path / "dense.pt"
+    export.main([sl_ckpt, "--merged", str(dense)])
+    export.main([str(dense), "--merged", str(dense.with_name("again.pt"))])  # a merged model, merged again
+    assert torch.load(dense.with_name("again.pt"), weights_only=True)["args"]["merged_from"] == "sltrain"
+    export.main([sl_ckpt, "--merged", str(dense), "--overwrite", "--dtype", "bfloat16"])
+    assert torch.load(dense, weights_only=True)["model"]["lm_head.weight"].dtype == torch.bfloat16
 
 
 def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path):
