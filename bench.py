@@ -573,8 +573,25 @@ def check_args(parser, args):
         if only and getattr(args, flag[2:]) not in (None, False) and not only & users:
             parser.error(f"{flag} is for the {', '.join(sorted(users))} sections, and --only has none of them: "
                          f"drop {flag}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    check_out(parser.error, args.out)
     args.max_length, args.rounds = args.max_length or 256, args.rounds or 7
     return device
+
+
+def check_out(error, out):
+    """--out, the JSON file written after each section: a folder, or a file in a folder that cannot be written, is
+    refused now, not after the first section's minutes."""
+    if out is None:
+        return
+    if os.path.isdir(out):
+        error(f"--out {out} is a folder; pass a file in it, such as {os.path.join(out, 'results.json')}")
+    folder = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(folder):  # write_json makes the folders missing: the first one there must take them
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        error(f"--out {out}: cannot write in {folder}; pass a file in a folder you can write")
 
 
 def start(device):

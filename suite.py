@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 import optim
-from bench import (INFERENCE_BATCH, bench_inference, finish, interleave, per_layer_host_time, pick_device,
+from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio_text, record_error, report_inference, start, summary, write_json)
 from estimate_memory import estimate, measure
 from model import LLaMA, PRETRAINING, config_for
@@ -300,10 +300,11 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     p = s["program"]
     for run in ("straight", "signalled", "compiled", "eager_sync", "torchrun"):  # the suite's scratch folders, anew
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
-    base = [sys.executable, "train.py", "--size", p["size"], "--optimizer", "adam8bit", "--per_layer",
-            "--data_dir", data_dir, "--tokenizer", tokenizer, "--total_batch_size", str(p["batch"]),
-            "--batch_size", str(p["batch"]), "--eval_every", str(p["eval_every"]), "--eval_tokens",
-            str(p["eval_tokens"]), "--log_every", "1", "--workers", "1"]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # whatever the working folder
+    base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
+            data_dir, "--tokenizer", tokenizer, "--total_batch_size", str(p["batch"]), "--batch_size", str(p["batch"]),
+            "--eval_every", str(p["eval_every"]), "--eval_tokens", str(p["eval_tokens"]), "--log_every", "1",
+            "--workers", "1"]
     rows = lambda run: [json.loads(line) for line in open(os.path.join(out_dir, run, "metrics.jsonl"))]
 
     @contextlib.contextmanager
@@ -420,6 +421,8 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
                model_compiled=lambda p: suite_model(s, device, dtype, True, p),
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
+    if not sections and not data_dir:  # all of them, but this one: said, not left out in silence
+        print("program: skipped, it trains on C4 shards: pass --data_dir (and --tokenizer) to run train.py itself")
     sections = sorted(sections, key=list(run).index) if sections else [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
@@ -549,6 +552,7 @@ def check_args(parser, args):
     args.tokenizer = args.tokenizer or "data/t5_spiece.model"
     if args.data_dir and not os.path.isfile(args.tokenizer):
         parser.error(f"--tokenizer {args.tokenizer}: no such file; pass the sentencepiece model")
+    check_out(parser.error, args.out)
     return device
 
 

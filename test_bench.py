@@ -26,6 +26,9 @@ import bench
     (["--only", "step", "--batch_size", "4"], "drop --batch_size"),
     (["--only", "host", "--quick"], "drop --quick"),
     (["--quick", "--size", "60m"], "--quick picks the tiny model and --size the sizes: pass one of them"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--only", "layer", "--out", "."], "--out . is a folder; pass a file in it"),
+    (["--only", "layer", "--out", "README.md/x/y.json"], "README.md; pass a file in a folder you can write"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     monkeypatch.setattr("sys.argv", ["bench.py", *argv])

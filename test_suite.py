@@ -6,6 +6,7 @@ The GPU suite's code at toy sizes on CPU, so that a GPU session spends its minut
 
 import json
 import math
+import os
 import time
 
 import pytest
@@ -21,6 +22,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     s = suite.SUITES["tiny"]
     sections = ["memory", "layer", "model", "optimizer", "amp", "inference", "model_compiled", "memory_galore"]
     assert list(r["seconds"]) == sections and "errors" not in r
+    assert "program: skipped, it trains on C4 shards: pass --data_dir" in capsys.readouterr().out  # said, not silent
     assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
     for L in r["layer"]:
         assert L["floor"] == 1 + 4 * L["rank"] / (3 * s["tokens"])
@@ -225,6 +227,21 @@ def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
     assert "invalid choice: 'nosuch'" in saved[-1]["torchrun"]["error"]
 
 
+def test_the_program_runs_the_suites_own_train_py_from_any_folder(corpus, tmp_path, monkeypatch):  # noqa: F811
+    import subprocess
+    started = []
+
+    def popen(cmd, **kwargs):  # each run's command, then a failure to start: the section goes on to the next
+        started.append(cmd)
+        raise OSError("not started")
+    monkeypatch.chdir(tmp_path)  # no train.py here
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(RuntimeError, match="train.py runs failed"):
+        suite.suite_program(suite.SUITES["tiny"], *corpus, str(tmp_path / "out"))
+    scripts = {arg for cmd in started for arg in cmd if arg.endswith("train.py")}
+    assert scripts == {os.path.join(os.path.dirname(os.path.abspath(suite.__file__)), "train.py")}, scripts
+
+
 def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa: F811
     """A run that outlives the section's timeout (here 0.3 s: not even torch's import fits) is killed with its
     process group, and its error says so; the others still run."""
@@ -247,6 +264,7 @@ def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa:
     (["tiny", "--data_dir", "/nonexistent/c4"], "--data_dir /nonexistent/c4: no such folder"),
     (["tiny", "--data_dir", ".", "--tokenizer", "/nonexistent.model"], "/nonexistent.model: no such file"),
     (["tiny", "--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["tiny", "--only", "layer", "--out", "."], "--out . is a folder"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     if argv == ["gpu"] and torch.cuda.is_available():
