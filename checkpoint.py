@@ -11,6 +11,7 @@ A checkpoint is a plain torch.save file of a dict (loadable with torch.load(...,
 empty or bit-flipped file is caught on load instead of training on from garbage.
 """
 
+import argparse
 import errno
 import fcntl
 import hashlib
@@ -238,20 +239,23 @@ def checkpoint_file(path):
     return os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
 
 
-def main(paths):
-    """Verify each checkpoint (a ckpt.pt, or the --out_dir that holds one): its step, or one line on what is wrong."""
-    if not paths:
-        raise SystemExit("usage: python checkpoint.py CKPT [CKPT ...]: a ckpt.pt, or the --out_dir holding one")
-    for p in paths:
-        path = checkpoint_file(p)
-        if not os.path.isfile(path):
-            raise SystemExit(f"no checkpoint at {path}; pass a ckpt.pt that train.py wrote, or its --out_dir")
+def main(argv=None):
+    """Verify each checkpoint (a ckpt.pt, or the --out_dir that holds one): its step, or one line on what is wrong;
+    every one is checked, and the exit is non-zero if any is not whole."""
+    p = argparse.ArgumentParser(description="verify checkpoints: the step of each, or what is wrong with it")
+    p.add_argument("ckpt", nargs="+", help="a ckpt.pt that train.py wrote, or the --out_dir holding one")
+    paths, bad = p.parse_args(argv).ckpt, 0
+    for path in map(checkpoint_file, paths):
         try:
-            s = load(path)
+            if not os.path.isfile(path):
+                raise ValueError(f"no checkpoint at {path}; pass a ckpt.pt that train.py wrote, or its --out_dir")
+            print(f"{path}: ok, step {load(path).get('step')}", flush=True)
         except (OSError, ValueError) as e:
-            raise SystemExit(str(e)) from None
-        print(f"{path}: ok, step {s.get('step')}")
+            bad += 1
+            print(e, file=sys.stderr, flush=True)
+    if bad:
+        raise SystemExit(f"{bad} of {len(paths)} checkpoint(s) not whole")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
