@@ -209,6 +209,8 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
         color = PALETTE[i % len(PALETTE)]
         points = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
         out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+        if len(xs) == 1:  # a line of one point draws nothing: a run evaluated once gets a dot
+            out.append(f'<circle cx="{sx(xs[0]):.1f}" cy="{sy(ys[0]):.1f}" r="3" fill="{color}"/>')
         ly = top + 10 + 18 * i
         lx = left + plot_w + 12
         out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 20}" y2="{ly}" stroke="{color}" stroke-width="2"/>')

@@ -208,7 +208,9 @@ def load(path):
 
 def load_model(path, device="cpu"):
     """A model from a checkpoint that train.py (or export.py --merged) wrote, verified -> (model in eval mode,
-    checkpoint). Refuses, with the reason, a file that is not such a checkpoint."""
+    checkpoint). path may be the run's folder (its ckpt.pt), as for train.py --resume. Refuses, with the reason, a
+    file that is not such a checkpoint."""
+    path = checkpoint_file(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; pass the ckpt.pt that train.py wrote into its --out_dir")
     ckpt = load(path)

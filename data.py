@@ -85,6 +85,10 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     return sp
 
 
+# the fix that a missing data folder's message names, whichever tool read it
+FETCH = "pass --data_dir, or fetch the shards (python data.py download, or train.py --download)"
+
+
 def find_shards(data_dir, split):
     """The sorted shards of one split: names containing "validation" are validation, all others are train."""
     if split not in ("train", "validation"):
@@ -94,7 +98,7 @@ def find_shards(data_dir, split):
         raise FileNotFoundError(f"--data_dir {folder} is a file; pass the folder that holds the shards "
                                 f"({folder.parent}?)")
     if not folder.is_dir():
-        raise FileNotFoundError(f"data folder {folder} does not exist; pass --data_dir or run with --download")
+        raise FileNotFoundError(f"data folder {folder} does not exist; {FETCH}")
     found = {p for g in SHARD_GLOBS for p in folder.glob(g)}
     dangling = sorted(p.name for p in found if p.is_symlink() and not p.exists())
     if dangling:  # an unmounted data store: training on the rest would drop those shards without a word
@@ -105,7 +109,7 @@ def find_shards(data_dir, split):
     if not shards:
         rule = "contains" if split == "validation" else "does not contain"
         raise FileNotFoundError(f"no {split} shards in {folder} ({' '.join(SHARD_GLOBS)} whose name {rule} 'validation'"
-                                f"; found {[p.name for p in files]}); pass --data_dir or run with --download")
+                                f"; found {[p.name for p in files]}); {FETCH}")
     return shards
 
 

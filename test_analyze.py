@@ -197,6 +197,11 @@ def test_curves_overlay(corpus, tmp_path):  # noqa: F811
     root = ET.parse(tmp_path / "c.svg").getroot()
     texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert "run0" in texts and "run1" in texts
+    assert not list(root.iter("{http://www.w3.org/2000/svg}circle")), "lines of several points need no dots"
+    once = write_metrics(tmp_path / "once" / "metrics.jsonl", [{"step": 20, "val_loss": 4.5}])  # one evaluation
+    analyze.main(["curves", paths[0], once, "--key", "val_loss", "--out", str(tmp_path / "d.svg")])
+    dots = list(ET.parse(tmp_path / "d.svg").getroot().iter("{http://www.w3.org/2000/svg}circle"))
+    assert len(dots) == 1, "a run evaluated once is drawn as a dot: a line of one point shows nothing"
 
 
 # ----------------------------------------------------------------------------- ReLoRA, and bad input of every kind

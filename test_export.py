@@ -29,6 +29,12 @@ def sl_ckpt(corpus, tmp_path_factory):  # noqa: F811
     return str(out / "ckpt.pt")
 
 
+def test_the_tools_take_a_run_folder_as_train_py_does(sl_ckpt):
+    folder = os.path.dirname(sl_ckpt)
+    assert sample.sample(folder, "the", max_new_tokens=3, temperature=0) == \
+        sample.sample(sl_ckpt, "the", max_new_tokens=3, temperature=0)
+
+
 def test_sample_is_deterministic_under_a_seed(sl_ckpt):
     a = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, seed=3)
     b = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, seed=3)

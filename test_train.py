@@ -423,7 +423,8 @@ def test_bad_out_dir_validation_data_and_inherited_warmup_are_one_line(corpus, t
 
 
 def test_missing_data_names_the_fix(tmp_path):
-    with pytest.raises(SystemExit, match="does not exist; pass --data_dir or run with --download"):
+    with pytest.raises(SystemExit, match=r"does not exist; pass --data_dir, or fetch the shards \(python data.py "
+                                         r"download, or train.py --download\)"):
         train.main(["--size", "tiny", "--data_dir", str(tmp_path / "nowhere"), "--out_dir", str(tmp_path)])
 
 
