@@ -175,6 +175,20 @@ def check_freeze(freeze, method):
         raise ValueError(f"freeze must be None, or 'lowrank' with method sltrain; got {freeze!r} with {method}")
 
 
+def memory_there(device, world=1):
+    """(bytes a run may use, the share of them it may fill, words for the message), or None where unknown. On a GPU
+    its free memory (other processes' and CUDA's context taken out), of which 95%: the rest is the allocator's. On CPU
+    the machine's memory shared by `world` ranks, of which 80%: beyond it the kernel kills the process with one word,
+    'Killed'."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        return free, 0.95, f"the {free / 1e9:.1f} GB free on {device}"
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
+        return machine, 0.8, f"this machine's {machine / 1e9:.1f} GB"
+    return None
+
+
 def check_dtype(dtype, amp):
     """The dtype of parameters, gradients and AdamW moments: the given one, else bf16, or float32 under amp."""
     dtype = dtype or ("float32" if amp else "bfloat16")
@@ -518,6 +532,26 @@ def print_measured(results, device, args):
 
 # ----------------------------------------------------------------------------- command line
 
+def refuse_what_would_not_fit(parser, args, methods, device):
+    """--measure builds and trains the model for real: one that would not fit is refused now, in one line, not
+    killed part way (on CPU the kernel's out-of-memory killer, which may take other processes with it). What each
+    needs is its estimated step, or its build if more: the model is made in float32, then cast."""
+    there = memory_there(device)
+    if there is None:
+        return
+    available, share, where = there
+    width = DTYPE_BYTES[check_dtype(args.dtype, args.amp)]
+    for method in methods:
+        row = estimate(args.size, method, args.rank, args.delta, "int32", args.optimizer, args.per_layer,
+                       args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp,
+                       freeze=args.freeze)
+        need = max(row["train_gb"], row["param_gb"] * (1 + 4 / width if width != 4 else 1)) * GB
+        if need > share * available:
+            parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "
+                         f"than {share:.0%} of {where}: pass a smaller --size or --batch_size (the estimate alone, "
+                         "without --measure, needs no memory)")
+
+
 def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix; then the defaults that depend on --measure."""
     if ((args.batch_size is not None and args.batch_size < (1 if args.measure else 0))
@@ -618,6 +652,7 @@ def main():
             args.size = "tiny"
         methods = ALL_METHODS if args.method == "all" else (args.method,)
         device = torch.device(args.device)
+        refuse_what_would_not_fit(parser, args, methods, device)
         results = {}
         for method in methods:
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,

@@ -16,7 +16,7 @@ import torch
 
 import checkpoint
 from devices import device_from_flag
-from estimate_memory import BLOCK_SIZE, estimate
+from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for
 
 # size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
@@ -316,14 +316,10 @@ def check_memory(p, args, device, world):
     beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of its free memory (other
     processes' and CUDA's own context already taken out), the rest left to the allocator; beyond it CUDA would run
     out of memory once the model is built."""
-    if device.type == "cuda":
-        available, share = torch.cuda.mem_get_info(device)[0], 0.95
-        where = f"the {available / 1e9:.1f} GB free on {device}"
-    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
-        share, where = 0.8, f"this machine's {available / 1e9:.1f} GB"
-    else:
+    there = memory_there(device, world)
+    if there is None:
         return
+    available, share, where = there
     galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
 

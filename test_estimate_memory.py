@@ -230,6 +230,19 @@ def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     assert message in err and "Traceback" not in err, err
 
 
+def test_measure_refuses_a_model_the_machine_cannot_hold_before_building_it(monkeypatch, capsys):
+    # a 7b model on a 16 GB machine: before, the kernel's out-of-memory killer ended it part way, without a word
+    monkeypatch.setattr(em, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
+    monkeypatch.setattr(em, "measure", lambda *args: pytest.fail("measured a model that cannot fit"))
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--measure", "--size", "7b", "--method", "sltrain",
+                                      "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        em.main()
+    err = capsys.readouterr().err
+    assert "--measure sltrain at 7b needs about" in err and "more than 80% of this machine's 16.0 GB: pass a " \
+        "smaller --size or --batch_size" in err, err
+
+
 def test_rank_and_delta_are_honored_where_a_method_has_them(monkeypatch, capsys):
     out = run_main(monkeypatch, capsys, "--size", "60m", "--method", "sltrain", "--rank", "0", "--delta", "0.05",
                    "--json")  # rank 0: a sparse-only SLTrain model
