@@ -596,6 +596,9 @@ def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
 
 # ----------------------------------------------------------------------------- commands
 
+SHOWN = 10  # bad lines said per shard by stats; the count of the rest follows
+
+
 def stats(data_dir, tokenizer_path, max_length=256):
     """Read and tokenize every document of every shard (a full check of a folder), one line per shard."""
     sp = load_tokenizer(tokenizer_path)
@@ -603,16 +606,29 @@ def stats(data_dir, tokenizer_path, max_length=256):
     print(f"{'shard':<48} {'docs':>8} {'tokens':>12} {'tok/doc':>8} {'paper tok/doc':>13} {'truncated':>9}")
     bad = 0
     for path in shards:
+        lines = []  # the shard's bad lines: each is said (the first SHOWN), and the reading goes on past them
+
+        def good():
+            for lineno, raw in _lines(path):
+                try:
+                    yield _text(path, lineno, raw)
+                except ValueError as e:
+                    lines.append(str(e))
         try:
-            n = np.array([len(x) for t in _chunks(_texts([path]), 1024) for x in sp.encode(t, num_threads=_cpus())])
-            if len(n) == 0:
+            n = np.array([len(x) for t in _chunks(good(), 1024) for x in sp.encode(t, num_threads=_cpus())])
+            if len(n) == 0 and not lines:
                 raise ValueError(f"{path} holds no documents; remove it or download it again")
-        except ValueError as e:  # a finding, not a crash: report it and go on to the next shard
-            print(f"{path.name:<48} {e}")
-            bad += 1
-            continue
-        print(f"{path.name:<48} {len(n):>8,} {n.sum():>12,} {n.mean():>8.1f} "
-              f"{np.minimum(n + 1, max_length).mean():>13.1f} {(n + 1 > max_length).mean():>9.1%}")
+        except ValueError as e:  # a shard that cannot be read on: a finding, not a crash; the next shard is read
+            lines.append(str(e))
+            n = np.array([])
+        for line in lines[:SHOWN]:
+            print(f"{path.name:<48} {line}")
+        if len(lines) > SHOWN:
+            print(f"{path.name:<48} ... and {len(lines) - SHOWN} more bad lines")
+        bad += bool(lines)
+        if len(n):
+            print(f"{path.name:<48} {len(n):>8,} {n.sum():>12,} {n.mean():>8.1f} "
+                  f"{np.minimum(n + 1, max_length).mean():>13.1f} {(n + 1 > max_length).mean():>9.1%}")
     return bad
 
 

@@ -550,11 +550,15 @@ def test_stats_reports_a_bad_line_without_a_traceback(tok, tmp_path, capsys):
     write_shard(tmp_path / "c4-train.00000-of-00002.json.gz", make_docs(0, 20, random.Random(0)))
     write_shard(tmp_path / "c4-validation.00000-of-00001.json.gz", make_docs(0, 20, random.Random(1)))
     bad = tmp_path / "c4-train.00001-of-00002.json.gz"
-    bad.write_bytes(gzip.compress(b'{"text": "fine"}\nnot json\n'))
+    bad.write_bytes(gzip.compress(b'{"text": "fine"}\nnot json\n{"text": 5}\n' + b"[]\n" * 12 + b'{"text": "ok"}\n'))
     with pytest.raises(SystemExit, match=r"1 shard\(s\) failed"):
         data.main(["stats", "--data_dir", str(tmp_path), "--tokenizer", str(tok)])
     out = capsys.readouterr().out
     assert f"{bad}:2: not a JSON object" in out and "c4-validation.00000-of-00001.json.gz" in out
+    # every bad line of a shard is found, not only its first: 10 said, the count of the others, and its 2 good ones
+    assert f'{bad}:3: no "text" string' in out and "... and 4 more bad lines" in out, out
+    rows = [line for line in out.splitlines() if line.startswith(bad.name)]
+    assert len(rows) == 12 and rows[-1].split()[1] == "2", out
 
 
 def test_data_commands_say_a_bad_shard_in_one_line(tok, tmp_path, capsys):
