@@ -47,6 +47,9 @@ def digest(obj, h=None):
     return h
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota: the fix is free space
+
+
 class SaveFailed(Exception):
     """save() could not write its file: `cause` is the OSError that stopped it (a full disk or quota: `disk_full`; a
     read-only, failing or full-sized filesystem, lost permissions, ...), `kept` whether an earlier file at the path is
@@ -54,7 +57,7 @@ class SaveFailed(Exception):
 
     def __init__(self, path, cause, kept):
         self.path, self.cause, self.kept = path, cause, kept
-        self.disk_full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        self.disk_full = cause.errno in DISK_FULL
         what = "disk full: " if self.disk_full else ""
         super().__init__(f"{what}could not write {path} ({cause.strerror or cause}); "
                          + ("the previous checkpoint there is kept" if kept else "none was saved there yet"))
@@ -78,6 +81,9 @@ class _Writes:
         self.f.flush()
 
 
+TEMPORARY = re.compile(r".+\.\d+\.[0-9a-f]{8}\.tmp")  # the name of atomic_file's temporary: path.PID.RANDOM.tmp
+
+
 @contextmanager
 def atomic_file(path):
     """A binary file to write that appears at path whole or not at all: a temporary file beside it, of a name of its
@@ -85,7 +91,7 @@ def atomic_file(path):
     old file or the new one, never a mix (and the temporary, which folder_lock removes); an error (or Ctrl-C) in the
     writing removes the temporary, a partial file that would only fill the disk further, and leaves an earlier file
     at path as it was."""
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # TEMPORARY matches it
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open()'s files
     try:
         with open(fd, "wb") as f:
@@ -137,7 +143,7 @@ def folder_lock(folder):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, str(os.getpid()).encode(), 0)
             for name in os.listdir(folder):
-                if re.fullmatch(r".+\.\d+\.[0-9a-f]{8}\.tmp", name):
+                if TEMPORARY.fullmatch(name):
                     with suppress(OSError):
                         os.remove(os.path.join(folder, name))
         yield

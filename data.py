@@ -310,6 +310,7 @@ class TrainLoader:
             raise ValueError(f"need batch_size, shuffle_buffer, block_docs >= 1 and max_length >= 2, got {batch_size}, "
                              f"{shuffle_buffer}, {block_docs} and {max_length}")
         self.shards, self.tokenizer_path = find_shards(data_dir, "train"), str(tokenizer_path)
+        self.sizes = [p.stat().st_size for p in self.shards]  # read once: state_dict() comes before every update
         self.pad_id = max(load_tokenizer(tokenizer_path).pad_id(), 0)  # fail now on a bad tokenizer, not in a worker
         for path in self.shards:  # fail now on a shard that is not JSON lines; truncation shows only when read
             first = next(_lines(path), None)
@@ -329,7 +330,7 @@ class TrainLoader:
     def _config(self):
         return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size, "pack": self.pack,
                 "max_length": self.max_length, "shuffle_buffer": self.shuffle_buffer, "block_docs": self.block_docs,
-                "shards": [p.name for p in self.shards], "sizes": [p.stat().st_size for p in self.shards]}
+                "shards": [p.name for p in self.shards], "sizes": self.sizes}
 
     def state_dict(self):
         epoch, shard, block, offset = self._pos

@@ -449,14 +449,6 @@ def _at_end_of_backward(fn):
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
-def _forward_to(ref, method):
-    """A hook that calls ref()'s method, or does nothing once ref's object is gone."""
-    def hook(*args):
-        target = ref()
-        return None if target is None else getattr(target, method)(*args)
-    return hook
-
-
 class PerLayer:
     """Per-layer updates, made by attach_per_layer(): one optimizer per layer, i.e. per module with trainable
     parameters of its own (an SLLinear's B, A and values; a norm's weight), stepped as soon as the last of them has
@@ -494,8 +486,12 @@ class PerLayer:
         # PerLayer -> parameter) would never be freed, and every model given per-layer updates in one process
         # (a sweep, a benchmark, a notebook) would keep its parameters and optimizer state to the end.
         module._per_layer, me = self, weakref.ref(self)
+
+        def on_grad(p):
+            if me() is not None:  # a PerLayer replaced on this model by a later attach_per_layer: its hooks do nothing
+                me()._on_grad(p)
         if self.ddp is None:
-            self._handles = [p.register_post_accumulate_grad_hook(_forward_to(me, "_on_grad")) for p in self.names]
+            self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.names]
         else:
             self._handles = []
             # DDP checks the hook's parameter names; the module holds this PerLayer as long as DDP holds the module

@@ -105,8 +105,9 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError(f"{ckpt_path} names no tokenizer; pass --tokenizer")
-    sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))  # before the
-    model = merged(model) if merge else model  # merge, which at 7b takes a while
+    # the tokenizer checked before the merge, which at 7b takes a while
+    sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
+    model = merged(model) if merge else model
     # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
     # every training document follows one; the paper's padded rows never predict a document's first token, so there
     # the first draw is from an untrained position (give a prompt)

@@ -16,7 +16,6 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 
 import argparse
 import ctypes
-import errno
 import functools
 import gc
 import hashlib
@@ -88,7 +87,7 @@ def galore_maker(args, model):
                                      lambda name, p: is_projection(name))
         return GaLore(groups, lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
                       update_gap=args.galore_update_gap, scale=args.galore_scale,
-                      inner=args.optimizer.removeprefix("galore_"), block_size=args.block_size or 256,
+                      inner=args.optimizer.removeprefix("galore_"), block_size=args.block_size or flags.BLOCK_SIZE,
                       compile=args.compile)
     return make
 
@@ -127,7 +126,7 @@ def load_for_resume(args, vocab_size, world, master=True):
         raise SystemExit(str(e)) from None
     old = ckpt["args"]
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
-        old["block_size"] = 256 if old.get("optimizer", "").endswith("adam8bit") else None
+        old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
         args.init_from = old.get("init_from")
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
@@ -247,7 +246,7 @@ def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
 def after_failed_write(e, last_good):
     """What to do once a file of the run could not be written: the fix by the error (a full disk, or another cause),
     then where the run goes on from: the last good checkpoint, named (it may be in another folder), or a new start."""
-    fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+    fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in checkpoint.DISK_FULL else \
         "see to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
     return f"{fix}, then " + (f"rerun with --resume {last_good[0]} (step {last_good[1]})" if last_good else
                               "start again")
