@@ -26,6 +26,7 @@ import torch
 
 import checkpoint
 import data
+import keeper
 import flags
 import train
 from hostsync import HostSyncs
@@ -623,7 +624,7 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
             train.main(base_args(corpus, tmp_path / "other", 6))
     with monkeypatch.context() as m:  # a stop within update 3, whose checkpoint of update 2 checks a forward first
         signal_in_micro_batch(m, 5)  # 2 micro-batches per update: the first of update 3
-        m.setattr(train, "all_finite", no_memory)
+        m.setattr(keeper, "all_finite", no_memory)
         with pytest.raises(SystemExit, match=r"^out of memory in the checkpoint of update 2, on a stop signal; no "
                                              r"checkpoint was saved yet: start again with --batch_size 2 "):
             train.main(base_args(corpus, tmp_path / "stop", 6))

@@ -10,7 +10,7 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     python train.py --size 60m --method relora
 
 Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line, and is
-checked before any work (flags.py).
+checked before any work (flags.py). What a run keeps in out_dir (the lock, metrics.jsonl, ckpt.pt) is keeper.py's.
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
 """
 
@@ -28,7 +28,7 @@ import sys
 import time
 import warnings
 from contextlib import ExitStack, nullcontext, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,9 @@ import checkpoint
 import flags
 from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
                   validation_batches)
-from flags import resume_path, same_file
+from flags import resume_path
 from hostsync import HostSyncs
+from keeper import Keeper, any_rank, diverged, lock_out_dir, refuse_overwrite
 from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
@@ -180,89 +181,6 @@ def set_hyperparameters(args, optimizers, scheduler):
         scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
-def lock_out_dir(args, held, rank, world):
-    """One run at a time writes into out_dir (checkpoint.folder_lock, held by rank 0 till main ends): a second one,
-    a requeued job beside the old one still ending, is refused before any work, on every rank."""
-    busy = None
-    if rank == 0:
-        try:
-            held.enter_context(checkpoint.folder_lock(args.out_dir))
-        except checkpoint.FolderBusy as e:
-            busy = f"--out_dir: {e}; wait for it to end, or pass a new --out_dir"
-        except OSError as e:
-            busy = f"--out_dir {args.out_dir} cannot be made ({e.strerror or e}): pass a folder you can write"
-    if any_rank(busy is not None) if world > 1 else busy:
-        raise SystemExit(busy or 1)
-
-
-def refuse_overwrite(args):
-    """A checkpoint in out_dir is replaced only with --overwrite: by a fresh run, or by one continuing another
-    checkpoint (--resume PATH) into this out_dir."""
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    if args.overwrite:  # (flags.py refuses it with a --resume of this checkpoint)
-        with suppress(FileNotFoundError):  # every rank tries; and now, as metrics.jsonl is emptied: a run that
-            os.remove(path)  # fails before its first save leaves neither the old run's checkpoint nor its rows
-        return
-    if not os.path.exists(path) or args.eval_only:  # --eval_only writes nothing
-        return
-    if args.resume and not os.path.exists(resume_path(args)):
-        return  # load_for_resume says there is no checkpoint to resume
-    if not args.resume:
-        raise SystemExit(f"{path} exists: continue that run with --resume, or pass a new --out_dir, or --overwrite "
-                         "to replace it")
-    if not same_file(path, resume_path(args)):
-        raise SystemExit(f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, which holds "
-                         f"another checkpoint: pass a new --out_dir, or --overwrite to replace {path}")
-
-
-def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
-    """The rows of the resumed run, up to its checkpoint's step, into path: after a kill, the rows past the
-    checkpoint are redone on resume, so they are dropped and each step appears once. source is path itself, or the
-    metrics beside a checkpoint resumed from another folder (none there: path starts empty). A line that a kill or
-    a full disk cut short is dropped too, and said."""
-    rows, torn = [], 0
-    if not os.path.exists(source) and same_file(source, path):
-        return
-    with open(source) if os.path.exists(source) else nullcontext([]) as f:
-        for line in f:
-            try:
-                row = json.loads(line) if line.strip() else None
-            except json.JSONDecodeError:
-                torn += 1
-                continue
-            redone = eval_pending and row is not None and row["step"] == step and "val_loss" in row  # made again
-            if row is not None and row["step"] <= step and not redone:
-                rows.append(line if line.endswith("\n") else line + "\n")
-    if torn:
-        print(f"{source}: dropped {torn} line(s) cut short by the end of the last run")
-    try:
-        with checkpoint.atomic_file(path) as f:
-            f.write("".join(rows).encode())
-    except OSError as e:  # a full disk: nothing is changed yet
-        raise SystemExit(f"cannot write {path} ({e.strerror or e}); {after_failed_write(e, [resume_from, step])}") \
-            from None
-
-
-def after_failed_write(e, last_good):
-    """What to do once a file of the run could not be written: the fix by the error (a full disk, or another cause),
-    then where the run goes on from: the last good checkpoint, named (it may be in another folder), or a new start."""
-    fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in checkpoint.DISK_FULL else \
-        "see to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
-    return f"{fix}, then " + (f"rerun with --resume {last_good[0]} (step {last_good[1]})" if last_good else
-                              "start again")
-
-
-def diverged(why, last_good):
-    """The message for a diverged run; last_good is (path, step) of the checkpoint it continues from or last saved,
-    empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
-    if not last_good:
-        return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
-                          f"--grad_clipping)")
-    path, step = last_good
-    return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (nothing non-finite is "
-                      f"ever saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
-
-
 def ran_out_of_memory(error):
     """Whether a GPU's OutOfMemoryError is this error or its cause (a CPU's allocator raises none: the OS kills)."""
     seen = set()
@@ -305,17 +223,6 @@ def out_of_memory(args, run, where, last_good):
     return RankFault(1)
 
 
-@torch.no_grad()
-def all_finite(model, batch, device):
-    """Whether every parameter and the loss on one fixed batch are finite (as an int tensor). The parameters alone
-    can be finite yet ruined: one update at --lr 1e9 leaves them near 1e9, and the next forward gives NaN."""
-    model.eval()
-    loss = model(*(t.to(device) for t in batch))[1]
-    model.train()
-    params = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
-    return (params & loss.isfinite()).int()
-
-
 # ----------------------------------------------------------------------------- evaluation and logging
 
 @torch.no_grad()
@@ -349,14 +256,6 @@ def stopping(stop, world):
         stop["signal"] = stop["signal"] or "a signal on another rank"
         return True
     return False
-
-
-def any_rank(flag):
-    """Whether flag is true on some rank: a one-number all-reduce of a host tensor (gloo, also beside NCCL), which
-    waits for the other ranks' processes to get here, never for a device."""
-    count = torch.tensor(int(flag))
-    dist.all_reduce(count)
-    return bool(count.numpy())  # read as the host memory it is: not an aten op, which --sync_debug would count
 
 
 class Meter:
@@ -644,115 +543,6 @@ def stop_when_torchrun_ends():
     gone sends nothing. Till the stop signals are answered, SIGTERM ends the rank as it does any process."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, sent when the parent (the agent) dies
-
-
-class Keeper:
-    """What a run keeps, and never of a diverged model: out_dir/metrics.jsonl (one row per log and eval) and
-    out_dir/ckpt.pt. A non-finite loss or gradient norm is flagged on the device (no host sync) and read at log and
-    save steps (check_finite); before each save the parameters and the loss of one validation batch are checked too."""
-
-    def __init__(self, args, run, ckpt, val):
-        self.args, self.model, self.val, self.config, self.device = args, run.raw_model, val, run.config, run.device
-        self.optimizer, self.scheduler = run.per_layer or run.optimizer, run.scheduler
-        self.master, self.ddp, self.world = run.rank == 0, run.world > 1, run.world
-        self.path = os.path.join(args.out_dir, "ckpt.pt")
-        self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-        start = ckpt["step"] if ckpt else 0
-        self.last_good = [resume_path(args), start] if ckpt else []  # (path, step), for the divergence message
-        resumed_here = ckpt and same_file(resume_path(args), self.path)
-        self.on_disk = (start, ckpt.get("eval_pending", False)) if resumed_here else None  # (step, eval_pending) there
-        self.first_bad = torch.tensor(-1, device=run.device)  # the first update with a non-finite loss or norm
-        self.metrics = None
-        self.master_writes(lambda: self._open_metrics(ckpt, start))
-
-    def master_writes(self, write):
-        """write() on the master, the only rank that writes files. Should it fail (a full disk: a SystemExit with the
-        message), every rank stops with it, not the master alone: the others would wait for it in their next
-        collective. Under DDP that costs one host all-reduce, at log, eval and save steps only."""
-        message = None
-        if self.master:
-            try:
-                write()
-            except SystemExit as e:
-                message = str(e)
-        if any_rank(message is not None) if self.ddp else message is not None:
-            raise SystemExit(message if self.master else 1)
-
-    def _open_metrics(self, ckpt, start):
-        try:
-            os.makedirs(self.args.out_dir, exist_ok=True)
-        except OSError as e:
-            raise SystemExit(f"--out_dir {self.args.out_dir} cannot be made ({e.strerror or e}): pass a folder "
-                             "you can write") from None
-        if ckpt:
-            beside = os.path.join(os.path.dirname(resume_path(self.args)), "metrics.jsonl")
-            trim_metrics(beside, start, self.metrics_path, ckpt.get("eval_pending", False), resume_path(self.args))
-        try:
-            self.metrics = open(self.metrics_path, "a" if ckpt else "w")
-        except OSError as e:
-            raise SystemExit(f"--out_dir {self.args.out_dir}: cannot write {self.metrics_path} ({e.strerror or e}); "
-                             "pass a folder you can write") from None
-
-    def flag(self, done, loss, norm):
-        """Update `done` gave this loss and norm: flag it if they are not finite and none was before (on the device)."""
-        bad = (self.first_bad < 0) & ~(torch.isfinite(loss) & torch.isfinite(norm))
-        self.first_bad = torch.where(bad, done, self.first_bad)
-
-    def check_finite(self):
-        if self.ddp:  # each rank holds its own share of the loss: all must agree to stop
-            dist.all_reduce(self.first_bad, op=dist.ReduceOp.MAX)
-        if self.first_bad.item() >= 0:
-            raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good)
-
-    def record(self, row):
-        self.master_writes(lambda: self._write_row(row))
-
-    def _write_row(self, row):
-        try:
-            self.metrics.write(json.dumps(row) + "\n")
-            self.metrics.flush()
-        except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
-            raise SystemExit(f"cannot write {self.metrics_path} at step {row['step']} ({e.strerror or e}); "
-                             f"{after_failed_write(e, self.last_good)}") from None
-
-    def save(self, step, data_state, eval_pending=False, meter_state=None):
-        """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
-        norm flags, then the parameters and the loss of one fixed validation batch, so that no diverged model is
-        ever written over the last good one. Nothing is written if out_dir's checkpoint holds this already (a stop
-        right after a save or a resume): at 7b a second copy would spend a scheduler's grace period."""
-        if self.on_disk == (step, eval_pending):
-            return
-        self.check_finite()
-        ok = all_finite(self.model, self.val[0], self.device)
-        if self.ddp:  # the ranks hold the same model and should agree; if not, none may save alone
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if not ok.item():
-            raise diverged(f"the model after step {step} has non-finite parameters or loss", self.last_good)
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict() if self.scheduler else None, "step": step,
-                 "args": vars(self.args), "model_config": asdict(self.config), "world": self.world,
-                 "rng": torch.get_rng_state(), "data": [None] * self.world, "eval_pending": eval_pending}
-        both = [None] * self.world
-        if self.ddp:
-            dist.all_gather_object(both, (data_state, meter_state))
-        else:
-            both[0] = (data_state, meter_state)
-        state["data"], state["meter"] = [d for d, _ in both], [m for _, m in both]
-        self.master_writes(lambda: self._write_checkpoint(state))
-        self.last_good[:] = self.path, step
-        self.on_disk = (step, eval_pending)
-
-    def _write_checkpoint(self, state):
-        try:
-            checkpoint.save(self.path, state)
-        except checkpoint.SaveFailed as e:  # last_good is still the one before
-            said = after_failed_write(e.cause, self.last_good)
-            raise SystemExit(f"{e}. {said[0].upper()}{said[1:]}") from None
-
-    def close(self):
-        if self.metrics:
-            with suppress(OSError):  # a write that failed already said so; its buffer cannot be kept
-                self.metrics.close()
 
 
 def train_loader(args, rank, world, ckpt):
