@@ -28,8 +28,10 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -548,6 +550,7 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
     if any(not p.is_dir() for p in above):
         raise ValueError(f"{next(p for p in above if not p.is_dir())} is a file where a folder of the paths should be; "
                          "pass other paths")
+    fetched = 0
     for name in names:
         path = Path(data_dir) / name
         if recheck and path.exists() and not _gzip_ok(path):
@@ -556,12 +559,27 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
         if not path.exists():
             fetch(f"{base}/datasets/allenai/c4/resolve/main/en/{name}", Path(data_dir) / name,
                   known_sha256.get(name), retries, backoff)
+            fetched += 1
     if tokenizer_path is not None and not Path(tokenizer_path).exists():
         fetch(f"{base}/google-t5/t5-base/resolve/main/spiece.model", tokenizer_path,
               known_sha256.get("spiece.model"), retries, backoff)
+        fetched += 1
+    if not fetched:
+        tokenizer = f" and {tokenizer_path}" if tokenizer_path is not None else ""
+        print(f"nothing to fetch: the {len(names)} shard(s) in {data_dir}{tokenizer} are there already", flush=True)
 
 
 # ----------------------------------------------------------------------------- tokenizer training
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
 
 def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
     """Train a unigram sentencepiece model on the first max_docs training documents, laid out as T5's
@@ -583,16 +601,28 @@ def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
             failed.append(e)
             raise
 
-    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
+    out = Path(out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written in a folder of its own beside the result, then renamed: a kill or a full disk leaves no half-written
+    # PREFIX.model for a run to read. A later call removes the folder a killed one left (its pid is in the name)
+    for stale in out.parent.glob(f".{out.name}.*.training"):
+        pid = stale.name[len(out.name) + 2:].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".training", dir=out.parent))
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=checked(), model_prefix=str(out_prefix),
+        spm.SentencePieceTrainer.train(sentence_iterator=checked(), model_prefix=str(work / "spm"),
                                        vocab_size=vocab_size, model_type="unigram", pad_id=0, eos_id=1, unk_id=2,
                                        bos_id=-1, num_threads=_cpus(), minloglevel=2)
+        os.replace(work / "spm.vocab", f"{out}.vocab")
+        os.replace(work / "spm.model", f"{out}.model")  # last: a .model present is a whole pair
     except RuntimeError:
         if failed:
             raise failed[0] from None
         raise
-    return Path(f"{out_prefix}.model")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return Path(f"{out}.model")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -668,6 +698,7 @@ def main(argv=None):
     t.add_argument("--out", default="data/spm", help="output prefix: writes PREFIX.model and PREFIX.vocab")
     t.add_argument("--vocab_size", type=int, default=32000, help="number of pieces (T5: 32000)")
     t.add_argument("--max_docs", type=int, default=100_000, help="train on the first N training documents")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model and PREFIX.vocab")
     for name, what in (("stats", "docs and tokens per document of every shard (reads every line)"),
                        ("bench", "loader throughput; last line 'tokens/s N'")):
         c = sub.add_parser(name, help=what)
@@ -725,6 +756,9 @@ def check_args(p, args):
             p.error(f"--{name} must be at least {low}, got {getattr(args, name)}")
     if args.command == "train-tokenizer" and args.vocab_size < 4:  # pad, eos, unk and one piece
         p.error(f"--vocab_size must be at least 4 (pad, eos, unk and a piece), got {args.vocab_size}")
+    if args.command == "train-tokenizer" and Path(f"{args.out}.model").exists() and not args.overwrite:
+        p.error(f"--out {args.out}: {args.out}.model exists, and runs trained with it are checked against it (their "
+                "checkpoints keep its sha256); pass another --out, or --overwrite to replace it")
     if args.command == "bench" and not args.seconds > 0:
         p.error(f"--seconds must be positive, got {args.seconds}")
     if args.command == "download":

@@ -409,7 +409,7 @@ def test_fetch_rejects_bad_files(serve, tmp_path):
         data.fetch(server.url + "/missing.json.gz", tmp_path / "missing.json.gz", backoff=0)
 
 
-def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch):
+def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch, capsys):
     names = data.shard_names(2, 1)[1:]  # shard 00000 has a known sha256 that the fixtures cannot match
     files = {f"/datasets/allenai/c4/resolve/main/en/{n}": gz_shard(30, i) for i, n in enumerate(names)}
     files["/google-t5/t5-base/resolve/main/spiece.model"] = Path(tok).read_bytes()
@@ -422,10 +422,35 @@ def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch
     assert data.load_tokenizer(tmp_path / "t5.model").vocab_size() == 300
     assert [p.name for p in data.find_shards(tmp_path / "c4", "train")] == names[:1]
     count = len(server.requests)
+    capsys.readouterr()
     data.download(tmp_path / "c4", tmp_path / "t5.model", names, base_url=server.url)
     assert len(server.requests) == count, "files already downloaded were fetched again"
+    said = capsys.readouterr().out  # a command that does nothing says so
+    assert said == f"nothing to fetch: the 2 shard(s) in {tmp_path / 'c4'} and {tmp_path / 't5.model'} are there " \
+        "already\n", said
     with pytest.raises(ValueError, match="c4-train.00000-of-01024.json.gz"):
         data.download(tmp_path / "c4", None, ["c4-train.0-of-1024.json"], base_url=server.url)
+
+
+def test_train_tokenizer_replaces_a_model_only_when_asked_and_whole(corpus, tmp_path, capsys):
+    """A tokenizer that runs were trained with is kept unless --overwrite says otherwise (their checkpoints hold its
+    sha256: a new one would stop them); the new pair is trained aside and renamed, so a failure (here sentencepiece
+    refusing too many pieces for the text) leaves the old pair whole and nothing else behind."""
+    prefix = tmp_path / "spm"
+    argv = ["train-tokenizer", "--data_dir", str(corpus[0]), "--out", str(prefix), "--vocab_size", "200"]
+    data.main(argv)
+    old = {s: (tmp_path / f"spm.{s}").read_bytes() for s in ("model", "vocab")}
+    with pytest.raises(SystemExit):
+        data.main(argv)
+    assert f"--out {prefix}: {prefix}.model exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="Vocabulary size too high"):
+        data.main(argv[:-1] + ["5000", "--max_docs", "20", "--overwrite"])
+    assert {s: (tmp_path / f"spm.{s}").read_bytes() for s in ("model", "vocab")} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spm.model", "spm.vocab"]
+    (tmp_path / ".spm.999999999.abc.training").mkdir()  # left by a training killed part way (no such pid now)
+    data.main(argv[:-1] + ["150", "--overwrite"])
+    assert data.load_tokenizer(prefix.with_suffix(".model")).vocab_size() == 150
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spm.model", "spm.vocab"]
 
 
 def test_download_checks_every_shard_name_before_fetching_any(tmp_path, monkeypatch, capsys):
