@@ -234,10 +234,14 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     layer_numel = layer_grad_numel(model, lambda p: p.requires_grad)
     grad_numel = layer_numel if per_layer else sum(trained)
 
+    held = param_bytes  # what the model as built holds: the paper's count, but for relora
     if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
         full = LLaMA(config_for(size, method="full", vocab_size=vocab_size), device="meta")
         stored = full.num_params()["total"] + n["total"]
         param_bytes = width * stored
+        # the model as built holds the frozen projections (W0) beside the low-rank model, whose embeddings, norms
+        # and head are the only ones: the paper's count (Appendix F) has those twice
+        held = width * (full.num_params()["total"] - n["dense"] + n["total"])
         row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
 
     if method == "sltrain_ft":  # fine-tuning: the pretrained projections kept, frozen, as W0 under the factors
@@ -259,7 +263,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         state_numel = 2 * (sum(projected) + sum(p.numel() for p in dense)) + projection_numel
         row["projection_m"] = projection_numel / 1e6
 
-    row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, optim_gb=optim_bytes / GB,
+    row.update(stored_m=stored / 1e6, state_m=state_numel / 1e6, param_gb=param_bytes / GB, held_gb=held / GB,
+               optim_gb=optim_bytes / GB,
                grad_gb=width * grad_numel / GB, act_gb=0.0, start_gb=width * layer_numel / GB)
     if batch_size:
         shape = (size, "relora" if method == "relora" else ours, rank, delta, batch_size, max_length)  # as trained
@@ -271,8 +276,13 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
             act = activation_bytes(*shape, activation_checkpointing=True, **options)
             adds.append(recomputed_block(whole, act, config.n_layers))
         row["act_gb"], row["start_gb"] = act / GB, max(adds) / GB
+        # train.py --eval_only: the parameters and a forward without gradients, which holds one block's activations at
+        # a time (of those saved for backward, less the logits the loss saves), then the logits and the loss's float32
+        # chunk (the two that loss_backward_bytes counts)
+        logits = batch_size * max_length * config.vocab_size * logit_bytes
+        row["eval_gb"] = (held + (whole - logits) / config.n_layers + adds[1]) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
-    row["train_gb"] = row["total_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
+    row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
     paper = (optimizer, index_dtype, dtype, vocab_size, freeze) == ("adamw", "int64", "bfloat16", None, None)
     row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
@@ -309,13 +319,17 @@ def print_table(rows):
             notes.append(r["footnote"])
             mark = f"[{len(notes)}]"
         grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
-        train = float(total) + at_most(grads, act, round(r["start_gb"], 2))  # added as printed, as the paper
+        held = float(total) if r["held_gb"] == r["param_gb"] else round(r["held_gb"], 2) + round(r["optim_gb"], 2)
+        train = held + at_most(grads, act, round(r["start_gb"], 2))  # added as printed, as the paper
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
               f"  {grads:6.2f} {act_cell} {train:6.2f}")
     print("total = param + optim, the paper's Mem column; train adds the most gradients and activations alive at\n"
           "once: grads, or with --batch_size the larger of grads and acts + backward's start (the largest layer's\n"
           "gradient, or the loss's backward if more)")
+    if any(r["held_gb"] != r["param_gb"] for r in rows):
+        print("relora's train counts its model as built: the frozen W0 beside the low-rank model, whose embeddings,\n"
+              "norms and head param counts a second time, as the paper does")
     for i, note in enumerate(notes, 1):
         print(textwrap.fill(note, 118, initial_indent=f"[{i}] ", subsequent_indent="    "))
 
@@ -360,11 +374,16 @@ def print_breakdown(r):
              + ("; a block saves only its input" if r["activation_checkpointing"] else ""))
     total = float(printed(r)[2])  # added as printed, like the paper's total
     line("total", total, "G", "param + optim, the paper's convention" + (" (see the note)" if r["footnote"] else ""))
+    if r["held_gb"] != r["param_gb"]:
+        line("held", r["held_gb"], "G", "the parameters and W0 as our model holds them: the embeddings, norms and "
+             "head once, where the paper's param has them twice; train counts these")
+        total = round(r["held_gb"], 2) + round(r["optim_gb"], 2)
     train = total + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
                                                                    if r["activation_checkpointing"] else "")
-    line("train", train, "G", "total + " + (f"the larger of grads and activations + backward's start (the most of "
-                                            f"{start}: at_most)" if r["batch_size"] else "grads")
+    base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"
+    line("train", train, "G", f"{base} + " + (f"the larger of grads and activations + backward's start (the most of "
+                                              f"{start}: at_most)" if r["batch_size"] else "grads")
          + "; the step's temporaries come on top")
     if r["footnote"]:
         print(textwrap.fill(r["footnote"], 118, initial_indent="  note: ", subsequent_indent="        "))
@@ -519,8 +538,8 @@ def print_measured(results, device, args):
     print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train"))
           + "    peak    base  (peak-base)/est")
     for method, (est, counted) in results.items():
-        cells = [f"{fmt_bytes(est[k + '_gb'] * GB):>8}/{fmt_bytes(counted[k]):<8}"
-                 for k in ("param", "optim", "grad", "act", "train")]
+        pairs = (("held", "param"), ("optim", "optim"), ("grad", "grad"), ("act", "act"), ("train", "train"))
+        cells = [f"{fmt_bytes(est[e + '_gb'] * GB):>8}/{fmt_bytes(counted[k]):<8}" for e, k in pairs]  # param: held
         own = (counted["peak"] - counted["base"]) / (est["train_gb"] * GB)
         print(f"{method:<8} " + " ".join(cells) + f"{fmt_bytes(counted['peak']):>8}{fmt_bytes(counted['base']):>8}"
               f"{own:10.3f}")

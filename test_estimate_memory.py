@@ -230,6 +230,18 @@ def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     assert message in err and "Traceback" not in err, err
 
 
+def test_measure_prints_relora_as_built_beside_its_count(monkeypatch, capsys):
+    """--measure's table compares the estimate of the model as built (W0 beside the low-rank model) with the bytes
+    counted: for ReLoRA they agree, where the paper's param (the embeddings and head twice) would not."""
+    out = run_main(monkeypatch, capsys, "--measure", "--size", "tiny", "--method", "relora", "--batch_size", "1",
+                   "--max_length", "16", "--steps", "1", "--device", "cpu")
+    cells = re.search(r"^relora +(\S+)/(\S+) +(\S+)/(\S+) +(\S+)/(\S+) +(\S+)/(\S+) +(\S+)/(\S+) ", out, re.M)
+    assert cells, out
+    assert cells[1] == cells[2] and cells[9] == cells[10], out  # param and train: estimate = counted
+    row = em.estimate("tiny", "relora", index_dtype="int32", batch_size=1, max_length=16)
+    assert cells[1] == em.fmt_bytes(row["held_gb"] * 1e9) != em.fmt_bytes(row["param_gb"] * 1e9)
+
+
 def test_measure_refuses_a_model_the_machine_cannot_hold_before_building_it(monkeypatch, capsys):
     # a 7b model on a 16 GB machine: before, the kernel's out-of-memory killer ended it part way, without a word
     monkeypatch.setattr(em, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
@@ -313,6 +325,9 @@ def test_measure_relora_counts_w0_once(amp):
     w0 = full["params_m"] - (lowrank["params_m"] - lowrank["lowrank_m"])  # the dense projections
     width = 4 if amp else 2  # bytes of a float32 or bf16 parameter
     assert counted["param"] == pytest.approx(width * 1e6 * (lowrank["params_m"] + w0), rel=1e-9), (counted, w0)
+    # the table keeps the paper's count; what train.py's memory check and --measure compare is the model as built
+    assert est["held_gb"] * 1e9 == pytest.approx(counted["param"], rel=1e-9) and est["param_gb"] > est["held_gb"]
+    assert counted["train"] - est["train_gb"] * 1e9 == pytest.approx(8 * 2), (counted, est)
 
 
 @pytest.mark.parametrize("method, optimizer, per_layer", [("sltrain", "adam8bit", True), ("full", "adamw", False),
@@ -438,3 +453,21 @@ def test_counting_saved_tensors_changes_no_gradient(checkpointing):
             loss = model(idx, targets)[1]
         grads.append(torch.autograd.grad(loss, list(model.parameters())))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("method, dtype", [("sltrain", "float32"), ("full", "bfloat16"), ("relora", "float32"),
+                                           ("lowrank", "bfloat16")])
+def test_eval_estimate_bounds_a_forward_without_gradients(method, dtype):
+    """eval_gb, what train.py --eval_only's memory check reads, against the CPU peak of a real forward with the loss
+    under no_grad (the profiler's memory events): close, and not below it."""
+    row = em.estimate("tiny", method, index_dtype="int32", batch_size=4, max_length=64, dtype=dtype)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with profiler:
+        torch.manual_seed(0)
+        model = LLaMA(config_for("tiny", method=method)).to(getattr(torch, dtype)).eval()
+        idx = torch.randint(model.config.vocab_size, (4, 64))
+        with torch.no_grad(), torch.profiler.record_function(em.STEPS_RANGE):
+            model(idx, idx)
+    peak = em.cpu_peak(profiler)
+    assert 0.9 < peak / (row["eval_gb"] * 1e9) <= 1.0, (method, peak, row["eval_gb"])
+
