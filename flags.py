@@ -36,6 +36,11 @@ READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain, sltrain_f
            **dict.fromkeys(("galore_rank", "galore_update_gap", "galore_scale"), "a galore_* --optimizer"),
            **dict.fromkeys(("relora_reset", "relora_warmup", "relora_prune"), "--method relora")}
 CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
+# what --eval_only reads: the checkpoint's model (checked against it), where and how it runs, and which validation
+# tokens; a training flag given with it is refused, not ignored
+EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "dtype", "amp", "compile", "device",
+              "batch_size", "max_length", "eval_tokens", "pack", "eval_only", "resume", "out_dir", "data_dir",
+              "tokenizer", "download")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -163,6 +168,11 @@ def get_args(argv=None, description=None):
             p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
         args.size = m.group(1)
     args.size = args.size or "60m"
+    if args.eval_only:
+        given = [name for name in given_flags(argv) if name not in EVAL_READS]
+        if given:
+            p.error(f"{', '.join('--' + name for name in given)}: not read by --eval_only, which evaluates the "
+                    f"checkpoint's model on the validation tokens; drop {'them' if len(given) > 1 else 'it'}")
     if args.optimizer.endswith("_per_layer"):
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
     steps, _, lr, _ = RECIPES[args.size]
@@ -206,8 +216,6 @@ def get_args(argv=None, description=None):
                 f"{args.method}")
     if args.amp and args.dtype == "bfloat16":
         p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
-    if args.eval_only and args.overwrite:
-        p.error("--eval_only reads a checkpoint and --overwrite replaces it: drop one of them")
     if args.resume and args.overwrite and same_file(resume_path(args), os.path.join(args.out_dir, "ckpt.pt")):
         p.error("--resume continues the checkpoint in --out_dir and --overwrite replaces it: drop one of them")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
@@ -237,6 +245,14 @@ def get_args(argv=None, description=None):
         args.warmup_steps = args.num_training_steps * warmup // steps
     args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
     return args
+
+
+def given_flags(argv=None):
+    """The flags on the command line (their dest names, in the parser's order), whatever their values."""
+    p, unset = make_parser(), object()
+    every = vars(p.parse_args(argv))
+    seen = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(every, unset)))  # defaults fill only what is absent
+    return [name for name in every if getattr(seen, name) is not unset]
 
 
 def unused_flags(method, optimizer):
@@ -275,10 +291,14 @@ def resolve_device_and_batch(p, args):
     device = device_from_flag(p.error, args.device, "auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         device = cuda_device(p, args, device, local_rank)
+    micro = RECIPES[args.size][3] if device.type == "cuda" else CPU_MICRO  # the size's usual micro-batch
+    if args.eval_only:  # the validation tokens are the same at any batch size (data.validation_batches)
+        args.batch_size = micro if args.batch_size is None else args.batch_size
+        args.total_batch_size = args.gradient_accumulation = None  # no update
+        return check_memory(p, args, device, world)
     if args.batch_size is None:
         args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
         if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
-            micro = RECIPES[args.size][3] if device.type == "cuda" else CPU_MICRO
             args.batch_size = max(1, min(args.batch_size, micro))
     per_micro = args.batch_size * world
     if args.batch_size <= 0 or args.total_batch_size % per_micro:
@@ -326,17 +346,18 @@ def check_memory(p, args, device, world):
     method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
 
     def need(batch, checkpointing=args.activation_checkpointing):  # sllinear's int32 indices (below 2^31 entries)
-        return estimate(args.size, method, rank, args.delta, index_dtype="int32",
-                        optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
-                        max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
-                        amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE)["train_gb"] * 1e9
+        row = estimate(args.size, method, rank, args.delta, index_dtype="int32",
+                       optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
+                       max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
+                       amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE)
+        return row["eval_gb" if args.eval_only else "train_gb"] * 1e9  # --eval_only: a forward without gradients
     needed = need(args.batch_size)
     if needed <= share * available:
         return
-    fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0
-                 and need(b) <= share * available), None)
+    divides = lambda b: args.eval_only or args.total_batch_size % (b * world) == 0  # an update's batch must divide
+    fits = next((b for b in range(args.batch_size - 1, 0, -1) if divides(b) and need(b) <= share * available), None)
     fix = f"pass --batch_size {fits}" if fits else "pick a smaller --size or more memory"
-    if not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
+    if not args.eval_only and not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
         fix += " or add --activation_checkpointing"
     say = p.error_here if device.type == "cuda" else p.error  # a GPU's free memory is its rank's own to say
     say(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB per process, "

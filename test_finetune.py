@@ -19,7 +19,7 @@ from checkpoint import load_model
 from model import FINETUNE, LLaMA, config_for
 from sllinear import SLLinear
 from test_analyze import dense_ckpt  # noqa: F401  (a fixture: a tiny full-rank model trained here)
-from test_train import base_args, corpus, final_state, metrics, run_torchrun  # noqa: F401  (corpus: a fixture)
+from test_train import base_args, corpus, eval_args, final_state, metrics, run_torchrun  # noqa: F401  (corpus: fixture)
 
 TRAINED = ("A", "B", "values")
 
@@ -159,7 +159,7 @@ def test_a_fine_tuned_checkpoint_exports_samples_and_analyzes(corpus, dense_ckpt
     assert sample.merged(model).config.method == "full", "sample.py merges a fine-tuned model once"
     rows = analyze.spectrum(load_model(ckpt)[0])
     assert all("residual_below" in r and "sigma_lowrank" not in r for r in rows), "W0 + s·BA + S is full-rank"
-    assert train.main(base_args(corpus, tmp_path, 3, "--method", "sltrain_ft", "--eval_only")) is None
+    assert train.main(eval_args(corpus, tmp_path, "--method", "sltrain_ft")) is None
 
 
 def test_fine_tuning_flags_are_checked_before_work(corpus, dense_ckpt, tmp_path, capsys):  # noqa: F811

@@ -70,6 +70,13 @@ def base_args(corpus, out, steps, *extra):
             "--workers", "0", *extra]
 
 
+def eval_args(corpus, out, *extra):
+    """--eval_only's command line for base_args' run: its model, data and batch (training flags are refused)."""
+    folder, tokenizer = corpus
+    return ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(out), "--batch_size",
+            "4", "--max_length", "32", "--eval_tokens", "3000", "--eval_only", *extra]
+
+
 def metrics(out):
     rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
@@ -239,7 +246,7 @@ def test_weights_only_checkpoint_is_evaluated_but_not_resumed(corpus, tmp_path, 
     with pytest.raises(SystemExit, match="holds weights only .*evaluate it with --eval_only, or start a new"):
         train.main(base_args(corpus, tmp_path / "new", 4, "--resume", str(tmp_path / "weights.pt")))
     capsys.readouterr()
-    train.main(base_args(corpus, tmp_path, 2, "--eval_only", "--resume", str(tmp_path / "weights.pt")))
+    train.main(eval_args(corpus, tmp_path, "--resume", str(tmp_path / "weights.pt")))
     assert f"{metrics(tmp_path)[1][-1]['val_loss']:.4f}" in capsys.readouterr().out
 
 
@@ -601,15 +608,16 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
         m.setattr(train, "evaluate", no_memory)
         said = r"^out of memory in the evaluation; rerun --eval_only with --batch_size 2$"  # half of 4
         with pytest.raises(SystemExit, match=said):
-            train.main(base_args(corpus, tmp_path, 6, "--eval_only"))
-        five = ["--eval_only", "--total_batch_size", "5", "--batch_size", "5"]  # 2 would not divide the 5 sequences
-        with pytest.raises(SystemExit, match=r"rerun --eval_only with --batch_size 1$"):
-            train.main(base_args(corpus, tmp_path, 6, *five))
+            train.main(eval_args(corpus, tmp_path))
+        with pytest.raises(SystemExit, match=r"rerun --eval_only with --batch_size 2$"):  # any batch: half of 5
+            train.main(eval_args(corpus, tmp_path, "--batch_size", "5"))
+        with pytest.raises(SystemExit, match=r"rerun --eval_only with a GPU with more memory$"):
+            train.main(eval_args(corpus, tmp_path, "--batch_size", "1"))
         m.setattr(train, "train_step", oom_at(3))  # at batch 1, recomputing: --resume keeps the size
         with pytest.raises(SystemExit, match=r"step 2: rerun with --resume .* and a GPU with more memory$"):
             train.main(base_args(corpus, tmp_path / "ac", 4, "--batch_size", "1", "--activation_checkpointing",
                                  "--save_every", "2"))
-    train.main(base_args(corpus, tmp_path, 6, *five[:-1], "1"))
+    train.main(eval_args(corpus, tmp_path, "--batch_size", "1"))
     def wrapped(*_):  # as torch.compile reports an error in the code it runs
         try:
             no_memory()
@@ -805,6 +813,29 @@ def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch,
         train.get_args(argv)
     assert f"needs about {rows[1]['train_gb']:.1f} GB" in capsys.readouterr().err
     assert train.get_args(argv + ["--freeze", "lowrank"]).freeze == "lowrank"
+
+
+def test_eval_only_memory_check_counts_a_forward_without_gradients(monkeypatch, capsys):
+    """--eval_only needs the parameters and a forward's activations, not training's gradients and moments: on a GPU
+    too small to train 7b SLTrain it evaluates; with less room it names a smaller batch, which need not divide an
+    update (there is none)."""
+    rows = {b: flags.estimate("7b", "sltrain", batch_size=b, index_dtype="int32") for b in (7, 8)}
+    assert rows[8]["eval_gb"] < rows[8]["param_gb"] + 1 < rows[8]["train_gb"] / 2
+    free = [(rows[8]["eval_gb"] + rows[8]["train_gb"]) / 2 / 0.95 * 1e9]  # room to evaluate, not to train
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[0], 80e9))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    argv = ["--size", "7b", "--device", "cuda", "--batch_size", "8"]
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    assert f"needs about {rows[8]['train_gb']:.1f} GB" in capsys.readouterr().err
+    assert train.get_args(argv + ["--eval_only"]).batch_size == 8
+    free[0] = (rows[7]["eval_gb"] + rows[8]["eval_gb"]) / 2 / 0.95 * 1e9  # room for 7 sequences, not for 8
+    with pytest.raises(SystemExit):
+        train.get_args(argv + ["--eval_only"])
+    assert re.search(rf"--batch_size 8 needs about {rows[8]['eval_gb']:.1f} GB per process, more than 95% of the "
+                     r"\d+\.\d GB free on cuda:0; pass --batch_size 7$", capsys.readouterr().err.strip())
 
 
 def test_help_shows_every_default(capsys):
@@ -1225,21 +1256,45 @@ def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 2))
     val = metrics(tmp_path)[1][-1]["val_loss"]
     capsys.readouterr()
-    train.main(base_args(corpus, tmp_path, 2, "--eval_only"))
+    train.main(eval_args(corpus, tmp_path))
     out = capsys.readouterr().out
     assert f"{tmp_path}/ckpt.pt at step 2 | val loss {val:.4f}" in out and "validation tokens" in out
 
 
 def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tmp_path, capsys):
     """Evaluation depends on the model and the tokenizer alone: the training run's batch, schedule, optimizer and
-    seed need not be repeated (they were refused before), and another model is one line naming its flags."""
+    seed need not be repeated, and another model is one line naming its flags. The batch need not divide an update
+    (there is none): the validation tokens are the same at any batch size."""
     train.main(base_args(corpus, tmp_path, 2, "--optimizer", "adam8bit", "--seed", "5"))
     capsys.readouterr()
-    train.main(base_args(corpus, tmp_path, 2, "--eval_only", "--total_batch_size", "4", "--max_length", "16"))
-    assert f"{tmp_path}/ckpt.pt at step 2 | val loss" in capsys.readouterr().out
+    train.main(eval_args(corpus, tmp_path, "--batch_size", "3", "--max_length", "16"))
+    out = capsys.readouterr().out
+    assert f"{tmp_path}/ckpt.pt at step 2 | val loss" in out
+    assert "--eval_only: batches of 3 sequences of 16 tokens per device, the first 3,000 validation tokens" in out
+    assert "accum" not in out and "per update" not in out, "the header of a training run"
+    tokens = [re.search(r"([\d,]+) validation tokens \(", out).group(1)]
+    train.main(eval_args(corpus, tmp_path, "--batch_size", "5", "--max_length", "16"))
+    tokens.append(re.search(r"([\d,]+) validation tokens \(", capsys.readouterr().out).group(1))
+    assert tokens[0] == tokens[1], tokens
     with pytest.raises(SystemExit, match=r"^--eval_only: .* holds another model: method sltrain \(now full\); pass "
                                          r"the --size, --method"):
-        train.main(base_args(corpus, tmp_path, 2, "--eval_only", "--method", "full"))
+        train.main(eval_args(corpus, tmp_path, "--method", "full"))
+
+
+def test_eval_only_refuses_the_training_flags_it_would_not_read(corpus, tmp_path, capsys):
+    """A flag is honored or refused: --eval_only reads the model, the device, the batch and the validation tokens;
+    the training flags of a command line it is added to are named in one line, before the checkpoint is read."""
+    for extra, named in ((["--lr", "1e-3"], "--lr: "), (["--optimizer", "adam8bit", "--per_layer"], "--optimizer, "
+                         "--per_layer: "), (["--beta1", "0.9"], "--beta1: "), (["--total_batch_size", "8"],
+                         "--total_batch_size: "), (["--overwrite"], "--overwrite: "), (["--seed", "42"], "--seed: ")):
+        with pytest.raises(SystemExit):  # the values of the defaults (beta1 0.9, seed 42) are refused too: given
+            train.main(eval_args(corpus, tmp_path / "none", *extra))
+        err = capsys.readouterr().err
+        assert f"error: {named}not read by --eval_only" in err and ("drop them" if "," in named else "drop it") in err
+    assert not (tmp_path / "none").exists()
+    ok = flags.get_args(eval_args(corpus, tmp_path, "--method", "lowrank", "--rank", "8", "--alpha", "16", "--dtype",
+                                  "float32", "--device", "cpu", "--pack", "--eval_tokens", "100"))
+    assert (ok.eval_only, ok.batch_size, ok.total_batch_size, ok.gradient_accumulation) == (True, 4, None, None)
 
 
 def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path):
@@ -1492,7 +1547,7 @@ def test_a_signal_before_the_first_update_or_in_eval_only_is_one_line(corpus, tm
         evaluate = train.evaluate
         m.setattr(train, "evaluate", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), evaluate(*a))[1])
         with pytest.raises(SystemExit, match="^stopped by SIGTERM in the evaluation: no result; run --eval_only"):
-            train.main(base_args(corpus, tmp_path, 2, "--eval_only"))
+            train.main(eval_args(corpus, tmp_path))
 
 
 def test_a_late_signal_does_not_turn_a_finished_run_into_a_kill(corpus, tmp_path):

@@ -196,14 +196,16 @@ def out_of_memory(args, run, where, last_good):
     """The line for a GPU out of memory mid-run (the check before the first update went by an estimate): where, the
     peak, and the fix from the last checkpoint. Nothing since that checkpoint is saved: with per-layer updates an
     update cut short is half applied."""
-    # a smaller micro-batch must divide the rank's share of the update, as flags checks (--eval_only's too);
-    # accumulation makes up the rest
-    share = args.total_batch_size // run.world
-    smaller = next((b for b in range(args.batch_size - 1, 0, -1) if share % b == 0), None)
     if args.eval_only:  # any batch size evaluates the same tokens
-        fix = f"--batch_size {smaller}" if smaller else "a GPU with more memory"
-    elif smaller:
-        fix = f"--batch_size {smaller} (the same {args.total_batch_size} sequences per update, in more micro-batches)"
+        smaller = args.batch_size // 2
+    else:  # a smaller micro-batch must divide the rank's share of the update, as flags checks; accumulation makes up
+        share = args.total_batch_size // run.world  # the rest
+        smaller = next((b for b in range(args.batch_size - 1, 0, -1) if share % b == 0), None)
+    if smaller:
+        fix = f"--batch_size {smaller}" + ("" if args.eval_only else f" (the same {args.total_batch_size} sequences "
+                                                                     "per update, in more micro-batches)")
+    elif args.eval_only:
+        fix = "a GPU with more memory"
     elif not args.activation_checkpointing:
         fix = "--activation_checkpointing"
     else:  # --resume refuses another --size
@@ -464,13 +466,16 @@ def prepare(args, held):
                         vocab_size=vocab_size)
     run = build(args, config, device, dtype, ddp, ckpt)
     if rank == 0:
-        print(json.dumps(vars(args)))
+        read = flags.EVAL_READS + ("tokenizer_sha256",) if args.eval_only else vars(args)  # what this run uses
+        print(json.dumps({k: v for k, v in vars(args).items() if k in read}))
         print(describe(run.raw_model))
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
-        print(f"{world} x {device.type} | {args.dtype}{amp} | batch {args.batch_size} x {args.gradient_accumulation} "
-              f"accum x {world} = {args.total_batch_size} sequences of {args.max_length} tokens per update | tok/s "
-              f"counts trained (non-pad) tokens; mem is {mem}")
+        print(f"{world} x {device.type} | {args.dtype}{amp} | " + (
+            f"--eval_only: batches of {args.batch_size} sequences of {args.max_length} tokens per device, the first "
+            f"{args.eval_tokens:,} validation tokens" if args.eval_only else
+            f"batch {args.batch_size} x {args.gradient_accumulation} accum x {world} = {args.total_batch_size} "
+            f"sequences of {args.max_length} tokens per update | tok/s counts trained (non-pad) tokens; mem is {mem}"))
     return ddp, ckpt, ckpt_path, (val, loader), run
 
 
