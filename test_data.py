@@ -198,6 +198,89 @@ def test_ranks_partition_the_documents(corpus, tok, world_size):
         assert got == list(range(1, 37)), f"buffer {n}: lines {Counter(got) - Counter(range(1, 37))} repeated"
 
 
+def doc_shard(tmp_path, n):
+    """A plain JSON-lines shard of n one-word documents: _shard_docs gives line numbers 1..n."""
+    path = tmp_path / f"c4-train.{n:05d}-of-01024.json"
+    if not path.exists():
+        write_shard(path, [f"d{i}" for i in range(n)])
+    return path
+
+
+def shard_order(path, seed, buffer, epoch=0, pos=0):
+    """The shard's documents (0-based file index) in the order one rank of one reads them."""
+    return [ln - 1 for ln, _ in data._shard_docs(path, seed, epoch, pos, 0, 1, buffer)]
+
+
+def test_shuffle_reaches_every_permutation_evenly():
+    """_shuffle is Fisher-Yates: each of the 4! orders equally likely, orders that leave an item in place included.
+    (Sattolo's variant, j < i, reaches only the 3! cycles and never leaves an item in place.) Fixed seeds: the
+    counts are the same every run, and the bounds sit far outside what uniform counts give."""
+    seeds = 4800
+    counts = Counter(tuple(data._shuffle(list(range(4)), random.Random(f"perm/{s}"))) for s in range(seeds))
+    assert len(counts) == 24, f"{len(counts)} of 24 permutations reached: {sorted(counts)}"
+    expected = seeds / 24
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    assert chi2 < 70, f"chi-square {chi2:.1f} over 23 degrees of freedom (mean 23), counts {dict(counts)}"
+    stays = sum(c for p, c in counts.items() if p[0] == 0) / seeds
+    assert 0.2 < stays < 0.3, f"item 0 stays first in {stays:.3f} of the shuffles, want ~1/4"
+
+
+def test_a_shard_within_the_buffer_is_shuffled_uniformly(tmp_path):
+    """With a buffer at least the shard's size every document waits in it, so the order is the final shuffle of the
+    buffer alone: that shuffle must happen (else every pass reads the shard in file order) and be uniform."""
+    n, seeds, path = 10, 1000, doc_shard(tmp_path, 10)
+    for buffer in (n, 3 * n):
+        orders = [shard_order(path, s, buffer) for s in range(seeds)]
+        in_file_order = sum(o == list(range(n)) for o in orders)
+        assert in_file_order <= 1, f"buffer {buffer}: {in_file_order} of {seeds} seeds read the shard in file order"
+        at = Counter((doc, i) for o in orders for i, doc in enumerate(o))
+        worst = max(((doc, i) for doc in range(n) for i in range(n)), key=lambda k: abs(at[k] - seeds / n))
+        assert abs(at[worst] - seeds / n) < 50, (f"buffer {buffer}: document {worst[0]} at position {worst[1]} in "
+                                                 f"{at[worst]} of {seeds} seeds, want ~{seeds // n}")
+
+
+def test_the_sliding_buffer_draws_from_every_slot(tmp_path):
+    """A buffer smaller than the shard: each new document swaps out a uniformly drawn slot, the last one included.
+    The first `buffer` documents fill the slots, so each leaves while the shard still streams (position < n - buffer)
+    in 1 - (7/8)^32 ~ 98.6% of seeds; a draw that skips a slot keeps its document to the final shuffle."""
+    n, buffer, seeds, path = 40, 8, 2000, doc_shard(tmp_path, 40)
+    position = [[0] * n for _ in range(seeds)]
+    for s in range(seeds):
+        for i, doc in enumerate(shard_order(path, s, buffer)):
+            position[s][doc] = i
+    for doc in range(buffer):
+        early = sum(p[doc] < n - buffer for p in position) / seeds
+        mean = sum(p[doc] for p in position) / seeds
+        assert early > 0.95, (f"document {doc} (slot {doc}) leaves before the final shuffle in {early:.3f} of "
+                              f"seeds, want ~0.986 (mean position {mean:.1f})")
+
+
+def test_each_pass_reshuffles_a_shard(tmp_path):
+    """The shard's own order is seeded by the epoch too: the same shard at the same position reads differently in the
+    next pass, through the sliding buffer and through the final shuffle alike, and the same in a rerun."""
+    path = doc_shard(tmp_path, 40)
+    for seed, pos, buffer in itertools.product((0, 42), (0, 2), (8, 40)):
+        first, second = (shard_order(path, seed, buffer, epoch, pos) for epoch in (0, 1))
+        assert first == shard_order(path, seed, buffer, 0, pos), "same seed, epoch and position, different order"
+        assert first != second, f"seed {seed}, position {pos}, buffer {buffer}: epochs 0 and 1 both read {first}"
+
+
+def test_each_pass_reorders_the_shards(corpus, tok):
+    """The shard order is reshuffled every pass, not only the documents inside each shard: with a fixed shard order
+    every pass would, e.g., end on the same shard. Three shards have 6 orders; over 6 seeds some seed must read them
+    in a different order in pass 1 than in pass 0."""
+    sp = spm.SentencePieceProcessor(model_file=str(tok))
+    shard_of = {ref_row(sp, t, L): name for name in TRAIN_SIZES for t in corpus[1][name]}
+    per_pass = sum(TRAIN_SIZES.values())  # rows: 30 batches of 4
+    orders = []
+    for seed in range(6):
+        rows = rows_of(take(train_loader(corpus, tok, seed=seed), 2 * per_pass // 4))
+        orders.append([list(dict.fromkeys(shard_of[r] for r in rows[e * per_pass:(e + 1) * per_pass])) for e in (0, 1)])
+        assert all(sorted(o) == sorted(TRAIN_SIZES) for o in orders[-1]), f"seed {seed}: {orders[-1]}"
+    assert any(a != b for a, b in orders), f"every seed reads the shards in the same order in both passes: {orders}"
+    assert len({tuple(a) for a, _ in orders}) > 1, f"every seed reads the shards in the same order: {orders}"
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_same_batches_for_any_number_of_workers(corpus, tok, pack):
     want = take(train_loader(corpus, tok, pack=pack), 45)  # past the end of the first pass

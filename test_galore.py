@@ -36,8 +36,9 @@ def reference_galore(W, grads, rank, gap, lr, scale, betas, eps, weight_decay):
     return W
 
 
-@pytest.mark.parametrize("shape", [(24, 10), (10, 24)], ids=["right", "left"])
+@pytest.mark.parametrize("shape", [(24, 10), (10, 24), (12, 12)], ids=["right", "left", "square"])
 def test_steps_match_the_equations(shape):
+    """Both sides of the projection, and the square case, which GaLore's code projects on the right (m >= n)."""
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(shape))
     grads = [torch.randn(shape) for _ in range(5)]
@@ -51,21 +52,24 @@ def test_steps_match_the_equations(shape):
     assert diff < 1e-6, f"GaLore differs from its equations by {diff}"
 
 
-def test_unprojected_weights_step_as_galores_adamw():
-    # GaLore's code steps the embeddings, norms and head with the same AdamW as the projections: ε = 1e-6 added to √v
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_unprojected_weights_step_as_galores_adamw(weight_decay):
+    """GaLore's code steps the embeddings, norms and head with the same AdamW as the projections: ε = 1e-6 added to
+    √v, and the group's weight decay, decoupled and applied before the update as on the projected weights."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6))
     grads = [torch.randn(6) * 1e-5 for _ in range(4)]  # small: ε weighs
     (b1, b2), lr, expected, m, v = (0.9, 0.999), 1e-2, w.detach().double().clone(), 0, 0
     for t, g in enumerate(grads, start=1):
         m, v = b1 * m + (1 - b1) * g.double(), b2 * v + (1 - b2) * g.double() ** 2
+        expected *= 1 - lr * weight_decay
         expected -= lr * (1 - b2**t) ** 0.5 / (1 - b1**t) * m / (v.sqrt() + 1e-6)
-    opt = GaLore([dict(params=[w], rank=None)], lr=lr)
+    opt = GaLore([dict(params=[w], rank=None)], lr=lr, weight_decay=weight_decay)
     for g in grads:
         w.grad = g.clone()
         opt.step()
     diff = (w.detach().double() - expected).abs().max().item()
-    assert diff < 1e-6, f"GaLore's plain AdamW differs from GaLore's code by {diff}"
+    assert diff < 1e-6, f"GaLore's plain AdamW differs from GaLore's code by {diff} (weight decay {weight_decay})"
 
 
 def test_projection_is_recomputed_every_gap_updates_and_state_is_projected():
@@ -103,6 +107,35 @@ def test_8bit_state_is_the_projected_size_and_tracks_float32():
     assert state["exp_avg_codes"].dtype == torch.uint8 and state["exp_avg_codes"].numel() == 512 * 16  # m x r codes
     moved, diff = (W32 - start).norm().item(), (W - W32).norm().item()
     assert diff < 0.05 * moved, f"8-bit GaLore drifts from float32 GaLore by {diff} (relative to a move of {moved})"
+
+
+def test_8bit_non_finite_gradients_count_as_zero():
+    """As Adam8bit (test_optim.py): a non-finite gradient entry counts as zero in 8-bit GaLore, and before the SVD,
+    where a single NaN or inf would spoil the projector and with it the whole weight. A twin whose gradient holds
+    zeros there steps identically. update_gap=1: the overflowing step computes a projector."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(8, 24))]  # 8-bit and float32
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]  # moments: (64, 4) past 128, (4, 24) below
+
+    def make(ps):
+        return GaLore([dict(params=ps, rank=4)], inner="adam8bit", update_gap=1, min_8bit_size=128)
+
+    opt, twin_opt = make(params), make(twins)
+    for step in range(4):
+        for p, t in zip(params, twins):
+            g = torch.randn_like(p)
+            p.grad, t.grad = g.clone(), g.clone()
+            if step == 1:  # an overflowing step
+                p.grad.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+                t.grad.view(-1)[:3] = 0.0
+        opt.step()
+        twin_opt.step()
+        for p, t in zip(params, twins):
+            bad = int((~p.isfinite()).sum())
+            assert bad == 0, f"step {step}: {bad} non-finite entries in the {tuple(p.shape)} weight"
+            diff = (p - t).abs().max().item()
+            assert diff == 0, f"step {step}: the {tuple(p.shape)} weight differs from its twin by {diff}"
+    assert "exp_avg_codes" in opt.state[params[0]] and "exp_avg" in opt.state[params[1]]
 
 
 def make_galore_for(model, inner, rank=8):

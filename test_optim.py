@@ -299,6 +299,41 @@ def test_adam8bit_per_step_error_vs_adamw(sync_to):
     assert rel < 6e-4, f"mean relative error of the update {rel:.3e}"
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (10,)], ids=["8-bit", "float32 state"])
+def test_adam8bit_weight_decay_is_adamws(shape):
+    """Decoupled weight decay, p ← p·(1 - lr·wd), as torch's AdamW, on both of Adam8bit's paths (8-bit moments, and
+    the float32 ones of a tensor under min_8bit_size). With zero gradients the moments stay 0 and the decay is all
+    that moves the weights: the same to the bit; with real gradients the small tensors' path is AdamW's math."""
+    torch.manual_seed(0)
+    p8 = torch.nn.Parameter(torch.randn(shape))
+    p32, start = torch.nn.Parameter(p8.detach().clone()), p8.detach().clone()
+    opt, ref = Adam8bit([p8], lr=0.05, weight_decay=0.1), torch.optim.AdamW([p32], lr=0.05, weight_decay=0.1)
+    for step in range(3):
+        p8.grad, p32.grad = torch.zeros_like(p8), torch.zeros_like(p32)
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(p8, p32, rtol=0, atol=0, msg=lambda m: f"step {step}: {max_diff(p8, p32)}\n{m}")
+    assert torch.allclose(p8, start * (1 - 0.05 * 0.1) ** 3), "three steps of decay, and nothing else"
+    if len(shape) == 1:
+        for step in range(3):
+            g = torch.randn(shape)
+            p8.grad, p32.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            torch.testing.assert_close(p8, p32, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
+
+
+def test_adam8bit_small_tensors_keep_float32_moments_for_bf16_parameters():
+    """train.py keeps bf16 parameters on a GPU: a tensor under min_8bit_size (norms, biases) still gets float32
+    moments, not bf16 ones, whose v would lose the small squared gradients."""
+    p = torch.nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    opt = Adam8bit([p])
+    opt.step()
+    assert {k: t.dtype for k, t in opt.state[p].items() if torch.is_tensor(t) and t.is_floating_point()} == \
+        {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+
+
 def test_adam8bit_non_finite_gradients_count_as_zero():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(10))]  # 8-bit and float32
@@ -777,6 +812,9 @@ def test_per_layer_backward_that_raises_is_refused_until_reset():
     loss(net).backward()
     assert per_layer.steps == 1 and lr_at == [0, 0] and all(p.grad is None for p in net.parameters())
     loss(ref).backward()  # "first" and "mix" got one update, from one batch's gradients
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    assert per_layer.grad_norm().item() == pytest.approx(norm.item(), rel=1e-6), "a gradient of the failed " \
+        "backward counted in the retried update's norm"
     for name in ("first", "mix"):
         AdamW(ref[name].parameters(), lr=0.1).step()
         for a, b in zip(ref[name].parameters(), net[name].parameters()):

@@ -111,6 +111,30 @@ def test_prune_reaches_per_layer_optimizers():
         assert kept <= p.numel() - int(0.99 * p.numel())
 
 
+def test_a_restart_in_training_prunes_the_restarted_factors_moments():
+    """train.relora_restart, as the loop calls it: at a reset step it merges, restarts the factors and prunes 99% of
+    their moments (the smallest); the other parameters' moments stay; between resets it does nothing."""
+    args = train.get_args(["--size", "tiny", "--method", "relora", "--num_training_steps", "10", "--relora_reset",
+                           "2", "--relora_prune", "0.99"])
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="relora", vocab_size=64))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(64, (2, 17))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    opt.step()
+    before = {p: opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+    train.relora_restart(args, model, [opt], 1)  # not a reset step
+    assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in before.items())
+    train.relora_restart(args, model, [opt], 2)
+    factors = {p for m in model.modules() if isinstance(m, ReLoRALinear) for p in (m.A, m.B)}
+    for p, m in before.items():
+        kept = int((opt.state[p]["exp_avg"] != 0).sum())
+        if p in factors:
+            assert kept <= p.numel() - int(0.99 * p.numel()), f"{tuple(p.shape)}: {kept} moments kept"
+        else:
+            assert torch.equal(opt.state[p]["exp_avg"], m), "a moment of a parameter that did not restart changed"
+
+
 def test_jagged_schedule_restarts_at_every_reset():
     args = train.get_args(["--size", "tiny", "--method", "relora", "--num_training_steps", "1000",
                               "--warmup_steps", "100", "--relora_reset", "200", "--relora_warmup", "20"])

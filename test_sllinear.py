@@ -4,13 +4,14 @@ Gradient checks of the SLTrain layer and checks of the compact LLaMA built from 
     python -m pytest -q test_sllinear.py
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import LLaMA, SIZES, KVCache, config_for
+from model import LLaMA, SIZES, KVCache, RMSNorm, config_for
 from sllinear import SLLinear, SLLinearFunction, sl_linear, uniform_support
 
 
@@ -552,6 +553,58 @@ def test_a_second_derivative_is_refused_in_one_line():
     (g,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
         g.square().sum().backward()
+
+
+def reference_logits(weights, config, idx):
+    """LLaMA's forward written out from its definition, in float64 and apart from model.py's code, on the dense
+    weights by name: RMSNorm x / √(mean x² + ε) · w; rotary embeddings as complex rotations of the pairs
+    (x_i, x_{i + hs/2}) (HF's half-split layout) by pos · θ^(-2i/hs); softmax attention under an explicit causal
+    mask; SwiGLU down(silu(gate x) · up x); an untied head."""
+    w = {k: v.detach().double() for k, v in weights.items()}
+    (B, T), nh, hs = idx.shape, config.n_heads, config.dim // config.n_heads
+    norm = lambda x, name: x / torch.sqrt(x.square().mean(-1, keepdim=True) + config.norm_eps) * w[name]  # noqa
+    freq = config.rope_theta ** (-2 * torch.arange(hs // 2, dtype=torch.float64) / hs)  # (hs/2,)
+    turn = torch.polar(torch.ones(T, hs // 2, dtype=torch.float64), torch.outer(torch.arange(T).double(), freq))
+
+    def rope(x):  # (B, nh, T, hs): the pair (a, b) as a + ib, turned by pos · θ_i
+        z = torch.complex(x[..., :hs // 2], x[..., hs // 2:]) * turn
+        return torch.cat([z.real, z.imag], dim=-1)
+    mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)
+    x = w["embed.weight"][idx]  # (B, T, C)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        h = norm(x, p + "attn_norm.weight")
+        q, k, v = ((h @ w[f"{p}attn.{n}_proj.weight"].T).view(B, T, nh, hs).transpose(1, 2) for n in "qkv")
+        att = torch.softmax(rope(q) @ rope(k).transpose(-1, -2) / math.sqrt(hs) + mask, dim=-1)  # (B, nh, T, T)
+        x = x + (att @ v).transpose(1, 2).reshape(B, T, -1) @ w[p + "attn.o_proj.weight"].T
+        h = norm(x, p + "mlp_norm.weight")
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return norm(x, "norm.weight") @ w["lm_head.weight"].T  # (B, T, vocab)
+
+
+@pytest.mark.parametrize("method", ["full", "sltrain"])
+def test_model_matches_llama_written_out(method):
+    """The whole model against reference_logits on its dense weights (an SLTrain projection's merged W = s·BA + S):
+    the rotation's direction and frequencies, the norm's ε and weights, and the gate of SwiGLU each show. ε and θ are
+    set away from the defaults, and the norms' weights away from 1, so that misplacing any of them shows too."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(config_for("tiny", method=method, vocab_size=96), norm_eps=0.01, rope_theta=500.0)
+    model = LLaMA(config)
+    weights = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "merged_weight"):
+            weights[name + ".weight"] = module.merged_weight()
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding, RMSNorm)):
+            if isinstance(module, RMSNorm):
+                torch.nn.init.normal_(module.weight, 1.0, 0.2)
+            weights[name + ".weight"] = module.weight
+    assert len(weights) == 3 + 9 * config.n_layers, sorted(weights)
+    idx = torch.randint(0, 96, (2, 24))
+    with torch.no_grad():
+        logits = model(idx)[0]
+    ref = reference_logits(weights, config, idx)
+    torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{max_diff(logits, ref)} {m}")
 
 
 @pytest.mark.parametrize("method", ["full", "lowrank", "relora", "sltrain"])

@@ -357,6 +357,66 @@ def test_a_slow_checkpoint_write_is_said_once_with_the_grace_it_needs(corpus, tm
     assert final_state(tmp_path / "slow")["step"] == 6
 
 
+def plain_run(model, optimizer, scheduler=None):
+    """A train.Run of one process on CPU around a model and its optimizer (no DDP, no per-layer updates)."""
+    scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
+    return train.Run(model, model, optimizer, scheduler, None, model.config, torch.device("cpu"), rank=0, world=1)
+
+
+def one_batch(vocab=96, accum=1):
+    return [(torch.randint(vocab, (2, 16)), torch.randint(vocab, (2, 16)), 32) for _ in range(accum)]
+
+
+def test_the_first_update_steps_at_the_schedules_first_lr():
+    """optimizer.step() before scheduler.step(): update 1 uses lr_lambda(0), which the warmup makes 0 (as the
+    authors' schedule), so the weights do not move; update 2 uses lr_lambda(1). Without a warmup update 1 is at
+    the peak."""
+    args = train.get_args(["--size", "tiny", "--num_training_steps", "10", "--warmup_steps", "2"])
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", vocab_size=96))
+    optimizer = train.AdamW(model.parameters(), lr=1e-3)
+    run = plain_run(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, train.lr_lambda_for(args)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train.train_step(args, run, one_batch())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "update 1 moved at lr 0"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)  # update 2's: lr_lambda(1) = 1/2
+    args.warmup_steps = 0
+    assert train.lr_lambda_for(args)(0) == 1.0, "no warmup: the first update is at the peak lr"
+
+
+def test_grad_clipping_bounds_the_norm_the_optimizer_steps_with():
+    """--grad_clipping: the optimizer's step sees the global gradient norm clipped to the flag (Adam's scale
+    invariance hides clipping from the loss, so the gradients at the step are read); the norm logged is the one
+    before clipping; 0 clips nothing."""
+    seen = []
+
+    class Recording(train.AdamW):
+        def step(self, closure=None):
+            seen.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.param_groups[0]["params"]])))
+            return super().step(closure)
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", vocab_size=96))
+    run, batch = plain_run(model, Recording(model.parameters(), lr=1e-3)), one_batch()
+    norm = train.train_step(SimpleNamespace(grad_clipping=0.0), run, batch)[1]
+    assert seen[-1].item() == pytest.approx(norm.item(), rel=1e-6) and norm.item() > 0.05
+    norm = train.train_step(SimpleNamespace(grad_clipping=0.05), run, batch)[1]
+    assert seen[-1].item() == pytest.approx(0.05, rel=1e-4) and norm.item() > 0.05, (seen[-1], norm)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["adamw", "adam8bit-per-layer"])
+def test_a_fresh_run_builds_its_optimizers_with_the_flags_hyperparameters(corpus, tmp_path, per_layer):
+    """--lr, --beta1, --beta2 and --weight_decay reach the optimizer a run builds (each layer's, with per-layer
+    updates), not only a resumed one's (set_hyperparameters)."""
+    extra = ["--optimizer", "adam8bit", "--per_layer"] if per_layer else []
+    args = train.get_args(base_args(corpus, tmp_path, 4, "--lr", "2e-3", "--beta1", "0.8", "--beta2", "0.95",
+                                    "--weight_decay", "0.1", *extra))
+    run = train.build(args, config_for("tiny", vocab_size=96), torch.device("cpu"), torch.float32, False, None)
+    groups = [g for opt in run.optimizers for g in opt.param_groups]
+    assert len(run.optimizers) > (1 if per_layer else 0) and groups
+    assert {(g["betas"], g["weight_decay"], g.get("initial_lr", g["lr"])) for g in groups} == {((0.8, 0.95), 0.1,
+                                                                                               2e-3)}
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["adamw", "adam8bit-per-layer"])
 def test_a_signal_on_another_rank_within_an_update_drops_it_here_too(monkeypatch, per_layer):
     """Under torchrun the ranks agree on a signal at each micro-batch after the first. Faked here: a second rank, which
