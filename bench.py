@@ -31,7 +31,8 @@ Sections (--only picks some):
                and trained tensors of each --size (default 60m 350m 7b) at toy width, and the aten operations
 
 A section that raises is recorded under "errors", --out keeps what is done (rewritten after each section), the next
-one runs, and the command exits non-zero if any failed.
+one runs, and the command exits non-zero if any failed. One that cannot fit in memory (its models' weights and
+optimizer states, by estimate_memory.py) is refused before any section runs.
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, a call shorter than
 10 ms repeated back to back within it (time per call = the block's ÷ the calls), and the rounds interleave the
@@ -60,6 +61,7 @@ import optim
 import sample
 from checkpoint import atomic_file
 from devices import device_from_flag
+from estimate_memory import estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection
 from sllinear import SLLinear
 
@@ -580,6 +582,40 @@ def check_args(parser, args):
     return device
 
 
+def memory_needed(section, size, dtype):
+    """The least a section holds at its peak, in bytes, by estimate_memory's rows without activations (which take
+    seconds to count at 7b): `model` keeps its five models and their AdamW states at once and steps one at a time;
+    `optimizer` three copies of sltrain's tensors with their states, beside the originals and one set of gradients;
+    `inference` full, sltrain and the merged model."""
+    row = lambda method, **kw: estimate(size, method, index_dtype="int32", dtype=dtype, **kw)  # noqa: E731
+    if section == "model":
+        rows = [row(m) for m in ("full", "lowrank", "relora", "sltrain", "galore")]
+        return (sum(r["held_gb"] + r["optim_gb"] for r in rows) + max(r["grad_gb"] for r in rows)) * 1e9
+    if section == "optimizer":
+        plain, eight_bit = row("sltrain"), row("sltrain", optimizer="adam8bit")
+        return (5 * plain["held_gb"] + 2 * plain["optim_gb"] + eight_bit["optim_gb"]) * 1e9
+    return (2 * row("full")["held_gb"] + row("sltrain")["held_gb"]) * 1e9  # inference
+
+
+def refuse_what_would_not_fit(error, sections, sizes, dtype, device):
+    """A section that cannot fit is refused before any runs: on CPU the kernel's out-of-memory killer would end the
+    command without a word, and on a GPU the section would fail after the ones before it. The activations are left
+    out: what is refused cannot fit at any batch size."""
+    guarded = [s for s in ("model", "optimizer", "inference") if s in sections]
+    there = memory_there(device) if guarded else None
+    if there is None:
+        return
+    available, share, where = there
+    name = str(dtype).removeprefix("torch.")
+    for section in guarded:
+        for size in sizes:
+            need = memory_needed(section, size, name)
+            if need > share * available:
+                error(f"--size {size}: the {section} section needs at least {need / 1e9:.1f} GB by the estimate (its "
+                      f"weights, gradients and optimizer states), more than {share:.0%} of {where}; pass a smaller "
+                      "--size, or drop the section (--only)")
+
+
 def check_out(error, out):
     """--out, the JSON file written after each section: a folder, or a file in a folder that cannot be written, is
     refused now, not after the first section's minutes."""
@@ -644,6 +680,7 @@ def main():
     sizes = args.size or (["tiny"] if args.quick else ["350m", "1b"] if cuda else ["60m"])
     batch_size = args.batch_size or (16 if cuda else 8 if args.quick else 4)
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
+    refuse_what_would_not_fit(parser.error, sections, sizes, dtype, device)
     result = start(device)
     run = {
         "layer": lambda: bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds),

@@ -105,6 +105,27 @@ def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys,
     assert "one optimizer step on a 64x64 tensor" in capsys.readouterr().out
 
 
+def test_a_section_that_cannot_fit_is_refused_before_any_runs(monkeypatch, capsys):
+    """On a 16 GB machine (faked) 7b's model section, its five models with their AdamW states, is refused in one line
+    before anything is built, and so is 1b's optimizer section in float32; 7b's host section, at toy width, runs."""
+    monkeypatch.setattr(bench, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
+    monkeypatch.setattr(bench, "start", lambda device: pytest.fail("a section started"))
+    for argv, size, section in ((["--size", "7b", "--only", "model"], "7b", "model"),
+                                (["--size", "60m", "1b", "--only", "layer", "optimizer"], "1b", "optimizer")):
+        monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", *argv])
+        with pytest.raises(SystemExit):
+            bench.main()
+        err = capsys.readouterr().err
+        assert f"--size {size}: the {section} section needs at least" in err and "more than 80% of this machine's " \
+            "16.0 GB; pass a smaller --size, or drop the section (--only)" in err, err
+    assert bench.memory_needed("optimizer", "60m", "float32") < 12.8e9 < bench.memory_needed("optimizer", "1b",
+                                                                                              "float32")
+    monkeypatch.setattr(bench, "start", lambda device: (_ for _ in ()).throw(SystemExit("started")))
+    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", "--size", "7b", "--only", "host"])
+    with pytest.raises(SystemExit, match="^started$"):
+        bench.main()
+
+
 def test_a_gpu_named_by_index_is_made_current(monkeypatch):
     """CUDA events record on the current device's stream: --device cuda:1 makes cuda:1 current, or every time would
     be of an idle cuda:0."""
