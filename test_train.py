@@ -618,7 +618,7 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path)
 
 def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_path):
     """Reading the data and building the model can take minutes: a torchrun killed meanwhile must not leave its ranks
-    to train on unwatched once built. Nothing is trained yet, so SIGTERM ends them as it does any process."""
+    to train on unwatched once built. Nothing is trained yet: the SIGTERM they are sent ends them with one line."""
     script = tmp_path / "slow_build.py"  # train.py whose build() takes 30 s (cut short by the kill)
     script.write_text(f"import sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport train\nbuild = train.build\n"
                       "train.build = lambda *a: (print('building', flush=True), time.sleep(30), build(*a))[-1]\n"
@@ -627,6 +627,8 @@ def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_pa
            *base_args(corpus, tmp_path / "out", 4, "--workers", "1", "--batch_size", "2")]
     output = signal_group_at(start(cmd), "building", signal.SIGKILL)
     assert "step 1/" not in output and not (tmp_path / "out" / "ckpt.pt").exists(), output[-3000:]
+    assert "stopped by SIGTERM before the first update: nothing was saved" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
 
 
 def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path, monkeypatch):
@@ -1601,8 +1603,17 @@ def test_a_signal_before_the_first_update_or_in_eval_only_is_one_line(corpus, tm
     train.main(base_args(corpus, tmp_path, 2))
     with monkeypatch.context() as m:  # Ctrl-C while the validation data loads
         m.setattr(train, "validation_batches", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
-        with pytest.raises(SystemExit, match="^interrupted before the first update: nothing was saved$"):
+        with pytest.raises(SystemExit, match="^stopped by Ctrl-C before the first update: nothing was saved$"):
             train.main(base_args(corpus, tmp_path / "new", 2))
+    before = {sig: signal.getsignal(sig) for sig in data.STOP_SIGNALS}
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # what a scheduler sends while the model is built
+        with monkeypatch.context() as m:
+            build = train.build
+            m.setattr(train, "build", lambda *a: (os.kill(os.getpid(), sig), build(*a))[1])
+            with pytest.raises(SystemExit, match=f"^stopped by {sig.name} before the first update: nothing was saved$"):
+                train.main(base_args(corpus, tmp_path / sig.name, 2))
+        assert not (tmp_path / sig.name).exists(), "a run stopped before its first update leaves no folder"
+        assert {s: signal.getsignal(s) for s in data.STOP_SIGNALS} == before, "main restores the handlers it found"
     with monkeypatch.context() as m:  # a signal in --eval_only's evaluation: no result, and an exit that says so
         evaluate = train.evaluate
         m.setattr(train, "evaluate", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), evaluate(*a))[1])

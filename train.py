@@ -479,28 +479,46 @@ def prepare(args, held):
     return ddp, ckpt, ckpt_path, (val, loader), run
 
 
+class StoppedBeforeTheRun(Exception):
+    """A stop signal while the data loads or the model is built (minutes at 7b): nothing is trained yet to save."""
+
+
+def stop_before_the_run(signum, frame):
+    raise StoppedBeforeTheRun(signal.Signals(signum).name)
+
+
 @rank_0_speaks
 def main(argv=None, exiting=False):
     """exiting: the process ends after main (python train.py), so a stop signal after the run is ignored, not
     answered by the default handler, which would turn a saved run's exit 0 into a kill."""
     args = get_args(argv)
     stop_when_torchrun_ends()
-    with ExitStack() as held:  # out_dir's lock, released as main ends, however it ends
-        try:
-            prepared = prepare(args, held)
-        except KeyboardInterrupt:  # Ctrl-C while the data loads or the model is built: nothing to keep yet
-            raise SystemExit("interrupted before the first update: nothing was saved") from None
-        run_or_evaluate(args, *prepared, exiting)
+    # a stop signal before the run answers them is one line, as Ctrl-C is, where the default action killed the
+    # process without a word; one the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`)
+    original = {sig: signal.signal(sig, stop_before_the_run) for sig in STOP_SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        with ExitStack() as held:  # out_dir's lock, released as main ends, however it ends
+            try:
+                prepared = prepare(args, held)
+            except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
+                by = str(e) or "Ctrl-C"
+                raise SystemExit(f"stopped by {by} before the first update: nothing was saved") from None
+            run_or_evaluate(args, *prepared, list(original))
+    finally:  # after the teardown: a second signal must not cut it short
+        for sig, handler in original.items():
+            signal.signal(sig, signal.SIG_IGN if exiting else handler)
 
 
-def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, exiting):
-    """The stop signals answered, then the training run (or --eval_only's evaluation), then the teardown."""
+def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered):
+    """The stop signals answered (those of `answered`; main restores them), then the training run (or --eval_only's
+    evaluation), then the teardown."""
     device, rank, world, master = run.device, run.rank, run.world, run.rank == 0
     val, loader = data
 
     # ---- a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2): said at once, then a checkpoint of the last whole
     # update and a clean exit, before the next micro-batch: a scheduler's grace period may be shorter than an update
-    # of many micro-batches. One the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`)
+    # of many micro-batches
     stop = {"signal": None}
     what = "the evaluation" if args.eval_only else \
         "before the next micro-batch (or in the evaluation), with a checkpoint of the last whole update"
@@ -510,8 +528,8 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, exiting):
         if master and first:  # os.write: a print here could re-enter a print in progress
             with suppress(OSError):  # stdout's reader gone (`| tee` ended by the same signal): the stop goes on
                 os.write(1, f"{signal.Signals(signum).name}: stopping {what}\n".encode())
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS
-                    if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in answered:
+        signal.signal(sig, on_signal)
     try:
         if args.eval_only:
             try:
@@ -534,8 +552,6 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, exiting):
             run = None
             gc.collect()
             dist.destroy_process_group()
-        for sig, handler in old_handlers.items():  # after the teardown: a second signal must not cut it short
-            signal.signal(sig, signal.SIG_IGN if exiting else handler)
 
 
 def stop_when_torchrun_ends():
@@ -545,7 +561,7 @@ def stop_when_torchrun_ends():
     (SIGUSR1 from `timeout -s USR1` or `kill -USR1 -PGID`) or a kill -9 ends the agent without a word to the ranks,
     which would train on unwatched; with Linux's PR_SET_PDEATHSIG they stop with a checkpoint instead. Asked for
     first thing: the agent may die while the data loads and the model is built (minutes at 7b), and a parent already
-    gone sends nothing. Till the stop signals are answered, SIGTERM ends the rank as it does any process."""
+    gone sends nothing. Till the run answers the stop signals, SIGTERM ends the rank with one line (main)."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, sent when the parent (the agent) dies
 
