@@ -301,9 +301,12 @@ def resolve_device_and_batch(p, args):
         if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
             args.batch_size = max(1, min(args.batch_size, micro))
     per_micro = args.batch_size * world
-    if args.batch_size <= 0 or args.total_batch_size % per_micro:
-        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size "
-                f"{args.batch_size} x {world} devices; pick sizes that divide")
+    if args.total_batch_size % per_micro:
+        fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0), None)
+        total = -(-args.total_batch_size // per_micro) * per_micro  # the next multiple up
+        fix = f"--batch_size {fits} or --total_batch_size {total}" if fits else f"--total_batch_size {total}"
+        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size {args.batch_size} x "
+                f"{world} devices; pass {fix}")
     accum = args.total_batch_size // per_micro
     if args.gradient_accumulation not in (None, accum):
         p.error(f"--gradient_accumulation {args.gradient_accumulation} x --batch_size {args.batch_size} x "

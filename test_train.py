@@ -13,6 +13,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,7 +165,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--per_layer", "--grad_clipping", "1.0"], "drop --grad_clipping or drop --per_layer"),
-    (["--total_batch_size", "10"], "not a multiple of --batch_size"),
+    (["--total_batch_size", "10"], "is not a multiple of --batch_size 4 x 1 devices; pass --batch_size 2 or "
+                                   "--total_batch_size 12"),  # base_args' --batch_size 4
+    (["--total_batch_size", "7", "--batch_size", "2"], "pass --batch_size 1 or --total_batch_size 8"),
     (["--delta", "1.5"], "delta must be in"),
     (["--rank", "64"], "rank must be in"),
     (["--model_config", "configs/llama_99m.json"], "expected configs/llama_<size>.json"),
@@ -178,6 +181,23 @@ def test_bad_flags_fail_before_any_work(corpus, tmp_path, capsys, extra, message
         train.main(base_args(corpus, tmp_path, 4, *extra))
     assert message in str(e.value) + capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists(), "no work may start before the flags are checked"
+
+
+def test_a_resume_reaching_the_data_through_a_link_is_the_same_run(corpus, tmp_path):
+    """The data folder is compared as a folder, not as a path: a link to it (another mount point, a job's scratch
+    link) resumes; another folder is refused."""
+    train.main(base_args(corpus, tmp_path / "run", 4, "--stop_after", "2"))
+    link = tmp_path / "linked_c4"
+    link.symlink_to(corpus[0], target_is_directory=True)
+    argv = base_args(corpus, tmp_path / "run", 4, "--resume")
+    argv[argv.index("--data_dir") + 1] = str(link)
+    train.main(argv)
+    assert final_state(tmp_path / "run")["step"] == 4
+    other = tmp_path / "copy_c4"
+    shutil.copytree(corpus[0], other)
+    argv[argv.index("--data_dir") + 1], argv[argv.index("--num_training_steps") + 1] = str(other), "6"
+    with pytest.raises(SystemExit, match=r"written by another run: data_dir .*linked_c4 \(now .*copy_c4\)"):
+        train.main(argv)
 
 
 def test_block_size_is_honored_kept_by_resume_and_an_older_run_had_256(corpus, tmp_path):

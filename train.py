@@ -39,7 +39,7 @@ import checkpoint
 import flags
 from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
                   validation_batches)
-from flags import resume_path
+from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import Keeper, any_rank, diverged, lock_out_dir, refuse_overwrite
 from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
@@ -133,7 +133,9 @@ def load_for_resume(args, vocab_size, world, master=True):
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
     unused = flags.unused_flags(args.method, args.optimizer)  # an older run may have stored them
     must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
-    diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in must_match if old.get(k) != getattr(args, k)]
+    def same(k):  # a data folder reached through a link is the same folder
+        return same_file(old[k], args.data_dir) if k == "data_dir" and old.get(k) else old.get(k) == getattr(args, k)
+    diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in must_match if not same(k)]
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
     if not args.eval_only and "optimizer" not in ckpt:
