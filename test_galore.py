@@ -14,6 +14,7 @@ import train
 from model import LLaMA, config_for
 from galore import GaLore, galore_param_groups
 from optim import attach_per_layer
+from test_optim import step_beside_a_twin_without_non_finite
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
 
 
@@ -115,26 +116,9 @@ def test_8bit_non_finite_gradients_count_as_zero():
     zeros there steps identically. update_gap=1: the overflowing step computes a projector."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(8, 24))]  # 8-bit and float32
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]  # moments: (64, 4) past 128, (4, 24) below
-
-    def make(ps):
-        return GaLore([dict(params=ps, rank=4)], inner="adam8bit", update_gap=1, min_8bit_size=128)
-
-    opt, twin_opt = make(params), make(twins)
-    for step in range(4):
-        for p, t in zip(params, twins):
-            g = torch.randn_like(p)
-            p.grad, t.grad = g.clone(), g.clone()
-            if step == 1:  # an overflowing step
-                p.grad.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-                t.grad.view(-1)[:3] = 0.0
-        opt.step()
-        twin_opt.step()
-        for p, t in zip(params, twins):
-            bad = int((~p.isfinite()).sum())
-            assert bad == 0, f"step {step}: {bad} non-finite entries in the {tuple(p.shape)} weight"
-            diff = (p - t).abs().max().item()
-            assert diff == 0, f"step {step}: the {tuple(p.shape)} weight differs from its twin by {diff}"
+    # moments: (64, 4), past min_8bit_size, and (4, 24) below it
+    opt = step_beside_a_twin_without_non_finite(
+        lambda ps: GaLore([dict(params=ps, rank=4)], inner="adam8bit", update_gap=1, min_8bit_size=128), params)
     assert "exp_avg_codes" in opt.state[params[0]] and "exp_avg" in opt.state[params[1]]
 
 

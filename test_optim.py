@@ -334,12 +334,13 @@ def test_adam8bit_small_tensors_keep_float32_moments_for_bf16_parameters():
         {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
 
 
-def test_adam8bit_non_finite_gradients_count_as_zero():
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(10))]  # 8-bit and float32
+def step_beside_a_twin_without_non_finite(make, params, steps=4):
+    """make(params) and make(twins of params) take the same random gradients for `steps` steps, but in step 1 three
+    entries of each gradient are NaN, inf and -inf, and the twin's are 0: the parameters must stay finite and equal to
+    their twins'. Returns the first optimizer."""
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, twin_opt = Adam8bit(params), Adam8bit(twins)
-    for step in range(4):
+    opt, twin_opt = make(params), make(twins)
+    for step in range(steps):
         for p, t in zip(params, twins):
             g = torch.randn_like(p)
             p.grad, t.grad = g.clone(), g.clone()
@@ -349,8 +350,15 @@ def test_adam8bit_non_finite_gradients_count_as_zero():
         opt.step()
         twin_opt.step()
         for p, t in zip(params, twins):
-            assert bool(p.isfinite().all()), f"step {step}: non-finite parameter"
+            assert bool(p.isfinite().all()), f"step {step}: non-finite entries in the {tuple(p.shape)} parameter"
             torch.testing.assert_close(p, t, rtol=0, atol=0, msg=lambda m: f"step {step}: {max_diff(p, t)}\n{m}")
+    return opt
+
+
+def test_adam8bit_non_finite_gradients_count_as_zero():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(10))]  # 8-bit and float32
+    opt = step_beside_a_twin_without_non_finite(Adam8bit, params)
     s = opt.state[params[0]]
     assert bool(s["exp_avg_absmax"].isfinite().all() and s["sqrt_exp_avg_sq_absmax"].isfinite().all())
 
