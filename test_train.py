@@ -1641,6 +1641,25 @@ def test_a_signal_before_the_first_update_or_in_eval_only_is_one_line(corpus, tm
             train.main(eval_args(corpus, tmp_path))
 
 
+def test_a_stop_signal_before_the_run_raises_once_and_one_after_preparing_is_answered(corpus, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """Till the run answers the stop signals the first one raises (one line, nothing saved); a second, as a torchrun
+    rank gets from the agent and again from the agent's death, must not cut the first one's exit short. One that
+    comes once the run is prepared, before it answers them, is answered as soon as it does: a checkpoint, exit 0."""
+    early = train.Early()
+    with pytest.raises(train.StoppedBeforeTheRun, match="^SIGTERM$"):
+        early(signal.SIGTERM, None)
+    early(signal.SIGHUP, None)  # kept, not raised
+    assert early.signal == "SIGTERM"
+    run_or_evaluate = train.run_or_evaluate
+    monkeypatch.setattr(train, "run_or_evaluate", lambda *a: (os.kill(os.getpid(), signal.SIGTERM),
+                                                               run_or_evaluate(*a))[1])
+    train.main(base_args(corpus, tmp_path, 6))
+    out = capsys.readouterr().out
+    assert "stopped by SIGTERM within update 1, which the resumed run makes again" in out, out[-2000:]
+    assert final_state(tmp_path)["step"] == 0 and "before the first update" not in out
+
+
 def test_a_late_signal_does_not_turn_a_finished_run_into_a_kill(corpus, tmp_path):
     """A scheduler may signal again while the process exits (DDP teardown, the interpreter's own exit): the run
     has ended and said so, and its exit status stays 0."""

@@ -485,8 +485,18 @@ class StoppedBeforeTheRun(Exception):
     """A stop signal while the data loads or the model is built (minutes at 7b): nothing is trained yet to save."""
 
 
-def stop_before_the_run(signum, frame):
-    raise StoppedBeforeTheRun(signal.Signals(signum).name)
+class Early:
+    """The stop signals' handler till the run answers them: the first one raises StoppedBeforeTheRun while `armed`
+    (main disarms it once prepared); later ones, and one after, are only kept in `signal`: a rank gets SIGTERM from
+    torchrun's agent and again from the agent's death, and the second must not cut the first's exit short."""
+
+    def __init__(self):
+        self.signal, self.armed = None, True
+
+    def __call__(self, signum, frame):
+        first, self.signal = self.signal is None, self.signal or signal.Signals(signum).name
+        if first and self.armed:
+            raise StoppedBeforeTheRun(self.signal)
 
 
 @rank_0_speaks
@@ -497,24 +507,27 @@ def main(argv=None, exiting=False):
     stop_when_torchrun_ends()
     # a stop signal before the run answers them is one line, as Ctrl-C is, where the default action killed the
     # process without a word; one the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`)
-    original = {sig: signal.signal(sig, stop_before_the_run) for sig in STOP_SIGNALS
-                if signal.getsignal(sig) is not signal.SIG_IGN}
+    early = Early()
+    original = {sig: signal.signal(sig, early) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         with ExitStack() as held:  # out_dir's lock, released as main ends, however it ends
             try:
                 prepared = prepare(args, held)
             except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
-                by = str(e) or "Ctrl-C"
-                raise SystemExit(f"stopped by {by} before the first update: nothing was saved") from None
-            run_or_evaluate(args, *prepared, list(original))
+                early.armed = False
+                raise SystemExit(f"stopped by {str(e) or 'Ctrl-C'} before the first update: nothing was saved") \
+                    from None
+            early.armed = False  # one that comes now is the run's to answer
+            run_or_evaluate(args, *prepared, list(original), early)
     finally:  # after the teardown: a second signal must not cut it short
+        early.armed = False
         for sig, handler in original.items():
             signal.signal(sig, signal.SIG_IGN if exiting else handler)
 
 
-def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered):
-    """The stop signals answered (those of `answered`; main restores them), then the training run (or --eval_only's
-    evaluation), then the teardown."""
+def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered, early):
+    """The stop signals answered (those of `answered`; main restores them; one that came since main's handler was
+    disarmed, in `early`, is answered too), then the training run (or --eval_only's evaluation), then the teardown."""
     device, rank, world, master = run.device, run.rank, run.world, run.rank == 0
     val, loader = data
 
@@ -532,6 +545,8 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered):
                 os.write(1, f"{signal.Signals(signum).name}: stopping {what}\n".encode())
     for sig in answered:
         signal.signal(sig, on_signal)
+    if early.signal:
+        on_signal(signal.Signals[early.signal], None)
     try:
         if args.eval_only:
             try:
