@@ -319,7 +319,7 @@ def print_table(rows):
             notes.append(r["footnote"])
             mark = f"[{len(notes)}]"
         grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
-        held = float(total) if r["held_gb"] == r["param_gb"] else round(r["held_gb"], 2) + round(r["optim_gb"], 2)
+        held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
         train = held + at_most(grads, act, round(r["start_gb"], 2))  # added as printed, as the paper
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
@@ -377,8 +377,7 @@ def print_breakdown(r):
     if r["held_gb"] != r["param_gb"]:
         line("held", r["held_gb"], "G", "the parameters and W0 as our model holds them: the embeddings, norms and "
              "head once, where the paper's param has them twice; train counts these")
-        total = round(r["held_gb"], 2) + round(r["optim_gb"], 2)
-    train = total + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
+    train = round(r["held_gb"], 2) + round(r["optim_gb"], 2) + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
                                                                    if r["activation_checkpointing"] else "")
     base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"

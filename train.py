@@ -514,13 +514,12 @@ def main(argv=None, exiting=False):
             try:
                 prepared = prepare(args, held)
             except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
-                early.armed = False
                 raise SystemExit(f"stopped by {str(e) or 'Ctrl-C'} before the first update: nothing was saved") \
                     from None
-            early.armed = False  # one that comes now is the run's to answer
+            finally:  # from here a signal is the run's to answer, or comes while this exit unwinds
+                early.armed = False
             run_or_evaluate(args, *prepared, list(original), early)
     finally:  # after the teardown: a second signal must not cut it short
-        early.armed = False
         for sig, handler in original.items():
             signal.signal(sig, signal.SIG_IGN if exiting else handler)
 
