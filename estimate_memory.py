@@ -377,7 +377,8 @@ def print_breakdown(r):
     if r["held_gb"] != r["param_gb"]:
         line("held", r["held_gb"], "G", "the parameters and W0 as our model holds them: the embeddings, norms and "
              "head once, where the paper's param has them twice; train counts these")
-    train = round(r["held_gb"], 2) + round(r["optim_gb"], 2) + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
+    held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
+    train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
                                                                    if r["activation_checkpointing"] else "")
     base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"
