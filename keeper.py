@@ -174,8 +174,13 @@ class Keeper:
         self.first_bad = torch.where(bad, done, self.first_bad)
 
     def check_finite(self):
-        if self.ddp:  # each rank holds its own share of the loss: all must agree to stop
-            dist.all_reduce(self.first_bad, op=dist.ReduceOp.MAX)
+        """Stop if an update was flagged. Under DDP each rank holds its own share of the loss, so the ranks agree on
+        the earliest update any of them flagged (-1, none, counts as the largest)."""
+        if self.ddp:
+            none = torch.iinfo(self.first_bad.dtype).max
+            first = torch.where(self.first_bad < 0, none, self.first_bad)
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            self.first_bad = torch.where(first == none, -1, first)
         if self.first_bad.item() >= 0:
             raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good)
 
@@ -218,6 +223,11 @@ class Keeper:
         self.on_disk = (step, eval_pending)
 
     def _write_checkpoint(self, state):
+        try:  # the rows up to this step reach the disk before the checkpoint that says they were written
+            os.fsync(self.metrics.fileno())  # (a power cut could otherwise keep the checkpoint and lose them)
+        except OSError as e:
+            raise SystemExit(f"cannot write {self.metrics_path} at step {state['step']} ({e.strerror or e}); "
+                             f"{after_failed_write(e, self.last_good)}") from None
         try:
             checkpoint.save(self.path, state)
         except checkpoint.SaveFailed as e:  # last_good is still the one before

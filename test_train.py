@@ -1255,6 +1255,50 @@ def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path
         assert [r["step"] for r in metrics(mnt)[0]] == list(range(1, 61))
 
 
+def test_the_rows_a_checkpoint_covers_are_on_disk_before_it(corpus, tmp_path, monkeypatch):
+    """A power cut after a save must not keep the checkpoint and lose the rows before it (the resume would go on with
+    a gap in metrics.jsonl): they are fsynced before the checkpoint is renamed into place. A metrics disk that fails
+    then (a delayed-allocation disk says ENOSPC at fsync, not at write) stops the run before the save, in one line."""
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[-1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b))[-1])
+    train.main(base_args(corpus, tmp_path, 4, "--save_every", "2", "--log_every", "1"))
+    path, rows = str(tmp_path / "metrics.jsonl"), str(tmp_path / "ckpt.pt")
+    saves = [i for i, e in enumerate(events) if e == ("replace", rows)]
+    assert len(saves) == 2, events
+    for i in saves:
+        assert ("fsync", path) in events[:i] and events[:i][::-1].index(("fsync", path)) < i, events
+    written = os.path.getsize(path)
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
+                        if os.readlink(f"/proc/self/fd/{fd}") == path else fsync(fd))
+    with pytest.raises(SystemExit, match=rf"^cannot write {path} at step 6 \(Input/output error\); .*--resume "
+                                         rf"{rows} \(step 4\)"):
+        train.main(base_args(corpus, tmp_path, 8, "--save_every", "2", "--log_every", "1", "--resume"))
+    assert final_state(tmp_path)["step"] == 4 and os.path.getsize(path) > written
+
+
+def test_ranks_agree_on_the_first_update_any_of_them_flagged(tmp_path):
+    """Each rank flags the first update whose loss (its own share) or norm was not finite; the message names the
+    earliest of them, which every rank must say alike, and none when no rank flagged."""
+    script = tmp_path / "flags.py"
+    script.write_text(f"import sys, types, torch, torch.distributed as dist\nsys.path.insert(0, {str(HERE)!r})\n"
+                      "import keeper\ndist.init_process_group('gloo')\nrank = dist.get_rank()\n"
+                      f"said = open({str(tmp_path)!r} + f'/rank{{rank}}', 'w')\n"
+                      "for mine in ([5, 3, -1], [-1, -1, -1], [-1, 7, -1]):\n"
+                      "    k = types.SimpleNamespace(ddp=True, first_bad=torch.tensor(mine[rank]), last_good=[])\n"
+                      "    try:\n        keeper.Keeper.check_finite(k)\n        print('none', file=said)\n"
+                      "    except SystemExit as e:\n        print(str(e).split(';')[0], file=said)\n"
+                      "said.close()\ndist.barrier()\ndist.destroy_process_group()\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script)]
+    proc = subprocess.run(cmd, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    step = "non-finite loss or gradient norm at step"
+    for rank in range(3):
+        assert (tmp_path / f"rank{rank}").read_text().splitlines() == [f"{step} 3", "none", f"{step} 7"], rank
+
+
 def corpus_with_a_bad_line(corpus, tmp_path, shard="c4-train.00001-of-00002.json.gz"):
     """A copy of the corpus where line 101 of one training shard is not JSON."""
     folder = tmp_path / "c4"
