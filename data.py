@@ -404,8 +404,10 @@ class TrainLoader:
 def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eval_tokens=10_000_000, pack=False,
                        rank=0, world_size=1):
     """The first eval_tokens non-pad tokens of the validation shards (file order, no shuffle; all of them if
-    there are fewer), as (x, y) batches with the training layout; the last batch may be smaller. The set does
-    not depend on batch_size or world_size. Under DDP rank r gets batches r, r+w, ...: sum the loss over
+    there are fewer), as (x, y) batches with the training layout. The last batch is filled up with rows of padding,
+    which have no targets: every batch has one shape, so a compiled model (train.py --compile) compiles its
+    evaluation once, where a short last batch would compile it again. The set does not depend on batch_size or
+    world_size. Under DDP rank r gets batches r, r+w, ...: sum the loss over
     targets (y >= 0) and count targets on each rank, all_reduce both, and divide, for a token-weighted mean."""
     enc = _Encoder(tokenizer_path, max_length, _cpus())
     texts, chunks, total = _texts(find_shards(data_dir, "validation")), [], 0
@@ -426,6 +428,10 @@ def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eva
         units = units[:len(units) // (max_length + 1) * (max_length + 1)].view(-1, max_length + 1)
     pad_id = max(enc.sp.pad_id(), 0)
     batches = [_batch(u, len(u), pad_id, pack) for u in units.split(batch_size)]
+    x, y = batches[-1]
+    if len(x) < batch_size:  # rows of pad tokens without targets: the loss and the count of targets are unchanged
+        fill = (batch_size - len(x), x.size(1))
+        batches[-1] = torch.cat([x, x.new_full(fill, pad_id)]), torch.cat([y, y.new_full(fill, -1)])
     return batches[rank::world_size]
 
 

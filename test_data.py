@@ -72,8 +72,10 @@ def ref_row(sp, text, max_length):
 
 
 def rows_of(batches):
-    """Paper-mode sequences back from (x, y): seq = x[:, :1] followed by y."""
-    return [tuple(r) for x, y in batches for r in torch.cat([x[:, :1], y], 1).tolist()]
+    """Paper-mode sequences back from (x, y): seq = x[:, :1] followed by y; without the rows of padding that fill up
+    the last validation batch (the pad token throughout, no targets)."""
+    return [tuple(r) for x, y in batches for r, xr in zip(torch.cat([x[:, :1], y], 1).tolist(), x)
+            if not ((xr == xr[0]).all() and r[1:].count(-1) == len(r) - 1)]
 
 
 def take(loader, n):
@@ -339,8 +341,16 @@ def test_validation_set_is_fixed(corpus, tok):
         merged = [b for group in itertools.zip_longest(*parts) for b in group if b is not None]
         assert rows_of(merged) == rows, f"batch_size {batch_size}, world_size {world_size} changed the set"
     assert rows_of(data.validation_batches(corpus[0], tok, 8, L, 10**9)) == want, "short data: use all of it"
+    half, more = len(rows) // 2 + 1, len(rows) + 1  # neither divides the rows, nor 4 and 7 the 18 packed windows
+    for batch_size, pack in ((half, False), (more, False), (4, True), (7, True)):  # a short last batch, filled up
+        batches = data.validation_batches(corpus[0], tok, batch_size, L, 300, pack=pack)
+        width = L if pack else L - 1  # a packed window is max_length + 1 tokens, a paper row max_length
+        assert {(tuple(x.shape), tuple(y.shape)) for x, y in batches} == {((batch_size, width),) * 2}, "one shape"
+        x, y = batches[-1]
+        filled = (y == -1).all(1)
+        assert filled.any() and (x[filled] == max(spm.SentencePieceProcessor(model_file=str(tok)).pad_id(), 0)).all()
     packed = data.validation_batches(corpus[0], tok, 4, L, eval_tokens=300, pack=True)
-    stream = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in packed]).tolist()
+    stream = torch.cat([torch.cat([x, y[:, -1:]], 1)[(y != -1).any(1)].flatten() for x, y in packed]).tolist()
     ref = [t for d in docs for t in sp.encode(d) + [sp.eos_id()]]
     assert len(stream) == 18 * (L + 1) and stream == ref[:len(stream)], "packed validation: 18 whole windows"
 

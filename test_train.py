@@ -1508,6 +1508,25 @@ def test_compiled_blocks_share_one_graph_and_keep_per_layer_updates():
     assert losses[True] == pytest.approx(losses[False], rel=1e-5) and losses[True][-1] < losses[True][0]
 
 
+def test_a_compiled_evaluation_compiles_once_and_its_filled_rows_change_nothing(corpus):
+    """The validation set's last batch is filled up with rows of padding: a short one would make a compiled block
+    compile once more (a new shape) after the evaluation's own graph (no gradients). The rows change neither the
+    loss nor the count of tokens."""
+    batches = data.validation_batches(*corpus, 3, 32, 3000)  # 40 documents: 13 batches and one of 1
+    counted = [(y != -1).any(1) for _, y in batches]
+    assert not counted[-1].all(), "the last batch is filled up"
+    torch.manual_seed(0)
+    model, cpu, stop = LLaMA(config_for("tiny", method="sltrain", vocab_size=96)), torch.device("cpu"), {"signal": None}
+    want = train.evaluate(model, [(x[c], y[c]) for (x, y), c in zip(batches, counted)], cpu, 0, 1, stop)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model.compile_blocks(backend="aot_eager")
+    model(*batches[0])[1].backward()  # the training graph
+    got = train.evaluate(model, batches, cpu, 0, 1, stop)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2, "training, then evaluation"
+    assert got[2] == want[2] and got[0] == pytest.approx(want[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit_per_layer"], ["--amp"],
                                    ["--method", "full", "--optimizer", "galore_adam8bit", "--galore_update_gap", "2"]],
                          ids=["adamw", "adam8bit-per-layer", "amp", "galore-8bit"])
