@@ -88,7 +88,7 @@ def spectrum(model, rank=None, threshold=0.04):
         split = not is_full_rank(module) and module.values is not None and module.rank > 0
         if split:  # the two parts and W in float64, so that they add up to the rounding of the SVD alone
             low = (module.B.double() * module.scale) @ module.A.double()  # s·BA
-            empty = torch.empty(0, dtype=torch.float64)
+            empty = W.new_empty(0)  # float64, on W's device
             sparse = merge(empty.view(W.shape[0], 0), empty.view(0, W.shape[1]), module.values.double(),
                            module.indices.long(), 0.0)  # S alone
             W = low + sparse

@@ -68,15 +68,20 @@ from sllinear import SLLinear
 
 # ----------------------------------------------------------------------------- timing
 
-def timed(fn, device):
-    """Seconds of one call of fn."""
+def timed(fn, device, issued=None):
+    """Seconds of one call of fn. On CUDA, issued (a list) gets the seconds the host took to issue its work: when
+    they are most of the device's, the GPU was waiting for the host's launches (launch-bound), not computing."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)  # nothing of the previous variant may run inside this block
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host = time.perf_counter() - t0
         end.record()
         torch.cuda.synchronize(device)
+        if issued is not None:
+            issued.append(host)
         return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
     fn()
@@ -86,12 +91,13 @@ def timed(fn, device):
 MAX_CALLS = 10_000  # calls per block at most: no torch call takes under 1 µs, so only a timer that read 0 s reaches it
 
 
-def interleave(variants, rounds, device, warmup=2, min_block=0.01, after_round=lambda times: None):
+def interleave(variants, rounds, device, warmup=2, min_block=0.01, after_round=lambda times: None, issued=None):
     """{name: [seconds per call, one per round]}: warm-up calls of each variant, then rounds that run each in its
     own block, order alternating. A call shorter than min_block seconds runs back to back in its block, as many
     times (at most MAX_CALLS) as one timed call after the warm-up says make min_block, and the block's time is
     divided by them: a short GPU call timed alone would count the host's launch of its kernels in front of them,
-    where a real run overlaps the two. after_round(times) sees the rounds so far (a suite saves them)."""
+    where a real run overlaps the two. after_round(times) sees the rounds so far (a suite saves them). On CUDA,
+    issued (a dict) gets {name: [the host's seconds to issue a call, one per round]} (timed)."""
     calls = {}
     for name, fn in variants.items():
         for _ in range(warmup):
@@ -107,7 +113,10 @@ def interleave(variants, rounds, device, warmup=2, min_block=0.01, after_round=l
     times = {name: [] for name in variants}
     for i in range(rounds):
         for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-            times[name].append(timed(block(variants[name], calls[name]), device) / calls[name])
+            host = []
+            times[name].append(timed(block(variants[name], calls[name]), device, host) / calls[name])
+            if issued is not None and host:
+                issued.setdefault(name, []).append(host[0] / calls[name])
         after_round(times)
     return times
 

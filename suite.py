@@ -20,9 +20,9 @@ with --data_dir):
                     per-layer updates
     amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
-                    --compile, --sync_debug, torchrun (each run killed at a timeout)
-    inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
+                    --compile, --sync_debug, torchrun (each run killed at a timeout, with every process below it)
     model_compiled  the model section compiled as train.py --compile, for full, lowrank and sltrain
+    inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
     memory_galore   the memory section for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
                     (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
                     command
@@ -35,9 +35,11 @@ any failed. tiny runs on CPU (float32; memory by the profiler) and is what test_
 import argparse
 import contextlib
 import gc
+import glob
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 
@@ -62,7 +64,7 @@ SUITES = {
                 inference_sizes=("130m", "350m", "1b", "7b")),
     "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
-                 optimizer_shapes=((64, 32), (32, 64), (500,)),
+                 optimizer_shapes=((64, 32), (96, 64), (500,)),  # 96 x 64: 8-bit state (min_8bit_size 4096)
                  program=dict(size="tiny", steps=40, batch=2, eval_every=20, eval_tokens=2000, short=4,
                               compile=True, timeout=600),  # compile: ~half a minute of inductor on CPU
                  inference_sizes=("tiny",)),
@@ -90,6 +92,8 @@ def suite_layer(s, device, dtype, progress=lambda partial: None):
     W alone (merge) and the parts of sllinear.py's extra work, each timed alone. Forward forms W (form s·BA, scatter
     V into it); backward forms it again, then G = gᵀx (as dense does), the factor gradients G Aᵀ and Bᵀ G, and V's
     gradient (gather G at I). So accounted = dense + 2·(form + scatter) + factor_grads + gather, beside sltrain.
+    On CUDA each variant also has issued_ms, the host's time to issue one call: where it is most of ms (a 60m
+    shape's microsecond kernels), the time is the host's launches, not the GPU's work (the table says so).
     progress gets the rows after each shape."""
     rows = []
     for size in s["layer_sizes"]:
@@ -110,9 +114,12 @@ def suite_layer(s, device, dtype, progress=lambda partial: None):
                      # the factor gradients: (out, r) and (r, in)
                      "factor_grads": lambda: (scaled_mm(G, A.t(), scale), scaled_mm(B.t(), G, scale)),
                      "gather": lambda: G.view(-1).index_select(0, I)}  # (out·in,)[I] -> (nnz,)
+            issued = {}
             times = interleave({"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl), "merge": lambda: sl.merged_weight(),
-                                **parts}, s["rounds"], device)
+                                **parts}, s["rounds"], device, issued=issued)
             v = summary(times, "dense")
+            for name, seconds in issued.items():  # CUDA: the host's time to issue a call, beside the device's
+                v[name]["issued_ms"] = 1e3 * statistics.median(seconds)
             ms = {name: row["ms"] for name, row in v.items()}
             accounted = ms["dense"] + 2 * (ms["form"] + ms["scatter"]) + ms["factor_grads"] + ms["gather"]
             floor = 1 + 4 * c.rank / (3 * s["tokens"])
@@ -290,13 +297,52 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
     return result
 
 
+def process_tree(pid):
+    """pid and every process below it, from /proc (Linux). torchrun starts each worker in a session of its own, out
+    of its process group: a kill of the group misses them, and a worker hung in C code (an NCCL start, a compile)
+    keeps the pipes it inherited open, so that reading them would wait for it."""
+    parent = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a process that ended meanwhile
+            with open(stat) as f:
+                parent[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])  # (comm) state ppid
+    tree, new = {pid}, {pid}
+    while new:
+        new = {child for child, ppid in parent.items() if ppid in new} - tree
+        tree |= new
+    return tree
+
+
+@contextlib.contextmanager
+def deadline(proc, seconds):
+    """Kills proc, its process group and every process below it after `seconds`, so that a hung NCCL start or
+    compile costs its own run, not the rest of the command's time; yields an Event, set if it did."""
+    import threading
+    fired = threading.Event()
+
+    def kill():
+        fired.set()
+        tree = process_tree(proc.pid)  # first: once proc is gone, its children are no longer found below it
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    timer = threading.Timer(seconds, kill)
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+
+
 def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
     (two micro-batches per update, so the signal may come within one) and resumed (how close its end is to the
     straight run), --compile, and torchrun's NCCL (or gloo) path. Each run
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
     raises at the end, naming the runs that failed."""
-    import shutil, subprocess, threading  # only this section starts processes and writes files
+    import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
     for run in ("straight", "signalled", "compiled", "eager_sync", "torchrun"):  # the suite's scratch folders, anew
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
@@ -307,27 +353,10 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
             "--workers", "1"]
     rows = lambda run: [json.loads(line) for line in open(os.path.join(out_dir, run, "metrics.jsonl"))]
 
-    @contextlib.contextmanager
-    def deadline(proc):
-        """Kills proc's process group (torchrun's workers too) after p["timeout"] seconds, so that a hung NCCL start
-        or compile costs its own run, not the rest of the command's time; yields an Event, set if it did."""
-        fired = threading.Event()
-
-        def kill():
-            fired.set()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        timer = threading.Timer(p["timeout"], kill)
-        timer.start()
-        try:
-            yield fired
-        finally:
-            timer.cancel()
-
     def train(run, *extra, launcher=()):
         cmd = [*launcher, *base[1 if launcher else 0:], "--out_dir", os.path.join(out_dir, run), *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        with deadline(proc) as fired:
+        with deadline(proc, p["timeout"]) as fired:
             out, err = proc.communicate()
         if fired.is_set() or proc.returncode:
             why = f"was killed after {p['timeout']} s" if fired.is_set() else "failed"
@@ -347,7 +376,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"]), *halves]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        with deadline(proc) as fired:
+        with deadline(proc, p["timeout"]) as fired:
             for line in proc.stdout:  # the log line of the half-way update, as it is printed
                 if line.startswith(f"step {p['steps'] // 2}/"):
                     os.killpg(proc.pid, signal.SIGTERM)
@@ -413,12 +442,13 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
         return rows
 
     # each takes progress(partial) and passes it what it has finished, which is saved before it goes on
-    # in order of what the paper claims most, so that a command cut short by a time limit has measured those
+    # in order of what the paper claims most (inference, Table 5, is beside the issue's figures), so that a command
+    # cut short by a time limit has measured those
     run = dict(memory=lambda p: suite_memory(s, device, p), layer=lambda p: suite_layer(s, device, dtype, p),
                model=lambda p: suite_model(s, device, dtype, False, p),
                optimizer=lambda p: suite_optimizer(s, device, dtype, p), amp=lambda p: suite_amp(s, device, dtype, p),
-               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p), inference=inference,
-               model_compiled=lambda p: suite_model(s, device, dtype, True, p),
+               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
+               model_compiled=lambda p: suite_model(s, device, dtype, True, p), inference=inference,
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
     if not sections and not data_dir:  # all of them, but this one: said, not left out in silence
@@ -458,6 +488,9 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
 
 
 
+LAUNCH_BOUND = 0.9  # a variant whose host issued its work in this share of its time or more waited on the host
+
+
 def report_layer(r):
     print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd; "
           "parts in ms, accounted = dense + 2·(form + scatter) + factor grads + gather")
@@ -470,6 +503,10 @@ def report_layer(r):
         print(f"  {'':>16} form {ms('form')} | scatter {ms('scatter')} | factor grads {ms('factor_grads')} | gather "
               f"{ms('gather')} | accounted {L['accounted_ms']:.3f} of sltrain {ms('sltrain')} ms "
               f"({L['accounted_ms'] / v['sltrain']['ms']:.0%})")
+        bound = [k for k, row in v.items() if row.get("issued_ms", 0) >= LAUNCH_BOUND * row["ms"]]
+        if bound:
+            print(f"  {'':>16} launch-bound (the host took {LAUNCH_BOUND:.0%} or more of the time to issue the "
+                  f"work): {', '.join(bound)}")
 
 
 def report_model(r, key="model"):

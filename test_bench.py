@@ -158,6 +158,39 @@ def test_short_calls_run_back_to_back_in_their_block(monkeypatch):
     assert calls == {"short": 1 + 1 + 3 * 10, "long": 1 + 1 + 3}  # warm-up, the timed call that sizes the block, rounds
 
 
+def test_on_a_gpu_the_hosts_time_to_issue_shows_a_launch_bound_call(monkeypatch):
+    """A simulated CUDA stream: the host takes `host` seconds to issue a call, the device `work` to run it, after
+    it is issued. CUDA events time the device; issued gets the host's part. A call whose kernels are shorter than
+    their launch is timed at the host's pace, and its issued time is then nearly all of it."""
+    clock, busy = [0.0], [0.0]  # the host's time; when the device's queue runs empty
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = max(clock[0], busy[0])  # an event completes once the work before it has run
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.at - self.at)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: clock.__setitem__(0, max(clock[0], busy[0])))
+
+    def call(host, work):
+        def run():
+            clock[0] += host
+            busy[0] = max(busy[0], clock[0]) + work
+        return run
+    issued = {}
+    times = bench.interleave({"launch_bound": call(1e-4, 1e-5), "compute_bound": call(1e-5, 1e-3)}, rounds=3,
+                             device=torch.device("cuda"), warmup=1, min_block=0.01, issued=issued)
+    for name, (host, work) in {"launch_bound": (1e-4, 1e-5), "compute_bound": (1e-5, 1e-3)}.items():
+        assert times[name] == pytest.approx([max(host, work)] * 3, rel=0.02), (name, times)
+        assert issued[name] == pytest.approx([host] * 3), (name, issued)
+    assert bench.interleave({"cpu": call(1e-3, 0)}, 1, torch.device("cpu"), issued=issued) and "cpu" not in issued
+
+
 def test_a_call_timed_at_zero_runs_a_bounded_block(monkeypatch):
     """A timer can read 0 s for one short call (CUDA events resolve ~0.5 µs, perf_counter a clock tick): the block is
     then sized at bench.MAX_CALLS (10,000), not at min_block ÷ 1 ns (ten million calls per round)."""

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import optim
 import suite
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
@@ -20,7 +21,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     out = str(tmp_path / "tiny.json")
     r = suite.run_suite("tiny", torch.device("cpu"), out=out)
     s = suite.SUITES["tiny"]
-    sections = ["memory", "layer", "model", "optimizer", "amp", "inference", "model_compiled", "memory_galore"]
+    sections = ["memory", "layer", "model", "optimizer", "amp", "model_compiled", "inference", "memory_galore"]
     assert list(r["seconds"]) == sections and "errors" not in r
     assert "program: skipped, it trains on C4 shards: pass --data_dir" in capsys.readouterr().out  # said, not silent
     assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
@@ -54,6 +55,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         assert row["vs_estimate"] == pytest.approx((row["gb"] - row["base_gb"]) / row["estimate_gb"] - 1)
     assert 0 < mem["reduction"] < 1
     assert set(r["optimizer"]["variants"]) == {"torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)"}
+    small = optim.Adam8bit([torch.nn.Parameter(torch.zeros(1))]).defaults["min_8bit_size"]
+    assert any(math.prod(shape) >= small for shape in s["optimizer_shapes"]), "one tensor has 8-bit state, as at 7b"
     for host in r["optimizer"]["host_ms_per_update"].values():  # per-layer updates: the host's time, and its ops
         assert set(host) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"}
         # a difference of two timings: finite, but under load it may come out at or below zero at this size
@@ -252,6 +255,40 @@ def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa:
         suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
     assert all("killed after 0.3 s" in row["error"] for row in saved[-1].values()), saved[-1]
     assert time.perf_counter() - t0 < 60
+
+
+def test_the_layer_table_names_the_variants_the_host_held_back(capsys):
+    """On CUDA each layer variant has the host's time to issue a call beside its time: those the host took 90% or
+    more of are named launch-bound under their shape (a 60m shape's kernels run in microseconds)."""
+    ms = dict(dense=0.05, sltrain=0.09, merge=0.03, form=0.01, scatter=0.01, factor_grads=0.02, gather=0.01)
+    issued = dict(dense=0.02, sltrain=0.085, merge=0.01, form=0.0095, scatter=0.002, factor_grads=0.01, gather=0.0095)
+    variants = {k: dict(ms=v, ratio=v / ms["dense"], range=(v / ms["dense"],) * 2, issued_ms=issued[k])
+                for k, v in ms.items()}
+    row = dict(size="60m", shape="512x512", rank=128, floor=1.005, accounted_ms=0.16, variants=variants)
+    suite.report_layer({"layer": [row]})
+    assert "launch-bound (the host took 90% or more of the time to issue the work): sltrain, form, gather" \
+        in capsys.readouterr().out
+    for v in variants.values():  # on CPU there is no such figure, and no such line
+        del v["issued_ms"]
+    suite.report_layer({"layer": [row]})
+    assert "launch-bound" not in capsys.readouterr().out
+
+
+def test_a_hung_worker_in_a_session_of_its_own_is_killed_too(tmp_path):
+    """As torchrun starts its workers: a child in a session of its own, out of the run's process group, that
+    ignores SIGTERM and holds the run's output pipe. The deadline kills it with the run, so reading the output ends
+    at the deadline, not when the worker would have."""
+    import subprocess
+    import sys
+    worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('worker', flush=True); " \
+             "time.sleep(90)"
+    run = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], " \
+          "start_new_session=True); time.sleep(90)"
+    proc = subprocess.Popen([sys.executable, "-c", run], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    t0 = time.perf_counter()
+    with suite.deadline(proc, 3) as fired:
+        out = proc.communicate()[0]
+    assert fired.is_set() and out == "worker\n" and time.perf_counter() - t0 < 30
 
 
 @pytest.mark.parametrize("argv,message", [
