@@ -145,21 +145,23 @@ def sl_linear(x, B, A, values, indices, scale, base=None):
     return SLLinearFunction.apply(x, B, A, values, indices, scale, None, base)
 
 
-def uniform_support(n, nnz, generator=None):
-    """nnz distinct positions out of n, uniformly at random, sorted. Drawn on a CPU generator: the one passed (as
-    train.py's --support_seed does, which gives the same supports on any device), else the global one, which a CPU
-    model's weight draws advance too, so that one --seed gives other supports on CPU than on a GPU. For a small
+def uniform_support(n, nnz, generator=None, device=None):
+    """nnz distinct positions out of n, uniformly at random, sorted. Drawn with the generator passed (a CPU one from
+    train.py's --support_seed gives the same supports on any device), on its device; else on `device` (default
+    the CPU) with that device's global generator, which torch.manual_seed seeds too. A layer built on a GPU draws
+    there: a 7B model's 224 draws take seconds of CPU each (BENCHMARKS.md, "The support draw"). For a small
     fraction, distinct values of random draws are far cheaper than a permutation of all n (a 7B layer has 45M
     entries); by symmetry they are a uniformly random subset either way."""
+    device = generator.device if generator is not None else torch.device("cpu" if device is None else device)
     if nnz > n // 4:
-        return torch.randperm(n, generator=generator)[:nnz].sort().values
-    support = torch.empty(0, dtype=torch.long)
+        return torch.randperm(n, generator=generator, device=device)[:nnz].sort().values
+    support = torch.empty(0, dtype=torch.long, device=device)
     while support.numel() < nnz:
-        draws = torch.randint(n, (int(1.1 * (nnz - support.numel())) + 16,), generator=generator)
+        draws = torch.randint(n, (int(1.1 * (nnz - support.numel())) + 16,), generator=generator, device=device)
         support = torch.cat([support, draws]).unique()  # sorted
-    keep = torch.zeros(support.numel(), dtype=torch.bool)  # nnz of them at random; a mask keeps them in order,
-    keep[torch.randperm(support.numel(), generator=generator)[:nnz]] = True  # where sorting the pick cost twice as much
-    return support[keep]
+    keep = torch.zeros(support.numel(), dtype=torch.bool, device=device)  # nnz of them at random; a mask keeps
+    keep[torch.randperm(support.numel(), generator=generator, device=device)[:nnz]] = True  # them in order, where
+    return support[keep]  # sorting the pick cost twice as much
 
 
 class SLLinear(nn.Module):
@@ -223,7 +225,8 @@ class SLLinear(nn.Module):
         if self.values is not None:
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.values, -bound, bound)
-            self.indices.copy_(uniform_support(self.in_features * self.out_features, self.values.numel()))
+            n = self.in_features * self.out_features
+            self.indices.copy_(uniform_support(n, self.values.numel(), device=self.indices.device))
         if self.W0 is not None:  # <-- SLTrain-FT: W = W0 at the start
             nn.init.normal_(self.W0, mean=0.0, std=0.02)
             if self.values is not None:

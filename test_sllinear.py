@@ -238,6 +238,32 @@ def test_uniform_support_is_the_sorted_pick_of_distinct_draws_and_uses_the_gener
         assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=h))
 
 
+def test_a_layer_draws_its_support_on_its_own_device(monkeypatch):
+    """A layer built on a GPU draws there (a 7B model's draws take minutes of CPU); one on the CPU as before."""
+    import sllinear
+    devices, draw = [], sllinear.uniform_support
+    monkeypatch.setattr(sllinear, "uniform_support", lambda *a, **k: (devices.append(k.get("device")), draw(*a, **k))[1])
+    torch.manual_seed(0)
+    layer = SLLinear(64, 48, rank=4, delta=0.05, alpha=8)
+    assert devices == [torch.device("cpu")]
+    torch.manual_seed(0)  # the layer's draws before its support: A, then the values
+    torch.nn.init.kaiming_uniform_(torch.empty(4, 64), a=math.sqrt(5))
+    torch.empty(int(0.05 * 64 * 48)).uniform_()
+    assert torch.equal(layer.indices.long(), draw(64 * 48, int(0.05 * 64 * 48))), "on the CPU, the draws as before"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_support_drawn_on_a_gpu_is_a_sorted_distinct_pick_reproducible_by_seed():
+    for nnz in (30_000, 600_000):  # distinct draws, and a permutation
+        torch.manual_seed(0)
+        a = uniform_support(10**6, nnz, device="cuda")
+        torch.manual_seed(0)
+        b = uniform_support(10**6, nnz, device="cuda")
+        assert a.is_cuda and a.numel() == nnz and torch.equal(a, b) and bool((a[1:] > a[:-1]).all())
+    layer = SLLinear(256, 128, rank=4, delta=0.05, alpha=8, device="cuda")
+    assert layer.indices.is_cuda and bool((layer.indices[1:] > layer.indices[:-1]).all())
+
+
 def test_init_is_reproducible_under_manual_seed():
     torch.manual_seed(1)
     a = SLLinear(64, 64, rank=4, delta=0.05, alpha=8)

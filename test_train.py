@@ -624,6 +624,35 @@ def test_sigterm_to_torchrun_group_saves_on_both_ranks_and_the_resume_is_bit_exa
         assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
 
 
+def test_every_rank_trains_rank_0s_supports(corpus, tmp_path):
+    """Each rank draws its own supports, which DDP does not broadcast (buffers): alike from one seed on one kind of
+    device, but on GPUs of two kinds the random kernels give other draws. Here each rank draws from its own seed, as
+    such a GPU would: all train rank 0's."""
+    script = tmp_path / "own_draws.py"
+    script.write_text(f"import os, sys, torch\nsys.path.insert(0, {str(HERE)!r})\nimport train, sllinear\n"
+                      "build = train.build\n"
+                      "def own_draws(args, *rest):\n"
+                      "    torch.manual_seed(int(os.environ['RANK']))\n"
+                      "    draw = sllinear.uniform_support\n"
+                      "    sllinear.uniform_support = lambda n, nnz, **k: draw(n, nnz, generator=torch.Generator()"
+                      ".manual_seed(int(os.environ['RANK']) + n))\n"
+                      "    run = build(args, *rest)\n"
+                      "    sllinear.uniform_support = draw\n"
+                      "    torch.save({k: v for k, v in run.raw_model.state_dict().items() if k.endswith('indices')}, "
+                      f"{str(tmp_path)!r} + '/rank' + os.environ['RANK'] + '.pt')\n"
+                      "    return run\n"
+                      "train.build = own_draws\ntrain.main(sys.argv[1:])\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *base_args(corpus, tmp_path / "out", 2, "--workers", "1", "--batch_size", "2")]
+    proc = subprocess.run(cmd, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0] and all(torch.equal(t, ranks[1][k]) for k, t in ranks[0].items())
+    saved = final_state(tmp_path / "out")["model"]
+    assert all(torch.equal(t, saved[k]) for k, t in ranks[0].items())
+
+
 def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path):
     """torchrun's workers run in sessions of their own: a kill -9 of torchrun (or a signal it does not pass on,
     SIGUSR1 by default, which kills it) reaches no rank. Each rank then gets SIGTERM (PR_SET_PDEATHSIG) and stops

@@ -395,6 +395,9 @@ def build(args, config, device, dtype, ddp, ckpt):
         raise SystemExit(message if not ddp or dist.get_rank() == 0 else 1) from None
     if ckpt:
         raw_model.load_state_dict(ckpt["model"])
+    if ddp:  # DDP broadcasts rank 0's parameters, not its buffers (broadcast_buffers=False): the supports (and an
+        for buffer in raw_model.buffers():  # SLTrain-FT W0) each rank drew, alike from one seed on one kind of device
+            dist.broadcast(buffer, 0)  # but not on GPUs of two kinds, whose random kernels split the work otherwise
     if args.amp:
         frozen_base_to(raw_model, torch.bfloat16)  # after the load, which copies into the buffers' dtype
     model = raw_model.compile_blocks() if args.compile else raw_model  # in place: checkpoints keep their names
