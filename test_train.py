@@ -104,8 +104,10 @@ def test_loss_falls_and_metrics_are_recorded(corpus, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit"], ["--per_layer"],
                                    ["--optimizer", "adam8bit_per_layer"], ["--pack", "--method", "lowrank"],
-                                   ["--amp", "--optimizer", "adam8bit_per_layer"]],
-                         ids=["adamw", "adam8bit", "per-layer", "adam8bit-per-layer", "packed-lowrank", "amp"])
+                                   ["--amp", "--optimizer", "adam8bit_per_layer"], ["--dtype", "bfloat16"],
+                                   ["--dtype", "bfloat16", "--optimizer", "adam8bit_per_layer"]],
+                         ids=["adamw", "adam8bit", "per-layer", "adam8bit-per-layer", "packed-lowrank", "amp",
+                              "bf16-adamw", "bf16-adam8bit-per-layer"])  # bf16: a GPU's default, here on the CPU
 def test_resume_is_bit_exact(corpus, tmp_path, extra):
     # total 8 = batch 4 x 2 micro-batches, so the per-layer runs accumulate too
     straight, split = tmp_path / "straight", tmp_path / "split"
