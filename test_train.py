@@ -682,6 +682,36 @@ def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_pa
     assert "Traceback" not in output, output[-3000:]
 
 
+def test_ranks_whose_torchrun_is_killed_while_they_import_torch_end_too(corpus, tmp_path):
+    """A rank asks for its parent-death signal before torch's import (seconds): asked after it, from a torchrun
+    already gone, it is never sent, and the rank waited in init_process_group for the dead agent's store (minutes,
+    holding its GPU). Killed 1 s after its start, mid-import, it ends at once."""
+    from suite import process_tree
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "train.py"),
+           *base_args(corpus, tmp_path, 4, "--workers", "1", "--batch_size", "2")]
+    proc = start(cmd)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := process_tree(proc.pid) - {proc.pid}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(ranks) == 2, "torchrun started no ranks"
+        time.sleep(1.0)  # their Python has started; torch's import has not ended
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+        def alive():  # not ended, nor a zombie its new parent has yet to reap
+            return [pid for pid in ranks if os.path.exists(f"/proc/{pid}") and
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        deadline = time.monotonic() + 20
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive() and not (tmp_path / "ckpt.pt").exists()
+    finally:
+        for pid in process_tree(proc.pid) | ranks:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path, monkeypatch):
     """A GPU's OutOfMemoryError after the checks passed (here raised in update 3, then in an evaluation): one line
     naming where, the last checkpoint and a micro-batch that divides the update; following it finishes the run."""

@@ -30,6 +30,24 @@ import warnings
 from contextlib import ExitStack, nullcontext, suppress
 from dataclasses import dataclass
 
+
+def stop_when_torchrun_ends():
+    """Under torchrun: SIGTERM to this rank should torchrun's agent end first. torchrun starts its workers in
+    sessions of their own, so a signal to its process group reaches the agent alone, which passes on only the
+    signals it handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT unless --signals_to_handle says otherwise). Another one
+    (SIGUSR1 from `timeout -s USR1` or `kill -USR1 -PGID`) or a kill -9 ends the agent without a word to the ranks,
+    which would train on unwatched; with Linux's PR_SET_PDEATHSIG they stop with a checkpoint instead. Asked for
+    first thing, before torch's import (seconds): a parent already gone sends nothing, and a rank whose torchrun died
+    while it imported would then wait in init_process_group for a store that is gone (minutes; seen). Till the run
+    answers the stop signals, SIGTERM ends the rank: in the import by its default action, later with one line
+    (main, which asks again for a train.py run from a script of its own)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, sent when the parent (the agent) dies
+
+
+if __name__ == "__main__":  # here, not on import: the rest of the imports take seconds
+    stop_when_torchrun_ends()
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -571,18 +589,6 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered, early):
             run = None
             gc.collect()
             dist.destroy_process_group()
-
-
-def stop_when_torchrun_ends():
-    """Under torchrun: SIGTERM to this rank should torchrun's agent end first. torchrun starts its workers in
-    sessions of their own, so a signal to its process group reaches the agent alone, which passes on only the
-    signals it handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT unless --signals_to_handle says otherwise). Another one
-    (SIGUSR1 from `timeout -s USR1` or `kill -USR1 -PGID`) or a kill -9 ends the agent without a word to the ranks,
-    which would train on unwatched; with Linux's PR_SET_PDEATHSIG they stop with a checkpoint instead. Asked for
-    first thing: the agent may die while the data loads and the model is built (minutes at 7b), and a parent already
-    gone sends nothing. Till the run answers the stop signals, SIGTERM ends the rank with one line (main)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, sent when the parent (the agent) dies
 
 
 def train_loader(args, rank, world, ckpt):
