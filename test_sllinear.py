@@ -242,7 +242,8 @@ def test_a_layer_draws_its_support_on_its_own_device(monkeypatch):
     """A layer built on a GPU draws there (a 7B model's draws take minutes of CPU); one on the CPU as before."""
     import sllinear
     devices, draw = [], sllinear.uniform_support
-    monkeypatch.setattr(sllinear, "uniform_support", lambda *a, **k: (devices.append(k.get("device")), draw(*a, **k))[1])
+    monkeypatch.setattr(sllinear, "uniform_support",
+                        lambda *a, **k: (devices.append(k.get("device")), draw(*a, **k))[1])
     torch.manual_seed(0)
     layer = SLLinear(64, 48, rank=4, delta=0.05, alpha=8)
     assert devices == [torch.device("cpu")]
