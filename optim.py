@@ -439,6 +439,24 @@ def _norm32(t):
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
+def clip_grad_norm32(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_ with the global norm and the clipping factor in float32, whatever the
+    gradients' dtype: for bf16 gradients torch's are bf16 (the logged norm off by up to 2⁻⁹ of itself, and the
+    clipped norm not max_norm but within 0.5% of it). Returns the norm before clipping, a float32 0-dim tensor on
+    the gradients' device; when clipping, a non-finite norm makes every gradient non-finite, as torch's does."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if grads[0].device.type == "cpu":  # by pieces (_norm32), not a whole float32 copy of each
+        norms = [_norm32(g) for g in grads]
+    else:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # one launch per few tensors, not one each
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm != float("inf"):
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 class _Alive:
     """A token held by the end-of-backward callback of the backward that began a per-layer update."""
 

@@ -23,7 +23,8 @@ from hostsync import HostSyncs
 from model import LLaMA, config_for
 from sllinear import SLLinear
 from galore import GaLore
-from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, dynamic_map, quantize_blockwise
+from optim import (AdamW, Adam8bit, attach_per_layer, clip_grad_norm32, dequantize_blockwise, dynamic_map,
+                   quantize_blockwise)
 
 VOCAB = 256
 
@@ -90,6 +91,35 @@ def test_adamw_matches_torch(weight_decay, foreach):
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, msg=lambda m: f"AdamW vs torch after 100 steps: max diff "
                                                        f"{max_diff(a, b):.3e}\n{m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_global_norm_and_clipping_are_float32_whatever_the_gradients(dtype):
+    """train.py's global clipping: the norm of the gradients as they are (float64 reference), where torch's is
+    rounded to bf16 for bf16 gradients, and a clipped norm of max_norm to float32 accuracy; float32 gradients get
+    torch's norm and torch's clipped gradients."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in ((300, 70), (70,), (5, 3, 7))]
+    for p in params:
+        p.grad = (torch.randn_like(p, dtype=torch.float32) * 0.3).to(dtype)
+    exact = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in params])).item()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins):
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm32(params, float("inf"))
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(exact, rel=1e-5)
+    theirs = torch.nn.utils.clip_grad_norm_(twins, 1.0)
+    norm = clip_grad_norm32(params, 1.0)
+    assert norm.item() == pytest.approx(exact, rel=1e-5), "the norm before clipping"
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in params])).item()
+    if dtype == torch.float32:
+        assert theirs.item() == pytest.approx(norm.item(), rel=1e-6)
+        for p, q in zip(params, twins):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+        assert clipped == pytest.approx(1.0, rel=1e-5)
+    else:  # the gradients rounded to bf16 after the float32 factor: their norm within bf16 rounding of 1
+        assert theirs.dtype == torch.bfloat16 and abs(theirs.item() / exact - 1) > 1e-4, "torch's is rounded"
+        assert clipped == pytest.approx(1.0, rel=2e-3)
 
 
 def test_adamw_continues_from_torch_adamw_state():

@@ -425,6 +425,19 @@ def test_grad_clipping_bounds_the_norm_the_optimizer_steps_with():
     assert seen[-1].item() == pytest.approx(0.05, rel=1e-4) and norm.item() > 0.05, (seen[-1], norm)
 
 
+def test_a_bf16_runs_gradient_norm_is_its_float32_norm(corpus, tmp_path):
+    """In bf16 (a GPU's default) the logged norm is the gradients' norm taken in float32, as with per-layer updates,
+    where torch's clip_grad_norm_ gives a bf16 one (0.890625 for 0.89024): the two runs' rows agree."""
+    rows = {}
+    for extra in ([], ["--per_layer"]):
+        out = tmp_path / ("per_layer" if extra else "global")
+        train.main(base_args(corpus, out, 3, "--dtype", "bfloat16", *extra))
+        rows[bool(extra)] = metrics(out)[0]
+    assert [r["loss"] for r in rows[False]] == [r["loss"] for r in rows[True]]
+    for a, b in zip(rows[False], rows[True]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["adamw", "adam8bit-per-layer"])
 def test_a_fresh_run_builds_its_optimizers_with_the_flags_hyperparameters(corpus, tmp_path, per_layer):
     """--lr, --beta1, --beta2 and --weight_decay reach the optimizer a run builds (each layer's, with per-layer

@@ -62,7 +62,7 @@ from hostsync import HostSyncs
 from keeper import Keeper, any_rank, diverged, lock_out_dir, refuse_overwrite
 from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
-from optim import AdamW, Adam8bit, attach_per_layer, prune_state_
+from optim import AdamW, Adam8bit, attach_per_layer, clip_grad_norm32, prune_state_
 
 MODEL_FIELDS = ("method", "rank", "alpha", "delta")
 # a checkpoint write longer than this is said once: schedulers commonly allow 30 s between SIGTERM and SIGKILL
@@ -820,7 +820,7 @@ def train_step(args, run, micro_batches, stop=None):
     if per_layer:
         return step_loss, per_layer.grad_norm(), n_total
     max_norm = args.grad_clipping if args.grad_clipping > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm)
+    norm = clip_grad_norm32(run.raw_model.parameters(), max_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
