@@ -114,6 +114,19 @@ class FolderBusy(Exception):
     """Another process holds the folder's lock (folder_lock)."""
 
 
+_HELD = set()  # the file descriptors of the folder locks this process holds
+
+
+def _close_held_in_child():
+    """In a forked child (a DataLoader worker): the parent's lock is the parent's. flock belongs to the open file,
+    which the child shares; left open, a worker that outlives a killed parent by seconds (its watchdog's period)
+    holds the lock, and a resume started at once is refused, naming a process that is gone."""
+    for fd in _HELD:
+        with suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
 @contextmanager
 def folder_lock(folder):
     """An exclusive lock on folder/.lock while inside, so that one run at a time writes a folder's checkpoint and
@@ -139,6 +152,10 @@ def folder_lock(folder):
         except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem that cannot lock
             print(f"note: {folder} cannot be locked ({e.strerror or e}): make sure no other run writes into it")
         else:
+            if not hasattr(folder_lock, "forks_close"):  # once per process: register_at_fork has no undo
+                os.register_at_fork(after_in_child=_close_held_in_child)
+                folder_lock.forks_close = True
+            _HELD.add(fd)
             with suppress(OSError):  # the holder's id, for the message; a full disk may refuse it
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -148,6 +165,7 @@ def folder_lock(folder):
                         os.remove(os.path.join(folder, name))
         yield
     finally:
+        _HELD.discard(fd)
         os.close(fd)  # releases the lock
         with suppress(OSError):
             if held and os.listdir(folder) == [".lock"]:  # (another's lock file stays: it holds its lock)

@@ -1241,6 +1241,25 @@ def test_a_run_into_a_folder_another_run_writes_is_refused_before_any_work(corpu
     assert not (tmp_path / "none").exists() and not (tmp_path / "run").exists()
 
 
+def test_a_killed_runs_lock_is_free_at_once_though_its_data_workers_live_on(tmp_path):
+    """A DataLoader worker (forked) outlives its killed main process by seconds. It must not hold the lock: the
+    requeued run, started at once, would be refused, naming a process that is gone."""
+    script = tmp_path / "holder.py"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport checkpoint\n"
+                      f"with checkpoint.folder_lock({str(tmp_path / 'run')!r}):\n"
+                      "    if os.fork() == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+                      "    print('locked', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "locked\n"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with checkpoint.folder_lock(str(tmp_path / "run")):  # the worker is still asleep
+            pass
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_the_lock_clears_what_a_killed_writer_left(tmp_path):
     left = tmp_path / "ckpt.pt.4242.0badcafe.tmp"  # a SIGKILL mid-save: a whole checkpoint's worth, at 7b 40 GB
     left.write_bytes(b"partial")
