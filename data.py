@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -369,7 +370,13 @@ class TrainLoader:
         if self.num_workers > 0:
             blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
                                 worker_init_fn=_leave_signals_to_main)
+        before = signal.getsignal(signal.SIGCHLD) if hasattr(signal, "SIGCHLD") else None
         stream = iter(blocks)
+        if before is not None and signal.getsignal(signal.SIGCHLD) is not before:
+            # torch's SIGCHLD handler raises a worker's death wherever the main process is (mid-backward, mid-step:
+            # nothing whole to save); without it the death is raised by next(), between updates (train.py saves)
+            with suppress(ValueError):  # (signal handlers are set from the main thread only)
+                signal.signal(signal.SIGCHLD, before)
         stop = getattr(stream, "_shutdown_workers", None)
         if stop:  # at exit too, for an iterator never closed: multiprocessing's own exit would SIGTERM and wait
             atexit.register(stop)

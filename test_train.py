@@ -1434,6 +1434,36 @@ def test_bad_shard_line_saves_then_names_file_and_line(corpus, tmp_path):
     assert f"saved {tmp_path / 'out'}/ckpt.pt at step {step}" in str(e.value)
 
 
+def test_a_data_worker_killed_mid_run_saves_the_last_whole_update_and_the_resume_is_bit_exact(corpus, tmp_path):
+    """The OOM killer often picks a DataLoader worker. Its death is seen between updates (torch's own SIGCHLD handler
+    raised it wherever the main process was: mid-backward, with nothing whole to save, and a traceback): the run
+    saves the last whole update with the data position where the next began, says so in one line, and the resume
+    ends as a straight run does."""
+    from suite import process_tree
+    args = ["--workers", "1", "--log_every", "1", "--eval_every", "100000", "--warmup_steps", "5"]
+    proc = start([sys.executable, str(HERE / "train.py"), *base_args(corpus, tmp_path / "split", 100_000, *args)])
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+        workers = process_tree(proc.pid) - {proc.pid}
+        assert len(workers) == 1, workers
+        os.kill(workers.pop(), signal.SIGKILL)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
+    said = re.search(r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly \(killed: out of memory, or by hand\?\)\n"
+                     rf"saved {tmp_path / 'split'}/ckpt.pt at step (\d+); rerun with --resume$", output.strip())
+    assert said, output[-3000:]
+    steps = int(said.group(1)) + 3  # the same schedule (of 100,000 updates) both ways, stopped there
+    train.main(base_args(corpus, tmp_path / "split", 100_000, *args, "--resume", "--stop_after", "3"))
+    train.main(base_args(corpus, tmp_path / "straight", 100_000, *args, "--stop_after", str(steps)))
+    a, b = metrics(tmp_path / "straight")[0], metrics(tmp_path / "split")[0]
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
+
+
 def test_bad_shard_line_right_after_a_save_does_not_write_it_twice(corpus, tmp_path, monkeypatch):
     # --save_every 1, the bad line in the second shard read: the last update is on disk when the line comes
     save, saves = checkpoint.save, []
@@ -1648,12 +1678,14 @@ def test_ranks_agree_on_a_signal_and_a_bad_line_on_the_host(monkeypatch, corpus)
         t += 1  # the other rank's flag is set
 
     monkeypatch.setattr(train.dist, "all_reduce", all_reduce)
-    monkeypatch.setattr(train.dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj, "x:3"]))
+    fix = "after fixing the shard, rerun with --resume"
+    monkeypatch.setattr(train.dist, "all_gather_object",
+                        lambda out, obj: out.__setitem__(slice(None), [obj, ("x:3", fix)]))
     stop = {"signal": None}
     assert train.stopping(stop, 2) and stop["signal"] == "a signal on another rank"
     batches = iter([(torch.randint(96, (2, 16)), torch.randint(-1, 96, (2, 16)))])
-    micro_batches, bad_line = train.read_update(batches, 1, torch.device("meta"), 2)
-    assert bad_line == "rank 1: x:3" and micro_batches[0][0].is_pinned()
+    micro_batches, fault = train.read_update(batches, 1, torch.device("meta"), 2)
+    assert fault == ("rank 1: x:3", fix) and micro_batches[0][0].is_pinned()
     assert reduced == [torch.device("cpu")] * 2
     # the process group: gloo for host tensors and NCCL for the GPU's, a form this torch knows (a GPU is faked)
     backends = []

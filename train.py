@@ -627,10 +627,10 @@ def train(args, run, ckpt, val, loader, stop):
         for step in range(loop.start, loop.total):
             where = f"update {step + 1}"
             data_state = loop.loader.state_dict()  # where this update's batches begin: a failed read saves this
-            micro_batches, bad_line = read_update(batches, args.gradient_accumulation, run.device, run.world)
-            if bad_line:
-                where = f"the checkpoint of update {step}, before a bad shard line"
-                loop.stop_at_bad_line(step, data_state, bad_line)
+            micro_batches, fault = read_update(batches, args.gradient_accumulation, run.device, run.world)
+            if fault:
+                where = f"the checkpoint of update {step}, before the data stopped"
+                loop.stop_where_the_data_stopped(step, data_state, *fault)
             lr = loop.lrs.get_last_lr()[0]  # the one this update makes its step with, read before the step moves it
             with watching(step + 1):
                 result = train_step(args, run, micro_batches, stop)
@@ -715,11 +715,11 @@ class Loop:
         self.save(self.start)  # made: a later resume must not make it (and its row) again
         return True
 
-    def stop_at_bad_line(self, step, data_state, bad_line):
-        """A bad shard line on some rank: every rank keeps the work done so far, then the message."""
+    def stop_where_the_data_stopped(self, step, data_state, why, fix):
+        """A bad shard line, or a data loader worker's death, on some rank: every rank keeps the work done so far,
+        with the data position where this update began, then the message."""
         self.save(step, data_state)
-        raise SystemExit(f"{bad_line}\nsaved {self.args.out_dir}/ckpt.pt at step {step}; after fixing the shard, "
-                         "rerun with --resume" if self.master else 1)
+        raise SystemExit(f"{why}\nsaved {self.args.out_dir}/ckpt.pt at step {step}; {fix}" if self.master else 1)
 
     def stop_within_update(self, step, data_state):
         """A signal between the micro-batches of update step + 1, which is dropped: the checkpoint is that of update
@@ -764,18 +764,24 @@ class Loop:
 
 
 def read_update(batches, accum, device, world):
-    """This update's micro-batches (x, y, counted targets), or None and the file:line message of a bad shard line.
-    Under DDP the ranks agree on it (one flag per update, on the host): a rank that stopped alone would leave the
-    others waiting in a collective forever."""
+    """This update's micro-batches (x, y, counted targets), or None and what stopped the read: the file:line message
+    of a bad shard line, or a data loader worker's death (the OOM killer's pick, often), each with its fix. Under DDP
+    the ranks agree on it (one flag per update, on the host): a rank that stopped alone would leave the others
+    waiting in a collective forever."""
     try:
-        micro_batches, bad_line = [on_host(*next(batches), device) for _ in range(accum)], None
+        micro_batches, fault = [on_host(*next(batches), device) for _ in range(accum)], None
     except ValueError as e:
-        micro_batches, bad_line = None, one_line(e)
-    if world > 1 and any_rank(bad_line is not None):
-        lines = [None] * world
-        dist.all_gather_object(lines, bad_line)  # pickled through gloo, on the host
-        bad_line = "\n".join(f"rank {r}: {line}" for r, line in enumerate(lines) if line)
-    return micro_batches, bad_line
+        micro_batches, fault = None, (one_line(e), "after fixing the shard, rerun with --resume")
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        micro_batches, fault = None, (f"{one_line(e)} (killed: out of memory, or by hand?)", "rerun with --resume")
+    if world > 1 and any_rank(fault is not None):
+        faults = [None] * world
+        dist.all_gather_object(faults, fault)  # pickled through gloo, on the host
+        fault = ("\n".join(f"rank {r}: {f[0]}" for r, f in enumerate(faults) if f),
+                 min(f[1] for f in faults if f))  # "after fixing the shard, ..." first
+    return micro_batches, fault
 
 
 def on_host(x, y, device):
