@@ -291,6 +291,7 @@ def resolve_device_and_batch(p, args):
     device = device_from_flag(p.error, args.device, "auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         device = cuda_device(p, args, device, local_rank)
+    check_bf16_decay(p, args, device)
     micro = RECIPES[args.size][3] if device.type == "cuda" else CPU_MICRO  # the size's usual micro-batch
     if args.eval_only:  # the validation tokens are the same at any batch size (data.validation_batches)
         args.batch_size = micro if args.batch_size is None else args.batch_size
@@ -313,6 +314,19 @@ def resolve_device_and_batch(p, args):
                 f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
     args.gradient_accumulation = accum
     check_memory(p, args, device, world)
+
+
+def check_bf16_decay(p, args, device):
+    """Refuse a --weight_decay that bf16 parameters cannot take. Every optimizer here decays as torch's AdamW does, by
+    a multiply of its own, w·(1 - lr·wd), rounded to the parameter's dtype; in bf16, for lr·wd < 2⁻⁹ (half a step of
+    bf16's 8-bit significand, relative to any weight) that rounds back to w: nothing decays, at any weight, ever
+    (the schedule only lowers lr). --amp keeps float32 parameters, where it does decay."""
+    bf16 = (args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")) == "bfloat16"
+    if bf16 and not args.eval_only and args.weight_decay and args.lr * args.weight_decay < 2 ** -9:
+        p.error(f"--weight_decay {args.weight_decay} with bf16 parameters: its decay per update, lr x weight_decay = "
+                f"{args.lr * args.weight_decay:.2g} at most, is under 2^-9, half a bf16 step of any weight, so it "
+                "rounds away and would do nothing; pass --amp (float32 parameters, bf16 compute) to decay, or "
+                "--weight_decay 0")
 
 
 def cuda_device(p, args, device, local_rank):

@@ -856,6 +856,9 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     (["--device", "cuda"], "no usable CUDA GPU; pass --device cpu"),
     (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters"),
+    (["--dtype", "bfloat16", "--weight_decay", "0.1"], "--weight_decay 0.1 with bf16 parameters: its decay per update, "
+     "lr x weight_decay = 0.0003 at most, is under 2^-9, half a bf16 step of any weight, so it rounds away and would "
+     "do nothing; pass --amp (float32 parameters, bf16 compute) to decay, or --weight_decay 0"),
     (["--method", "lowrank", "--delta", "0.5"], "--delta: not read by --method lowrank with --optimizer adamw; "
                                                 "drop it, or pass --method sltrain"),
     (["--method", "full", "--rank", "7", "--alpha", "99"], "--rank, --alpha: not read by --method full"),
@@ -874,6 +877,18 @@ def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_decay_bf16_parameters_take_is_honored_and_one_they_cannot_is_refused(corpus):
+    """w·(1 - lr·wd) in bf16 is w again for every bf16 w when lr·wd < 2⁻⁹ (the refusal's bound), and not for all
+    at 2⁻⁸; a decay at or above the bound, or with float32 parameters (--amp, float32), is run."""
+    w = torch.cat([torch.randn(100_000) * 10.0 ** e for e in range(-6, 3)]).bfloat16()
+    assert torch.equal(w * (1 - 2 ** -9 * 0.999), w) and not torch.equal(w * (1 - 2 ** -8), w)
+    folder, tokenizer = corpus
+    run = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--device", "cpu"]
+    for extra in (["--dtype", "bfloat16", "--lr", "3e-3", "--weight_decay", "1.0"], ["--amp", "--weight_decay", "0.1"],
+                  ["--weight_decay", "0.1"], ["--dtype", "bfloat16", "--weight_decay", "0"]):
+        assert train.get_args(run + extra).weight_decay == float(extra[-1]), extra
 
 
 @pytest.mark.parametrize("device,env,expected", [
