@@ -28,8 +28,10 @@ def lock_out_dir(args, held, rank, world):
             held.enter_context(checkpoint.folder_lock(args.out_dir))
         except checkpoint.FolderBusy as e:
             busy = f"--out_dir: {e}; wait for it to end, or pass a new --out_dir"
-        except OSError as e:
-            busy = f"--out_dir {args.out_dir} cannot be made ({e.strerror or e}): pass a folder you can write"
+        except OSError as e:  # (a run resumed from a folder it cannot write goes on into a new one)
+            busy = f"--out_dir {args.out_dir} cannot be {'written' if os.path.isdir(args.out_dir) else 'made'} " \
+                   f"({e.strerror or e}): pass a folder you can write" + \
+                   (f", with --resume {resume_path(args)}" if args.resume else "")
     if any_rank(busy is not None) if world > 1 else busy:
         raise SystemExit(busy or 1)
 
@@ -39,8 +41,13 @@ def refuse_overwrite(args):
     checkpoint (--resume PATH) into this out_dir."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     if args.overwrite:  # (flags.py refuses it with a --resume of this checkpoint)
-        with suppress(FileNotFoundError):  # every rank tries; and now, as metrics.jsonl is emptied: a run that
-            os.remove(path)  # fails before its first save leaves neither the old run's checkpoint nor its rows
+        try:  # every rank tries; and now, as metrics.jsonl is emptied: a run that fails before its first save
+            os.remove(path)  # leaves neither the old run's checkpoint nor its rows
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a folder in its place, a read-only disk
+            raise SystemExit(f"--overwrite: cannot remove {path} ({e.strerror or e}); remove it yourself, or pass a "
+                             "new --out_dir") from None
         return
     if not os.path.exists(path) or args.eval_only:  # --eval_only writes nothing
         return
@@ -60,6 +67,9 @@ def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
     metrics beside a checkpoint resumed from another folder (none there: path starts empty). A line that a kill or
     a full disk cut short is dropped too, and said."""
     rows, torn = [], 0
+    if not os.path.exists(source) and step > 0:  # deleted, or never copied beside the checkpoint: not in silence
+        print(f"note: {source} is missing, so the rows of steps 1 to {step} are not in {path}: its rows start after "
+              f"step {step}")
     if not os.path.exists(source) and same_file(source, path):
         return
     with open(source) if os.path.exists(source) else nullcontext([]) as f:

@@ -1788,6 +1788,31 @@ def test_pending_evaluation_whose_checkpoint_failed_is_recorded_once(corpus, tmp
     assert metrics(out)[1] == metrics(tmp_path / "straight")[1]
 
 
+def test_a_resume_whose_metrics_are_gone_says_so(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2"))
+    (tmp_path / "metrics.jsonl").unlink()
+    train.main(base_args(corpus, tmp_path, 4, "--resume"))
+    assert f"note: {tmp_path}/metrics.jsonl is missing, so the rows of steps 1 to 2 are not in " \
+           f"{tmp_path}/metrics.jsonl: its rows start after step 2" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [3, 4]
+
+
+def test_an_out_dir_that_cannot_be_written_or_cleared_is_one_line(corpus, tmp_path):
+    (tmp_path / "run" / "ckpt.pt").mkdir(parents=True)  # a folder where the checkpoint would be
+    with pytest.raises(SystemExit, match=rf"^--overwrite: cannot remove {tmp_path}/run/ckpt.pt \(Is a directory\); "
+                                         r"remove it yourself, or pass a new --out_dir$"):
+        train.main(base_args(corpus, tmp_path / "run", 2, "--overwrite"))
+    train.main(base_args(corpus, tmp_path / "old", 2))
+    with tmpfs(tmp_path / "ro", 10 ** 7) as mnt:  # a finished run on a disk now read-only
+        shutil.copytree(tmp_path / "old", mnt / "old")
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(SystemExit, match=rf"^--out_dir {mnt}/old cannot be written \(Read-only file system\): "
+                                             rf"pass a folder you can write, with --resume {mnt}/old/ckpt.pt$"):
+            train.main(base_args(corpus, mnt / "old", 4, "--resume"))
+        train.main(base_args(corpus, tmp_path / "new", 4, "--resume", str(mnt / "old" / "ckpt.pt")))  # the advice
+    assert final_state(tmp_path / "new")["step"] == 4
+
+
 def test_out_dir_inside_a_file_and_changed_shards_are_one_line(corpus, tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit, match=f"^--out_dir {tmp_path}/afile/sub cannot be made \\(Not a directory\\)"):
