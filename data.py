@@ -411,7 +411,8 @@ class TrainLoader:
 def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eval_tokens=10_000_000, pack=False,
                        rank=0, world_size=1):
     """The first eval_tokens non-pad tokens of the validation shards (file order, no shuffle; all of them if
-    there are fewer), as (x, y) batches with the training layout. The last batch is filled up with rows of padding,
+    there are fewer), as (x, y) batches with the training layout (a Validation: a list, with the set's sha256).
+    The last batch is filled up with rows of padding,
     which have no targets: every batch has one shape, so a compiled model (train.py --compile) compiles its
     evaluation once, where a short last batch would compile it again. The set does not depend on batch_size or
     world_size. Under DDP rank r gets batches r, r+w, ...: sum the loss over
@@ -433,13 +434,23 @@ def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eva
     units = torch.cat(chunks)
     if pack:
         units = units[:len(units) // (max_length + 1) * (max_length + 1)].view(-1, max_length + 1)
+    sha256 = hashlib.sha256(units.numpy().tobytes()).hexdigest()
     pad_id = max(enc.sp.pad_id(), 0)
     batches = [_batch(u, len(u), pad_id, pack) for u in units.split(batch_size)]
     x, y = batches[-1]
     if len(x) < batch_size:  # rows of pad tokens without targets: the loss and the count of targets are unchanged
         fill = (batch_size - len(x), x.size(1))
         batches[-1] = torch.cat([x, x.new_full(fill, pad_id)]), torch.cat([y, y.new_full(fill, -1)])
-    return batches[rank::world_size]
+    return Validation(batches[rank::world_size], sha256)
+
+
+class Validation(list):
+    """validation_batches' batches, and sha256: a digest of the whole set's tokens, the same at any batch size and
+    on every rank, which a resumed run compares with its checkpoint's (train.py)."""
+
+    def __init__(self, batches, sha256):
+        super().__init__(batches)
+        self.sha256 = sha256
 
 
 # ----------------------------------------------------------------------------- download

@@ -1788,6 +1788,26 @@ def test_pending_evaluation_whose_checkpoint_failed_is_recorded_once(corpus, tmp
     assert metrics(out)[1] == metrics(tmp_path / "straight")[1]
 
 
+def test_a_resume_over_changed_validation_shards_is_refused_unless_it_asks_for_a_new_set(corpus, tmp_path, capsys):
+    folder = tmp_path / "c4"
+    shutil.copytree(corpus[0], folder)
+    data_dir = (str(folder), corpus[1])
+    train.main(base_args(data_dir, tmp_path / "out", 6, "--stop_after", "2", "--batch_size", "2"))
+    shard = folder / "c4-validation.00000-of-00001.json.gz"
+    kept = shard.read_bytes()
+    shard.write_bytes(gzip.compress(b"".join(gzip.decompress(kept).splitlines(keepends=True)[::-1])))  # reordered
+    with pytest.raises(SystemExit, match=rf"^--resume: the validation shards in {folder} have changed since "
+                                         rf"{tmp_path}/out/ckpt.pt was evaluated on them, .* restore them, or pass "
+                                         r"another --eval_tokens to evaluate on a new set from here$"):
+        train.main(base_args(data_dir, tmp_path / "out", 6, "--resume"))  # at another batch size: the same set
+    train.main(base_args(data_dir, tmp_path / "new", 6, "--resume", str(tmp_path / "out" / "ckpt.pt"),
+                         "--eval_tokens", "2000"))  # a new set, asked for
+    assert "eval_tokens 3000 -> 2000" in capsys.readouterr().out
+    shard.write_bytes(kept)
+    train.main(base_args(data_dir, tmp_path / "out", 6, "--resume"))
+    assert final_state(tmp_path / "out")["step"] == 6
+
+
 def test_a_resume_whose_metrics_are_gone_says_so(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2"))
     (tmp_path / "metrics.jsonl").unlink()

@@ -188,6 +188,17 @@ def load_for_resume(args, vocab_size, world, master=True):
     return ckpt, path
 
 
+def same_validation(args, sha256, ckpt, path):
+    """Record the validation set's digest in args (so in the checkpoint); a resume whose set has changed since (its
+    shards replaced, or one added before them in file order), at the same --eval_tokens, is refused: its val_loss
+    rows would go on over another set without a word. Another --eval_tokens asks for a new set, and is honored."""
+    before, args.validation_sha256 = ckpt and ckpt["args"].get("validation_sha256"), sha256
+    if before and before != sha256 and ckpt["args"].get("eval_tokens") == args.eval_tokens:
+        raise SystemExit(f"--resume: the validation shards in {args.data_dir} have changed since {path} was "
+                         "evaluated on them, and its val_loss rows would go on over another set; restore them, or "
+                         "pass another --eval_tokens to evaluate on a new set from here")
+
+
 def set_hyperparameters(args, optimizers, scheduler):
     """A loaded optimizer state brings the old run's lr, betas and weight decay; this run's flags replace them."""
     for opt in optimizers:
@@ -484,6 +495,8 @@ def prepare(args, held):
                                  eval_tokens=args.eval_tokens, pack=args.pack)
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
+    if not args.eval_only:
+        same_validation(args, val.sha256, ckpt, ckpt_path)
     loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         vocab_size=vocab_size)
