@@ -303,6 +303,9 @@ def init_from_dense(model, path, support="random"):
                 R = (W0 - L0).view(-1)
                 if support == "top":
                     module.indices.copy_(R.abs().topk(module.values.numel()).indices.sort().values)
+                if module.rank > 0:  # V from the factors as rounded to the model's dtype (bf16: 2⁻⁹ off each), so
+                    # that s·BA + V is W0 on the support to V's one rounding, not to the factors' rounding beside it
+                    R = (W0 - module.scale * (module.B.double() @ module.A.double()).cpu()).view(-1)
                 module.values.copy_(R[module.indices.long().cpu()])  # R is on the CPU, the model maybe not
         elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
             module.weight.copy_(source[name].weight)
