@@ -124,6 +124,18 @@ def test_resume_is_bit_exact(corpus, tmp_path, extra):
     assert metrics(straight)[1] == metrics(split)[1]
 
 
+def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
+    """A bf16 run (a GPU's default) resumed on a CPU, whose default is float32, goes on in bf16 when --dtype is not
+    given; given, another dtype is refused."""
+    train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2", "--dtype", "bfloat16"))
+    with pytest.raises(SystemExit, match=r"dtype bfloat16 \(now float32\)"):
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--dtype", "float32"))
+    train.main(base_args(corpus, tmp_path, 4, "--resume"))
+    state = final_state(tmp_path)
+    assert state["step"] == 4 and state["args"]["dtype"] == "bfloat16"
+    assert {t.dtype for k, t in state["model"].items() if k.endswith(".A")} == {torch.bfloat16}
+
+
 def run_torchrun(args, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HERE / "train.py"), *args]

@@ -132,9 +132,10 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
                   "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
 
 
-def load_for_resume(args, vocab_size, world, master=True):
+def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
-    listed in one refusal) or is honored and said so (by the master); args then records what this run does."""
+    listed in one refusal) or is honored and said so (by the master); args then records what this run does. A
+    resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU."""
     path = resume_path(args)
     if not os.path.exists(path):
         flag = "--eval_only" if args.eval_only else "--resume"
@@ -148,6 +149,8 @@ def load_for_resume(args, vocab_size, world, master=True):
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
         args.init_from = old.get("init_from")
+    if not (dtype_given or args.eval_only or args.amp) and old.get("dtype") and not old.get("amp"):
+        args.dtype = old["dtype"]  # the device's default was for a new run
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
     unused = flags.unused_flags(args.method, args.optimizer)  # an older run may have stored them
     must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
@@ -483,13 +486,15 @@ def prepare(args, held):
     checkpoint to resume, the data and the Run, the config printed. Returns (ddp, ckpt, its path, (validation batches,
     this rank's training loader), run). The data is read before the model is built: a bad shard is one line, not a
     traceback after minutes of work."""
+    dtype_given = args.dtype is not None  # else the device's default, or a resumed run's own
     ddp, rank, world, device, dtype, vocab_size = setup(args)
     ckpt = ckpt_path = None
     if not args.eval_only:  # which writes nothing
         lock_out_dir(args, held, rank, world)
     refuse_overwrite(args)
     if args.resume or args.eval_only:
-        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0)
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0, dtype_given)
+        dtype = getattr(torch, args.dtype)
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
