@@ -439,7 +439,7 @@ def test_grad_clipping_bounds_the_norm_the_optimizer_steps_with():
 
 def test_a_bf16_runs_gradient_norm_is_its_float32_norm(corpus, tmp_path):
     """In bf16 (a GPU's default) the logged norm is the gradients' norm taken in float32, as with per-layer updates,
-    where torch's clip_grad_norm_ gives a bf16 one (2.546875 for 2.549685 at update 1 here): the two runs' rows agree."""
+    where torch's clip_grad_norm_ gives a bf16 one (2.546875 for 2.549685 at update 1 here): the runs' rows agree."""
     rows = {}
     for extra in ([], ["--per_layer"]):
         out = tmp_path / ("per_layer" if extra else "global")
