@@ -442,8 +442,9 @@ def _norm32(t):
 def clip_grad_norm32(parameters, max_norm):
     """torch.nn.utils.clip_grad_norm_ with the global norm and the clipping factor in float32, whatever the
     gradients' dtype: for bf16 gradients torch's are bf16 (the logged norm off by up to 2⁻⁹ of itself, and the
-    clipped norm not max_norm but within 0.5% of it). Returns the norm before clipping, a float32 0-dim tensor on
-    the gradients' device; when clipping, a non-finite norm makes every gradient non-finite, as torch's does."""
+    clipped norm up to 0.7% from max_norm in 20 random draws, where this one's is within bf16's rounding of the
+    gradients). Returns the norm before clipping, a float32 0-dim tensor on the gradients' device; when clipping, a
+    non-finite norm makes every gradient non-finite, as torch's does."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
