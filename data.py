@@ -412,11 +412,11 @@ def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eva
                        rank=0, world_size=1):
     """The first eval_tokens non-pad tokens of the validation shards (file order, no shuffle; all of them if
     there are fewer), as (x, y) batches with the training layout (a Validation: a list, with the set's sha256).
-    The last batch is filled up with rows of padding,
-    which have no targets: every batch has one shape, so a compiled model (train.py --compile) compiles its
-    evaluation once, where a short last batch would compile it again. The set does not depend on batch_size or
-    world_size. Under DDP rank r gets batches r, r+w, ...: sum the loss over
-    targets (y >= 0) and count targets on each rank, all_reduce both, and divide, for a token-weighted mean."""
+    The last batch is filled up with rows of padding, which have no targets: every batch has one shape, so a
+    compiled model (train.py --compile) compiles its evaluation once, where a short last batch would compile it
+    again. The set does not depend on batch_size or world_size. Under DDP rank r gets batches r, r+w, ...: sum the
+    loss over targets (y >= 0) and count targets on each rank, all_reduce both, and divide, for a token-weighted
+    mean."""
     enc = _Encoder(tokenizer_path, max_length, _cpus())
     texts, chunks, total = _texts(find_shards(data_dir, "validation")), [], 0
     goal = -(-eval_tokens // (max_length + 1)) * (max_length + 1) if pack else eval_tokens  # whole windows

@@ -316,12 +316,17 @@ def resolve_device_and_batch(p, args):
     check_memory(p, args, device, world)
 
 
+def run_dtype(args, device):
+    """--dtype, or its default: bf16 on a GPU (the paper's pure bf16), float32 on a CPU or under --amp."""
+    return args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
+
+
 def check_bf16_decay(p, args, device):
     """Refuse a --weight_decay that bf16 parameters cannot take. Every optimizer here decays as torch's AdamW does, by
     a multiply of its own, w·(1 - lr·wd), rounded to the parameter's dtype; in bf16, for lr·wd < 2⁻⁹ (half a step of
     bf16's 8-bit significand, relative to any weight) that rounds back to w: nothing decays, at any weight, ever
     (the schedule only lowers lr). --amp keeps float32 parameters, where it does decay."""
-    bf16 = (args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")) == "bfloat16"
+    bf16 = run_dtype(args, device) == "bfloat16"
     if bf16 and not args.eval_only and args.weight_decay and args.lr * args.weight_decay < 2 ** -9:
         p.error(f"--weight_decay {args.weight_decay} with bf16 parameters: its decay per update, lr x weight_decay = "
                 f"{args.lr * args.weight_decay:.2g} at most, is under 2^-9, half a bf16 step of any weight, so it "
@@ -358,7 +363,7 @@ def check_memory(p, args, device, world):
         return
     available, share, where = there
     galore, eight_bit = args.optimizer.startswith("galore"), args.optimizer.endswith("adam8bit")
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32")
+    dtype = run_dtype(args, device)
 
     method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
 

@@ -202,8 +202,11 @@ class Keeper:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
         except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
-            raise SystemExit(f"cannot write {self.metrics_path} at step {row['step']} ({e.strerror or e}); "
-                             f"{after_failed_write(e, self.last_good)}") from None
+            raise self._metrics_failed(row["step"], e) from None
+
+    def _metrics_failed(self, step, e):
+        return SystemExit(f"cannot write {self.metrics_path} at step {step} ({e.strerror or e}); "
+                          f"{after_failed_write(e, self.last_good)}")
 
     def save(self, step, data_state, eval_pending=False, meter_state=None):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
@@ -236,8 +239,7 @@ class Keeper:
         try:  # the rows up to this step reach the disk before the checkpoint that says they were written
             os.fsync(self.metrics.fileno())  # (a power cut could otherwise keep the checkpoint and lose them)
         except OSError as e:
-            raise SystemExit(f"cannot write {self.metrics_path} at step {state['step']} ({e.strerror or e}); "
-                             f"{after_failed_write(e, self.last_good)}") from None
+            raise self._metrics_failed(state["step"], e) from None
         try:
             checkpoint.save(self.path, state)
         except checkpoint.SaveFailed as e:  # last_good is still the one before

@@ -378,8 +378,7 @@ def setup(args):
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" and not args.amp else "float32"))
-    args.dtype = str(dtype).removeprefix("torch.")
+    args.dtype = flags.run_dtype(args, device)
     try:
         find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
@@ -392,7 +391,7 @@ def setup(args):
     if ddp:  # on GPUs the gradients go through NCCL and the ranks' one-number flags (a signal, a bad shard line)
         # through gloo, on the host: reading a flag then never waits for a GPU to finish its queue
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-    return ddp, rank, world, device, dtype, vocab_size
+    return ddp, rank, world, device, vocab_size
 
 
 @dataclass
@@ -487,14 +486,13 @@ def prepare(args, held):
     this rank's training loader), run). The data is read before the model is built: a bad shard is one line, not a
     traceback after minutes of work."""
     dtype_given = args.dtype is not None  # else the device's default, or a resumed run's own
-    ddp, rank, world, device, dtype, vocab_size = setup(args)
+    ddp, rank, world, device, vocab_size = setup(args)
     ckpt = ckpt_path = None
     if not args.eval_only:  # which writes nothing
         lock_out_dir(args, held, rank, world)
     refuse_overwrite(args)
     if args.resume or args.eval_only:
         ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0, dtype_given)
-        dtype = getattr(torch, args.dtype)
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
@@ -505,7 +503,7 @@ def prepare(args, held):
     loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         vocab_size=vocab_size)
-    run = build(args, config, device, dtype, ddp, ckpt)
+    run = build(args, config, device, getattr(torch, args.dtype), ddp, ckpt)
     if rank == 0:
         read = flags.EVAL_READS + ("tokenizer_sha256",) if args.eval_only else vars(args)  # what this run uses
         print(json.dumps({k: v for k, v in vars(args).items() if k in read}))
