@@ -36,6 +36,10 @@ VALUE_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.
                    aten.repeat_interleave.Tensor, aten.equal.default, aten.allclose.default}
 
 
+# what CUDA's sync-debug mode warns with at each sync; not its note, on being switched on, that it is a prototype
+# that "does not yet detect all synchronizing operations", which is passed on like any other warning
+CUDA_SYNC = "called a synchronizing CUDA operation"
+
 # indexing ops, which need the host when an index is a boolean mask (the output size is its count of True)
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
@@ -105,7 +109,7 @@ class HostSyncs(TorchDispatchMode):
                     torch.cuda.set_sync_debug_mode("default")
         for w in caught:
             text = str(w.message)
-            if "synchroniz" in text.lower():
+            if CUDA_SYNC in text:
                 self.counts["cuda: " + text.splitlines()[0][:80]] += 1
             elif (text, w.category, w.filename, w.lineno) not in self.shown:  # not ours: passed on, once
                 self.shown.add((text, w.category, w.filename, w.lineno))

@@ -98,3 +98,16 @@ def test_on_a_device_a_value_the_host_holds_is_not_a_sync():
     with syncs.watch():
         host.item()
     assert syncs.counts == {"aten::_local_scalar_dense": 1}, syncs.counts
+
+
+def test_only_cudas_sync_warning_counts_not_its_note_on_being_switched_on():
+    # seen on an H200: the note that torch's sync-debug mode gives when set to "warn" was counted as a sync
+    syncs = HostSyncs()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        with syncs.watch():
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations", UserWarning)
+            warnings.warn("called a synchronizing CUDA operation (function cudaStreamSynchronize)", UserWarning)
+    assert syncs.summary() == "cuda: called a synchronizing CUDA operation (function cudaStreamSynchronize) x1"
+    assert [str(w.message)[:40] for w in seen] == ["Synchronization debug mode is a prototyp"]
