@@ -56,12 +56,13 @@ import traceback
 import torch
 import torch.nn as nn
 
+import adam8bit_kernel
 import galore
 import optim
 import sample
 from checkpoint import atomic_file
 from devices import device_from_flag
-from estimate_memory import estimate, memory_there
+from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection
 from sllinear import SLLinear
 
@@ -301,17 +302,21 @@ def bench_heavy(steps=200, lr=1e-3):
 def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
     """Host time of per-layer updates: a training step of a model with the layers and trained tensors of `size`
     (a 350m SLTrain model: 24 blocks, 555 tensors) at the tiny size's width, with per-layer updates, minus the same
-    step without them, for AdamW, Adam8bit and Adam8bit(compile=True) (every tensor a projection has takes the 8-bit
-    path, as at full width). At that width the arithmetic is negligible and what remains is what the host issues
-    for every tensor of every update: Python, dispatch and, on a GPU, kernel launches, whatever the tensors' sizes.
-    On CPU the 8-bit step takes the path it takes on a GPU (whole tensors, small ones together), not the chunked
-    one. Returns {name: (ms per update, operations per update)} (operations: the aten calls, views included; None
-    for compiled code, whose kernels run below the dispatcher)."""
+    step without them, for AdamW, Adam8bit and Adam8bit(compile=True), and on a CUDA GPU the one-kernel step
+    Adam8bit(fused=True) (every tensor a projection has takes the 8-bit path, as at full width). At that width the
+    arithmetic is negligible and what remains is what the host issues for every tensor of every update: Python,
+    dispatch and, on a GPU, kernel launches, whatever the tensors' sizes. On CPU the 8-bit step takes the path it
+    takes on a GPU without the kernel (whole tensors, small ones together), not the chunked one.
+    Returns {name: (ms per update, operations per update)} (operations: the aten calls, views included; None for
+    compiled code, whose kernels run below the dispatcher)."""
     device = torch.device(device)
     small = 65  # the norms (64 wide here) keep float32 moments, as they do at full width; the rest is 8-bit
     makers = {"none": None, "AdamW": lambda ps: optim.AdamW(ps, lr=1e-3),
-              "Adam8bit": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small),
-              "Adam8bit(compile=True)": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, compile=True)}
+              "Adam8bit": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, fused=False),
+              "Adam8bit(compile=True)": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, compile=True,
+                                                                 fused=False)}
+    if adam8bit_kernel.usable(torch.empty(0, device=device), BLOCK_SIZE):  # a CUDA GPU with Triton
+        makers["Adam8bit(fused=True)"] = lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, fused=True)
     config = config_for("tiny", method=method, n_layers=config_for(size).n_layers, vocab_size=256)
     idx = torch.randint(256, (1, 17), device=device)
     times, chunked = {}, set(optim.CHUNKED_DEVICES)

@@ -19,11 +19,11 @@ Run the tests:   python -m pytest -q test_galore.py
 
 import torch
 
-from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_hyperparameters, _evaluate, _finite,
-                   _keep_state_dtypes)
+from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_fused, _check_hyperparameters,
+                   _evaluate, _finite, _fused, _keep_state_dtypes)
 
 
-def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False):
+def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fused=None):
     """The AdamW or Adam8bit update of one tensor `target` by its `.grad`, with the state dict and group settings of
     that optimizer: the narrow interface through which GaLore reuses them on a projected gradient."""
     beta1, beta2 = group["betas"]
@@ -44,7 +44,8 @@ def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False):
     if "exp_avg" in state:  # below min_8bit_size: float32 moments, as Adam8bit
         _adamw_([target], [_finite(target.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
     else:
-        Adam8bit._update_8bit(target, state, group["block_size"], *hyper, compile=compile)
+        Adam8bit._update_8bit(target, state, group["block_size"], *hyper, compile=compile,
+                              fused=_fused(fused, target, group["block_size"]))
 
 
 def galore_projector(grad, rank):
@@ -76,7 +77,8 @@ class GaLore(torch.optim.Optimizer):
     update (GaLore's code decays after it; the same at its default of 0)."""
 
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=None, weight_decay=0.0, rank=None,
-                 update_gap=200, scale=0.25, inner="adamw", block_size=256, min_8bit_size=4096, compile=False):
+                 update_gap=200, scale=0.25, inner="adamw", block_size=256, min_8bit_size=4096, compile=False,
+                 fused=None):
         if inner not in ("adamw", "adam8bit"):
             raise ValueError(f"inner must be adamw or adam8bit, got {inner!r}")
         eps = (1e-6 if inner == "adamw" else 1e-8) if eps is None else eps  # GaLore's AdamW's; bitsandbytes'
@@ -86,7 +88,9 @@ class GaLore(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank, update_gap=update_gap,
                         scale=scale, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
-        self.inner, self.compile = inner, compile  # compile: the 8-bit update as in Adam8bit(compile=True)
+        # compile, fused: the 8-bit update as in Adam8bit(compile=..., fused=...)
+        self.inner, self.compile = inner, compile
+        self.fused = _check_fused(fused, self) if inner == "adam8bit" else fused
         if inner == "adam8bit":
             _build_tables(self)
 
@@ -116,7 +120,8 @@ class GaLore(torch.optim.Optimizer):
                     raise RuntimeError("GaLore does not take sparse gradients")
                 state = self.state[p]
                 if group["rank"] is None:
-                    _adam_step_(self.inner, p, state, group, group["lr"], group["weight_decay"], self.compile)
+                    _adam_step_(self.inner, p, state, group, group["lr"], group["weight_decay"], self.compile,
+                                self.fused)
                 else:
                     self._projected_step(p, state, group)
         return loss
@@ -133,7 +138,7 @@ class GaLore(torch.optim.Optimizer):
         # afterwards it holds -N = -m̂ / (√v̂ + ε), the normalized update in the projected space
         low = torch.zeros_like(R)
         low.grad = R
-        _adam_step_(self.inner, low, state, group, 1.0, 0.0, self.compile)
+        _adam_step_(self.inner, low, state, group, 1.0, 0.0, self.compile, self.fused)
         back = galore_project_back(low, P, p.shape)  # (m, n)
         if group["weight_decay"] != 0:
             p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import adam8bit_kernel
+
 CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in cache (6x faster than unchunked)
 # device types whose 8-bit step goes chunk by chunk. Elsewhere (GPUs) every operation is a kernel launch, so the
 # step works in pieces of up to PIECE entries: a tensor of up to that size in a fixed number of operations (70,
@@ -251,21 +253,25 @@ class Adam8bit(torch.optim.Optimizer):
     entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
     most. Weight decay is decoupled, as in AdamW. A non-finite gradient entry counts as zero, for that step.
 
-    Off CPU, runs of consecutive small 8-bit tensors (a layer's, under per-layer updates) are updated as one, to
-    the bit the same: one launch per operation for all of them (_update_8bit_together). compile=True runs the update
-    through torch.compile: a few fused kernels instead of ~35, one call from the host instead of ~65 operations
-    (what bounds a GPU step whose many small tensors each launch their own). Its results agree with the eager step
-    to float32 rounding, not bit for bit; the state format is the same."""
+    On a CUDA GPU with Triton (fused=None, the default), each 8-bit tensor's update is one kernel
+    (adam8bit_kernel.py): one launch and one pass over memory, where the eager update is ~35 kernels and ~65
+    operations the host issues, which bound a GPU step whose many tensors each launch their own. fused=True asks
+    for it (refused where it cannot run), fused=False never uses it. Where it is not used, runs of consecutive small
+    8-bit tensors (a layer's, under per-layer updates) are updated as one, to the bit the same: one launch per
+    operation for all of them (_update_8bit_together), and compile=True runs the update through torch.compile, a few
+    fused kernels. Both the kernel's and the compiled results agree with the eager step to float32 rounding, not bit
+    for bit; the state format is the same."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
-                 min_8bit_size=4096, compile=False):
+                 min_8bit_size=4096, compile=False, fused=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
-        self.compile = compile  # not a group setting: a checkpoint's param_groups must not switch it on resume
+        # not group settings: a checkpoint's param_groups must not switch them on resume
+        self.compile, self.fused = compile, _check_fused(fused, self)
         _build_tables(self)
 
     @torch.no_grad()
@@ -284,6 +290,8 @@ class Adam8bit(torch.optim.Optimizer):
                 state["step"] += 1
                 if "exp_avg" in state:  # a small tensor: float32 moments and the AdamW math
                     _adamw_([p], [_finite(p.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
+                elif _fused(self.fused, p, group["block_size"]):
+                    self._update_8bit(p, state, group["block_size"], *hyper, fused=True)
                 else:
                     eight_bit.append(p)
             for run in self._runs(eight_bit):
@@ -336,12 +344,16 @@ class Adam8bit(torch.optim.Optimizer):
             state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
 
     @staticmethod
-    def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
+    def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay, compile=False, fused=False):
         tables = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
         hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, state["step"])
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
         v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
+        if fused:  # the whole tensor in one kernel
+            adam8bit_kernel.adam8bit_(param, grad, (m_codes, m_absmax), (v_codes, v_absmax), tables,
+                                      block_size, hyper)
+            return
         if compile:  # the whole tensor in one call of fused kernels
             _adam8bit_compiled()(param, grad, (m_codes, m_absmax), (v_codes, v_absmax), tables, block_size, hyper)
             return
@@ -352,6 +364,25 @@ class Adam8bit(torch.optim.Optimizer):
             padded = slice(blocks.start * block_size, blocks.stop * block_size)
             _adam8bit_(param[start:stop], grad[start:stop], (m_codes[padded], m_absmax[blocks]),
                        (v_codes[padded], v_absmax[blocks]), tables, block_size, hyper)
+
+
+def _fused(fused, p, block_size):
+    """Whether p's 8-bit update runs as adam8bit_kernel's one kernel: never with fused=False; else where it can."""
+    return fused is not False and adam8bit_kernel.usable(p, block_size)
+
+
+def _check_fused(fused, optimizer):
+    """fused=True refused, in one line, where a parameter that takes 8-bit state could not run the kernel."""
+    if fused not in (None, True, False):
+        raise ValueError(f"fused must be None (where it can), True or False, got {fused!r}")
+    for group in optimizer.param_groups if fused else []:
+        for p in group["params"]:
+            if p.numel() >= group["min_8bit_size"] and not adam8bit_kernel.usable(p, group["block_size"]):
+                raise ValueError(f"fused=True: the one-kernel 8-bit step needs Triton (installed: "
+                                 f"{adam8bit_kernel.available()}), a CUDA parameter of float32 or bfloat16 (got "
+                                 f"{p.device.type}, {p.dtype}) and a block_size of a power of two from 16 to 8192 "
+                                 f"(got {group['block_size']}); pass fused=None to use it only where it can run")
+    return fused
 
 
 def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):

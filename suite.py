@@ -46,10 +46,11 @@ import time
 import torch
 import torch.nn as nn
 
+import adam8bit_kernel
 import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio_text, record_error, report_inference, start, summary, write_json)
-from estimate_memory import estimate, measure
+from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from sllinear import SLLinear, scaled_mm
 
@@ -131,16 +132,17 @@ def suite_layer(s, device, dtype, progress=lambda partial: None):
 
 
 def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None,
-               amp=False):
+               amp=False, fused=None):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
     step after it, optionally compiled as train.py --compile does it: each block (LLaMA.compile_blocks), and the
-    8-bit step."""
+    8-bit step (fused: Adam8bit's, the one-kernel step where it can run by default)."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
     model.autocast = torch.bfloat16 if amp else None
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    make = optim.AdamW if optimizer == "adamw" else lambda ps, **kw: optim.Adam8bit(ps, **kw, compile=bool(backend))
+    make = optim.AdamW if optimizer == "adamw" else lambda ps, **kw: optim.Adam8bit(ps, **kw, compile=bool(backend),
+                                                                                          fused=fused)
     opt = None
     if per_layer:
         optim.attach_per_layer(model, lambda ps: make(ps, **hyper))
@@ -162,12 +164,18 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
 def suite_model(s, device, dtype, compiled, progress=lambda partial: None):
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
-    issue's targets name (each method's block compiles once). progress gets the figures after each round."""
+    issue's targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and
+    sltrain 8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by
+    side. progress gets the figures after each round."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
-    variants = {f"{m}/{o}{'/per_layer' if pl else ''}":
-                train_step(s["model_size"], m, o, pl, s["model_batch"], s["max_length"], device, dtype,
-                           s["backend"] if compiled else None, s.get("vocab"))
+    backend = s["backend"] if compiled else None
+    make = lambda m, o, pl, fused=None: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
+                                                   s["max_length"], device, dtype, backend, s.get("vocab"), fused=fused)
+    variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
+    if adam8bit_kernel.usable(torch.empty(0, device=device, dtype=dtype), BLOCK_SIZE):
+        variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
+                         for m in ("full", "sltrain")})
 
     def figures(times):
         v = summary(times, "full/adamw", invert=True)
@@ -285,10 +293,12 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
 
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     reference = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
-    times = interleave({"torch.optim.AdamW": stepper(lambda ps: torch.optim.AdamW(ps, **hyper, **reference)),
-                        "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper)),
-                        "optim.Adam8bit(compile=True)": stepper(lambda ps: optim.Adam8bit(ps, **hyper, compile=True))},
-                       s["rounds"], device)  # the compiled step compiles in the warm-up
+    steps = {"torch.optim.AdamW": stepper(lambda ps: torch.optim.AdamW(ps, **hyper, **reference)),
+             "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=False)),
+             "optim.Adam8bit(compile=True)": stepper(lambda ps: optim.Adam8bit(ps, **hyper, compile=True, fused=False))}
+    if adam8bit_kernel.usable(base[0], BLOCK_SIZE):  # a CUDA GPU with Triton: the one-kernel step
+        steps["optim.Adam8bit(fused=True)"] = stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=True))
+    times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
     result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                   variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})
     progress(result)  # saved before the host times, which build a model of host_size per method

@@ -1,0 +1,164 @@
+"""
+The one-kernel 8-bit Adam step (adam8bit_kernel.py) against the eager step it replaces on a GPU.
+
+No test needs a GPU. Where Triton is installed (torch's CUDA builds bring it; CI's CPU build does not, and those
+tests skip there), the kernel runs under Triton's interpreter, which executes the same kernel with numpy on the CPU,
+and is compiled for Hopper (sm_90) and Ampere (sm_80) to machine code, which needs no GPU either: the code a GPU
+would run is built, and the arithmetic is checked. The refusals run everywhere.
+
+    python -m pytest -q test_adam8bit_kernel.py
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adam8bit_kernel
+import optim
+from galore import GaLore
+
+needs_triton = pytest.mark.skipif(not adam8bit_kernel.available(), reason="Triton is not installed (a CPU torch)")
+
+
+def interpreted(check):
+    """Runs check(adam8bit_kernel) in a fresh Python under Triton's interpreter, which must be chosen before Triton
+    is imported (its own library functions are decorated then); fails with the child's output if it fails."""
+    code = f"import adam8bit_kernel, test_adam8bit_kernel as t; t.{check.__name__}(adam8bit_kernel)"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+
+
+def state(n, block_size):
+    blocks = -(-n // block_size)
+    return [[torch.zeros(blocks * block_size, dtype=torch.uint8), torch.zeros(blocks)] for _ in range(2)]
+
+
+def gradients(n, dtype, steps, zero_block):
+    """Heavy-tailed gradients (magnitudes 1e-5 to 10 in one block), a NaN and infinities, one block all zeros."""
+    torch.manual_seed(0)
+    for _ in range(steps):
+        g = torch.randn(n) * 10.0 ** torch.randint(-5, 2, (n,)).float()
+        g[3], g[5], g[7] = float("nan"), float("inf"), -float("inf")
+        g[zero_block] = 0
+        yield g.to(dtype)
+
+
+CASES = [(dtype, *case) for dtype in (torch.float32, torch.bfloat16)
+         for case in ((3000, 256, 0.9, 0.1), (1000, 64, 0.3, 0.0), (256, 256, 0.9, 0.0))]
+
+
+def same_updates_as_eager(kernel):
+    """Five steps of each, state carried: a bf16 parameter to the bit (the kernel writes out torch's rounding of
+    it, after the decay and after the step); a float32 one to float32 rounding (the eager CPU kernels fuse some
+    multiply-adds that numpy does not); the codes the same but for the odd value on a rounding edge, the absmax to
+    float32 rounding. beta1 0.3 takes torch's other lerp formula; n = 1000 pads its last block; no decay skips it."""
+    tables = optim._lookup_tables(True, torch.device("cpu")), optim._lookup_tables(False, torch.device("cpu"))
+    for dtype, n, block_size, beta1, weight_decay in CASES:
+        case = f"{dtype}, n {n}, block {block_size}, beta1 {beta1}, decay {weight_decay}"
+        eager_p = torch.randn(n).to(dtype)
+        kernel_p, eager, fused = eager_p.clone(), state(n, block_size), state(n, block_size)
+        for step, g in enumerate(gradients(n, dtype, 5, slice(block_size, 2 * block_size)), start=1):
+            hyper = optim._step_scalars(1e-2, beta1, 0.999, 1e-8, weight_decay, step)
+            optim._adam8bit_(eager_p, g, *eager, tables, block_size, hyper)
+            kernel.adam8bit_(kernel_p, g, *fused, tables, block_size, hyper)
+            if dtype == torch.bfloat16:
+                assert torch.equal(kernel_p, eager_p), f"{case}: step {step}"
+            else:
+                torch.testing.assert_close(kernel_p, eager_p, rtol=3e-7, atol=1e-7, msg=f"{case}: step {step}")
+            for (codes, absmax), (eager_codes, eager_absmax) in zip(fused, eager):
+                assert (codes != eager_codes).sum() <= max(1, n // 1000), f"{case}: step {step}"
+                assert ((codes.int() - eager_codes.int()).abs() <= 1).all(), f"{case}: step {step}"
+                torch.testing.assert_close(absmax, eager_absmax, rtol=1e-6, atol=0, msg=f"{case}: step {step}")
+        if n > block_size:  # the block of zero gradients: its m and √v stay exactly 0
+            for (codes, absmax), signed in zip(fused, (True, False)):
+                values = optim.dequantize_blockwise(codes, absmax, signed, n)
+                assert (values[block_size:2 * block_size] == 0).all() and (values[:block_size] != 0).any(), case
+        assert torch.isfinite(kernel_p.float()).all(), case
+
+
+def optimizers_take_it_where_it_can_run(kernel):
+    """Adam8bit (fused=None) and GaLore over it call the kernel for each 8-bit tensor where it can run (here: told
+    it can, on CPU), and train as the eager step does; fused=False never calls it."""
+    calls, launch = [], kernel.adam8bit_
+    kernel.usable = lambda p, block_size: True
+    kernel.adam8bit_ = lambda *a: calls.append(a[0].numel()) or launch(*a)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 96), torch.randn(8, 64)
+    start = [torch.randn(80, 96) * 0.1, torch.randn(80) * 0.1, torch.randn(64, 80) * 0.1]  # 7680, 5120: 8-bit
+    results = {}
+    for name, make in {"fused": lambda ps: optim.Adam8bit(ps, lr=1e-2, weight_decay=0.1),
+                       "eager": lambda ps: optim.Adam8bit(ps, lr=1e-2, weight_decay=0.1, fused=False),
+                       "galore fused": lambda ps: GaLore([dict(params=ps, rank=None)], lr=1e-2, inner="adam8bit"),
+                       "galore eager": lambda ps: GaLore([dict(params=ps, rank=None)], lr=1e-2, inner="adam8bit",
+                                                         fused=False)}.items():
+        trained = [p.clone().requires_grad_() for p in start]
+        opt, before = make(trained), len(calls)
+        for _ in range(3):
+            loss = ((F.linear(F.linear(x, trained[0], trained[1]), trained[2]) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        results[name] = (trained, calls[before:])
+    assert results["fused"][1] == [7680, 5120] * 3 and results["galore fused"][1] == [7680, 5120] * 3
+    assert results["eager"][1] == [] and results["galore eager"][1] == []
+    for a, b in (("fused", "eager"), ("galore fused", "galore eager")):
+        for p, q in zip(results[a][0], results[b][0]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+def test_the_kernel_makes_the_eager_steps_update():
+    interpreted(same_updates_as_eager)
+
+
+@needs_triton
+def test_adam8bit_and_galore_take_the_kernel_where_it_can_run():
+    interpreted(optimizers_take_it_where_it_can_run)
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("param", ["*bf16", "*fp32"])
+def test_the_kernel_compiles_to_gpu_machine_code(arch, param):
+    """The kernel built for a GPU as it would be at its first call there (Triton's compiler down to a cubin, with
+    ptxas), and with the arithmetic it is meant to have: IEEE division and square root, not the approximate ones."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    pointers = dict(param_ptr=param, grad_ptr=param, m_codes_ptr="*u8", m_absmax_ptr="*fp32", v_codes_ptr="*u8",
+                    v_absmax_ptr="*fp32", m_map_ptr="*fp32", m_first_ptr="*u8", m_threshold_ptr="*fp32",
+                    v_map_ptr="*fp32", v_first_ptr="*u8", v_threshold_ptr="*fp32")
+    scalars = dict(n="i32", blocks="i32", **{k: "fp32" for k in ("step_size", "one_minus_beta1", "beta2",
+                                                                  "one_minus_beta2", "eps", "decay",
+                                                                  "sqrt_bias_correction2")})
+    constants = dict(HAS_DECAY=True, BF16=param == "*bf16", BLOCK=256, ROWS=adam8bit_kernel.ROWS)
+    source = triton.compiler.ASTSource(fn=adam8bit_kernel._adam8bit_kernel, constexprs=constants,
+                                       signature={**pointers, **scalars, **{k: "constexpr" for k in constants}})
+    built = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    ptx = built.asm["ptx"]
+    assert len(built.asm["cubin"]) > 0
+    assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
+    assert "div.full.f32" not in ptx and "sqrt.approx" not in ptx
+
+
+def test_fused_true_is_refused_where_the_kernel_cannot_run():
+    """On a CPU (or without Triton, or at a block size that is not a power of two) fused=True is one line that names
+    the way out; fused=None there takes the eager step without a word."""
+    p = nn.Parameter(torch.randn(64, 96))
+    for make in (lambda: optim.Adam8bit([p], fused=True), lambda: optim.Adam8bit([p], fused=True, block_size=100),
+                 lambda: GaLore([dict(params=[p], rank=None)], inner="adam8bit", fused=True)):
+        with pytest.raises(ValueError, match="fused=True: the one-kernel 8-bit step needs Triton.*pass fused=None"):
+            make()
+    with pytest.raises(ValueError, match="fused must be None"):
+        optim.Adam8bit([p], fused="yes")
+    opt = optim.Adam8bit([p], fused=None)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert "exp_avg_codes" in opt.state[p]
+    optim.Adam8bit([nn.Parameter(torch.randn(8))], fused=True)  # below min_8bit_size: nothing needs the kernel
