@@ -93,8 +93,8 @@ def make_parser(description=None):
     a("--amp", action="store_true", help="mixed precision: float32 parameters and optimizer state, bf16 autocast "
       "for forward and backward (the default on GPU is the paper's pure bf16)")
     a("--compile", action="store_true", help="torch.compile each transformer block (model.compile_blocks: one "
-      "graph for all, per-layer memory kept) and 8-bit Adam's step (fused kernels; for GPUs: on a CPU inductor's "
-      "code for it is slower than eager)")
+      "graph for all, per-layer memory kept) and 8-bit Adam's step where its one-kernel GPU step does not run "
+      "(adam8bit_kernel.py; on a CPU inductor's code for the step is slower than eager)")
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
       "should be none; hostsync.py; under --compile not the first update, which compiles) and print them at the end")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
