@@ -113,6 +113,28 @@ def optimizers_take_it_where_it_can_run(kernel):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def the_suite_times_it_beside_the_steps_it_replaces(kernel):
+    """Where the kernel can run (here: told it can, on CPU), the suite's optimizer section times it beside the eager
+    and compiled steps, the model section adds 8-bit per-layer rows without it, and the host-time bench has a row."""
+    import bench
+    import suite
+    kernel.usable = lambda p, block_size: True
+    suite.per_layer_host_time = lambda device, size, method: {}  # timed alone below, at a size of two blocks
+    tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
+    steps = suite.suite_optimizer(tiny, cpu, torch.float32)["variants"]
+    assert list(steps) == ["torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)",
+                           "optim.Adam8bit(fused=True)"] and all(row["ms"] > 0 for row in steps.values())
+    rows = suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
+    assert {"full/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer"} \
+        <= set(rows) and len(rows) == 10
+    assert "Adam8bit(fused=True)" in bench.per_layer_host_time("cpu", "tiny", "sltrain", rounds=1)
+
+
+@needs_triton
+def test_the_suite_times_it_beside_the_steps_it_replaces():
+    interpreted(the_suite_times_it_beside_the_steps_it_replaces)
+
+
 @needs_triton
 def test_the_kernel_makes_the_eager_steps_update():
     interpreted(same_updates_as_eager)
