@@ -16,6 +16,8 @@ Used by optim.Adam8bit on CUDA when Triton imports (it ships with torch's CUDA b
 of two; tested on CPU under Triton's interpreter (TRITON_INTERPRET=1), which runs the same kernel with numpy.
 """
 
+import contextlib
+
 import torch
 
 try:
@@ -104,11 +106,21 @@ def adam8bit_(param, grad, m, v, tables, block_size, hyper):
     (m_codes, m_absmax), (v_codes, v_absmax), (signed, unsigned) = m, v, tables
     step_size, one_minus_beta1, beta2, one_minus_beta2, eps, decay, sqrt_bias_correction2 = hyper
     blocks = m_absmax.numel()
-    _adam8bit_kernel[(triton.cdiv(blocks, ROWS),)](
-        param, grad, m_codes, m_absmax, v_codes, v_absmax, *signed, *unsigned,
-        param.numel(), blocks, step_size, one_minus_beta1, beta2, one_minus_beta2, eps,
-        1.0 if decay is None else decay, sqrt_bias_correction2,
-        HAS_DECAY=decay is not None, BF16=param.dtype == torch.bfloat16, BLOCK=block_size, ROWS=ROWS)
+    with on_its_device(param):
+        _adam8bit_kernel[(triton.cdiv(blocks, ROWS),)](
+            param, grad, m_codes, m_absmax, v_codes, v_absmax, *signed, *unsigned,
+            param.numel(), blocks, step_size, one_minus_beta1, beta2, one_minus_beta2, eps,
+            1.0 if decay is None else decay, sqrt_bias_correction2,
+            HAS_DECAY=decay is not None, BF16=param.dtype == torch.bfloat16, BLOCK=block_size, ROWS=ROWS)
+
+
+def on_its_device(tensor):
+    """Triton launches on the current CUDA device (and its current stream), not on its arguments' device as torch's
+    operations do: for a parameter on another GPU than the current one (a model on cuda:1 in a process that never
+    called torch.cuda.set_device), the launch is made with that GPU current."""
+    if tensor.device.type == "cuda" and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 def usable(param, block_size):

@@ -9,6 +9,7 @@ would run is built, and the arithmetic is checked. The refusals run everywhere.
     python -m pytest -q test_adam8bit_kernel.py
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -184,3 +185,20 @@ def test_fused_true_is_refused_where_the_kernel_cannot_run():
     opt.step()
     assert "exp_avg_codes" in opt.state[p]
     optim.Adam8bit([nn.Parameter(torch.randn(8))], fused=True)  # below min_8bit_size: nothing needs the kernel
+
+
+def test_the_launch_is_made_on_the_parameters_gpu(monkeypatch):
+    """Triton launches on the current GPU: a parameter on cuda:1 while cuda:0 is current is updated with cuda:1 made
+    current for the launch (faked here: this test runs without a GPU); on the current GPU nothing is switched."""
+    switched = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: switched.append(device) or contextlib.nullcontext())
+
+    class OnGPU:
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+    with adam8bit_kernel.on_its_device(OnGPU(1)):
+        pass
+    with adam8bit_kernel.on_its_device(OnGPU(0)), adam8bit_kernel.on_its_device(torch.zeros(1)):
+        pass
+    assert switched == [torch.device("cuda", 1)]
