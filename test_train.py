@@ -692,6 +692,37 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path)
     assert 2 <= state["step"] < 60 and state["world"] == 2 and all(state["data"])
 
 
+def test_a_rank_killed_mid_run_leaves_the_others_one_line_and_the_last_checkpoint(corpus, tmp_path):
+    """One rank killed outright (the OOM killer's SIGKILL, which no handler sees) while the others train: each rank
+    left finds its next collective failed (gloo here, NCCL on GPUs) and says so in one line, with the checkpoint to
+    resume from, where it printed gloo's traceback from inside backward. torchrun then reports the dead rank."""
+    from suite import process_tree
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(HERE / "train.py"),
+           *base_args(corpus, tmp_path, 200, "--total_batch_size", "6", "--batch_size", "2", "--save_every", "2")]
+    proc, lines = start(cmd), []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 5/"):  # saved at step 4
+                rank_1 = [pid for pid in process_tree(proc.pid) if pid != proc.pid and
+                          b"\0RANK=1\0" in b"\0" + open(f"/proc/{pid}/environ", "rb").read()]
+                os.kill(rank_1[0], signal.SIGKILL)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert proc.returncode != 0 and len(rank_1) == 1, output[-3000:]
+    for rank in (0, 2):
+        said = [line for line in output.splitlines() if line.startswith(f"rank {rank}: ")]
+        assert len(said) == 1 and "a collective with the other ranks failed" in said[0], output[-3000:]
+        assert "rerun with --resume" in said[0] and "ckpt.pt (step " in said[0], said[0]
+    assert 'train.py", line' not in output, output[-3000:]  # no traceback through train.py
+    state = final_state(tmp_path)
+    assert 4 <= state["step"] < 200 and state["world"] == 3
+
+
 def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_path):
     """Reading the data and building the model can take minutes: a torchrun killed meanwhile must not leave its ranks
     to train on unwatched once built. Nothing is trained yet: the SIGTERM they are sent ends them with one line."""

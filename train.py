@@ -215,15 +215,33 @@ def set_hyperparameters(args, optimizers, scheduler):
         scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
-def ran_out_of_memory(error):
-    """Whether a GPU's OutOfMemoryError is this error or its cause (a CPU's allocator raises none: the OS kills)."""
+def causes(error):
+    """error, then its cause or context, and theirs (torch.compile wraps the errors raised inside it)."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
+        yield error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+
+
+def ran_out_of_memory(error):
+    """Whether a GPU's OutOfMemoryError is this error or its cause (a CPU's allocator raises none: the OS kills)."""
+    return any(isinstance(e, torch.OutOfMemoryError) for e in causes(error))
+
+
+def lost_a_rank(error):
+    """Whether a collective failed: another rank is gone (killed for memory, or by hand) or the network broke. NCCL
+    raises torch.distributed's errors; gloo a RuntimeError from its transport, which names its source file."""
+    return any(isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo/transport" in str(e))
+               for e in causes(error))
+
+
+def rank_lost(run, where, error, fix):
+    """The line for a collective that failed mid-run, said by each rank left (its own view of the failure)."""
+    said = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return RankFault(f"rank {run.rank}: {where}: a collective with the other ranks failed ({said.strip()[:200]}): "
+                      f"a rank died (torchrun's report names it and its exit code; -9 is a kill, often for memory) "
+                      f"or the network broke. {fix}")
 
 
 def out_of_memory(args, run, where, last_good):
@@ -588,6 +606,8 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered, early):
             try:
                 result = evaluate(run.raw_model, val, device, rank, world, stop)
             except Exception as e:
+                if run.world > 1 and lost_a_rank(e):
+                    raise rank_lost(run, "the evaluation", e, "Run --eval_only again") from None
                 if not ran_out_of_memory(e):
                     raise
                 raise out_of_memory(args, run, "the evaluation", None) from None
@@ -663,6 +683,11 @@ def train(args, run, ckpt, val, loader, stop):
                 return
         loop.summary()
     except Exception as e:  # a GPU's OutOfMemoryError, also wrapped (torch.compile raises its own error around it)
+        if run.world > 1 and lost_a_rank(e):
+            last_good = loop.keeper.last_good
+            raise rank_lost(run, where, e, f"Nothing since the last checkpoint is kept: rerun with --resume "
+                                           f"{last_good[0]} (step {last_good[1]})" if last_good else
+                            "No checkpoint was saved yet: start again") from None
         if not ran_out_of_memory(e):
             raise
         raise out_of_memory(args, run, where, loop.keeper.last_good) from None
