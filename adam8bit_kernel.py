@@ -17,6 +17,7 @@ of two; tested on CPU under Triton's interpreter (TRITON_INTERPRET=1), which run
 """
 
 import contextlib
+import functools
 
 import torch
 
@@ -124,8 +125,14 @@ def on_its_device(tensor):
 
 
 def usable(param, block_size):
-    """Whether Adam8bit can take this kernel for a parameter: on a CUDA GPU, with Triton, float32 or bf16 (the two
-    whose roundings the kernel writes out), in blocks of a power of two entries (whole tiles)."""
+    """Whether Adam8bit can take this kernel for a parameter: on a CUDA GPU of compute capability 8.0 or later
+    (Ampere, Hopper: what it is built and tested for), with Triton, float32 or bf16 (the two whose roundings the
+    kernel writes out), in blocks of a power of two entries (whole tiles)."""
     return available() and param.device.type == "cuda" and param.dtype in (torch.float32, torch.bfloat16) \
-        and block_size & (block_size - 1) == 0 and 16 <= block_size <= 8192
+        and block_size & (block_size - 1) == 0 and 16 <= block_size <= 8192 and _capability(param.device) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device):
+    return torch.cuda.get_device_capability(device)
 

@@ -379,9 +379,10 @@ def _check_fused(fused, optimizer):
         for p in group["params"]:
             if p.numel() >= group["min_8bit_size"] and not adam8bit_kernel.usable(p, group["block_size"]):
                 raise ValueError(f"fused=True: the one-kernel 8-bit step needs Triton (installed: "
-                                 f"{adam8bit_kernel.available()}), a CUDA parameter of float32 or bfloat16 (got "
-                                 f"{p.device.type}, {p.dtype}) and a block_size of a power of two from 16 to 8192 "
-                                 f"(got {group['block_size']}); pass fused=None to use it only where it can run")
+                                 f"{adam8bit_kernel.available()}), a float32 or bfloat16 parameter on a CUDA GPU "
+                                 f"of compute capability 8.0 or later (got {p.device}, {p.dtype}) and a block_size "
+                                 f"of a power of two from 16 to 8192 (got {group['block_size']}); pass fused=None "
+                                 "to use it only where it can run")
     return fused
 
 

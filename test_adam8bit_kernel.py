@@ -202,3 +202,18 @@ def test_the_launch_is_made_on_the_parameters_gpu(monkeypatch):
     with adam8bit_kernel.on_its_device(OnGPU(0)), adam8bit_kernel.on_its_device(torch.zeros(1)):
         pass
     assert switched == [torch.device("cuda", 1)]
+
+
+def test_the_kernel_is_taken_on_the_gpus_it_is_built_for(monkeypatch):
+    """On CUDA with Triton: Ampere (8.0) and later, float32 or bf16, a power-of-two block; an older GPU, float16 or
+    a block of 100 take the eager step (faked GPUs: this test runs without one)."""
+    monkeypatch.setattr(adam8bit_kernel, "available", lambda: True)
+    monkeypatch.setattr(adam8bit_kernel, "_capability", lambda device: {0: (9, 0), 1: (7, 5)}[device.index])
+
+    class OnGPU:
+        def __init__(self, index, dtype=torch.bfloat16):
+            self.device, self.dtype = torch.device("cuda", index), dtype
+    assert adam8bit_kernel.usable(OnGPU(0), 256) and adam8bit_kernel.usable(OnGPU(0, torch.float32), 64)
+    assert not adam8bit_kernel.usable(OnGPU(1), 256)  # a T4's sm_75
+    assert not adam8bit_kernel.usable(OnGPU(0, torch.float16), 256) and not adam8bit_kernel.usable(OnGPU(0), 100)
+    assert not adam8bit_kernel.usable(torch.zeros(1), 256)  # a CPU tensor
