@@ -12,8 +12,10 @@ The arithmetic is _adam8bit_'s, operation by operation and with the same roundin
 as the eager in-place ops round it. A GPU compiler may fuse a multiply and an add into one rounding where the eager
 kernels do not, so the results agree with the eager step to float32 rounding, and the state format is the same.
 
-Used by optim.Adam8bit on CUDA when Triton imports (it ships with torch's CUDA builds) and the block size is a power
-of two; tested on CPU under Triton's interpreter (TRITON_INTERPRET=1), which runs the same kernel with numpy.
+Used by optim.Adam8bit (fused=None, the default) where usable(): float32 or bf16 parameters on a CUDA GPU of compute
+capability 8.0 or later, Triton importable (it ships with torch's CUDA builds), a block size of a power of two.
+Tested on CPU (test_adam8bit_kernel.py): under Triton's interpreter (TRITON_INTERPRET=1), which runs the same kernel
+with numpy, and compiled to sm_80 and sm_90 machine code, which needs no GPU either.
 """
 
 import contextlib
@@ -24,7 +26,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU builds of torch come without Triton; optim.py then never calls this file
+except ImportError:  # CPU builds of torch come without Triton: then nothing here is launched
     triton = None
 
 ROWS = 4  # blocks per program: with 256-entry blocks, 1024 entries, a tile of 4 warps
