@@ -240,8 +240,8 @@ def rank_lost(run, where, error, fix):
     """The line for a collective that failed mid-run, said by each rank left (its own view of the failure)."""
     said = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
     return RankFault(f"rank {run.rank}: {where}: a collective with the other ranks failed ({said.strip()[:200]}): "
-                      f"a rank died (torchrun's report names it and its exit code; -9 is a kill, often for memory) "
-                      f"or the network broke. {fix}")
+                     f"a rank died (torchrun's report names it and its exit code; -9 is a kill, often for memory) "
+                     f"or the network broke. {fix}")
 
 
 def out_of_memory(args, run, where, last_good):
@@ -684,10 +684,10 @@ def train(args, run, ckpt, val, loader, stop):
         loop.summary()
     except Exception as e:  # a GPU's OutOfMemoryError, also wrapped (torch.compile raises its own error around it)
         if run.world > 1 and lost_a_rank(e):
-            last_good = loop.keeper.last_good
-            raise rank_lost(run, where, e, f"Nothing since the last checkpoint is kept: rerun with --resume "
-                                           f"{last_good[0]} (step {last_good[1]})" if last_good else
-                            "No checkpoint was saved yet: start again") from None
+            good = loop.keeper.last_good
+            fix = (f"Nothing since the last checkpoint is kept: rerun with --resume {good[0]} (step {good[1]})"
+                   if good else "No checkpoint was saved yet: start again")
+            raise rank_lost(run, where, e, fix) from None
         if not ran_out_of_memory(e):
             raise
         raise out_of_memory(args, run, where, loop.keeper.last_good) from None
