@@ -36,9 +36,10 @@ def interpreted(check):
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
 
 
-def state(n, block_size):
+def state(n, block_size, device="cpu"):
     blocks = -(-n // block_size)
-    return [[torch.zeros(blocks * block_size, dtype=torch.uint8), torch.zeros(blocks)] for _ in range(2)]
+    return [[torch.zeros(blocks * block_size, dtype=torch.uint8, device=device), torch.zeros(blocks, device=device)]
+            for _ in range(2)]
 
 
 def gradients(n, dtype, steps, zero_block):
@@ -55,22 +56,29 @@ CASES = [(dtype, *case) for dtype in (torch.float32, torch.bfloat16)
          for case in ((3000, 256, 0.9, 0.1), (1000, 64, 0.3, 0.0), (256, 256, 0.9, 0.0))]
 
 
-def same_updates_as_eager(kernel):
+def same_updates_as_eager(kernel, device="cpu", cases=CASES):
     """Five steps of each, state carried: a bf16 parameter to the bit (the kernel writes out torch's rounding of
     it, after the decay and after the step); a float32 one to float32 rounding (the eager CPU kernels fuse some
     multiply-adds that numpy does not); the codes the same but for the odd value on a rounding edge, the absmax to
-    float32 rounding. beta1 0.3 takes torch's other lerp formula; n = 1000 pads its last block; no decay skips it."""
-    tables = optim._lookup_tables(True, torch.device("cpu")), optim._lookup_tables(False, torch.device("cpu"))
-    for dtype, n, block_size, beta1, weight_decay in CASES:
+    float32 rounding. beta1 0.3 takes torch's other lerp formula; n = 1000 pads its last block; no decay skips it.
+    On a GPU, where the compiler fuses multiply-adds of its own, a bf16 parameter may differ by one bf16 step at
+    the odd entry whose float32 value lay on a rounding edge."""
+    device = torch.device(device)
+    tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
+    for dtype, n, block_size, beta1, weight_decay in cases:
         case = f"{dtype}, n {n}, block {block_size}, beta1 {beta1}, decay {weight_decay}"
-        eager_p = torch.randn(n).to(dtype)
-        kernel_p, eager, fused = eager_p.clone(), state(n, block_size), state(n, block_size)
+        eager_p = torch.randn(n).to(device, dtype)
+        kernel_p, eager, fused = eager_p.clone(), state(n, block_size, device), state(n, block_size, device)
         for step, g in enumerate(gradients(n, dtype, 5, slice(block_size, 2 * block_size)), start=1):
+            g = g.to(device)
             hyper = optim._step_scalars(1e-2, beta1, 0.999, 1e-8, weight_decay, step)
             optim._adam8bit_(eager_p, g, *eager, tables, block_size, hyper)
             kernel.adam8bit_(kernel_p, g, *fused, tables, block_size, hyper)
-            if dtype == torch.bfloat16:
+            if dtype == torch.bfloat16 and device.type == "cpu":
                 assert torch.equal(kernel_p, eager_p), f"{case}: step {step}"
+            elif dtype == torch.bfloat16:
+                assert (kernel_p != eager_p).sum() <= max(1, n // 1000), f"{case}: step {step}"
+                torch.testing.assert_close(kernel_p, eager_p, rtol=2 ** -7, atol=0, msg=f"{case}: step {step}")
             else:
                 torch.testing.assert_close(kernel_p, eager_p, rtol=3e-7, atol=1e-7, msg=f"{case}: step {step}")
             for (codes, absmax), (eager_codes, eager_absmax) in zip(fused, eager):
@@ -134,6 +142,34 @@ def the_suite_times_it_beside_the_steps_it_replaces(kernel):
 @needs_triton
 def test_the_suite_times_it_beside_the_steps_it_replaces():
     interpreted(the_suite_times_it_beside_the_steps_it_replaces)
+
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and adam8bit_kernel.available()),
+                               reason="needs a CUDA GPU with Triton (run it there: python -m pytest -q "
+                                      "test_adam8bit_kernel.py)")
+
+
+@needs_gpu
+def test_on_a_gpu_the_kernel_makes_the_eager_steps_update():
+    """The kernel as compiled for this GPU against the eager step on it, the interpreter's cases and a tensor of a
+    million entries (thousands of programs; its last block padded)."""
+    assert adam8bit_kernel.usable(torch.zeros(1, device="cuda"), 256), "a GPU older than compute capability 8.0"
+    same_updates_as_eager(adam8bit_kernel, "cuda", CASES + [(torch.bfloat16, 1_000_003, 256, 0.9, 0.1),
+                                                            (torch.float32, 1_000_003, 256, 0.9, 0.1)])
+
+
+@needs_gpu
+def test_on_a_gpu_adam8bit_takes_the_kernel_by_default():
+    calls, launch = [], adam8bit_kernel.adam8bit_
+    p = nn.Parameter(torch.randn(96, 64, device="cuda", dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    try:
+        adam8bit_kernel.adam8bit_ = lambda *a: calls.append(a[0].numel()) or launch(*a)
+        optim.Adam8bit([p]).step()
+        optim.Adam8bit([p], fused=False).step()
+    finally:
+        adam8bit_kernel.adam8bit_ = launch
+    assert calls == [6144]
 
 
 @needs_triton
