@@ -88,9 +88,11 @@ class GaLore(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank, update_gap=update_gap,
                         scale=scale, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
+        if fused and inner != "adam8bit":  # train.py's --compile passes compile for either inner; fused it does not
+            raise ValueError(f"fused=True is the one-kernel update of 8-bit moments; inner={inner!r} has none: pass "
+                             "inner='adam8bit' or leave fused unset")
         # compile, fused: the 8-bit update as in Adam8bit(compile=..., fused=...)
-        self.inner, self.compile = inner, compile
-        self.fused = _check_fused(fused, self) if inner == "adam8bit" else fused
+        self.inner, self.compile, self.fused = inner, compile, _check_fused(fused, self)
         if inner == "adam8bit":
             _build_tables(self)
 

@@ -216,6 +216,8 @@ def test_fused_true_is_refused_where_the_kernel_cannot_run():
             make()
     with pytest.raises(ValueError, match="fused must be None"):
         optim.Adam8bit([p], fused="yes")
+    with pytest.raises(ValueError, match="inner='adamw' has none: pass inner='adam8bit'"):  # asked, not ignored
+        GaLore([dict(params=[p], rank=None)], inner="adamw", fused=True)
     opt = optim.Adam8bit([p], fused=None)
     p.grad = torch.randn_like(p)
     opt.step()
