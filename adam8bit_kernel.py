@@ -127,11 +127,28 @@ def on_its_device(tensor):
 
 
 def usable(param, block_size):
-    """Whether Adam8bit can take this kernel for a parameter: on a CUDA GPU of compute capability 8.0 or later
-    (Ampere, Hopper: what it is built and tested for), with Triton, float32 or bf16 (the two whose roundings the
-    kernel writes out), in blocks of a power of two entries (whole tiles)."""
-    return available() and param.device.type == "cuda" and param.dtype in (torch.float32, torch.bfloat16) \
-        and block_size & (block_size - 1) == 0 and 16 <= block_size <= 8192 and _capability(param.device) >= (8, 0)
+    """Whether Adam8bit can take this kernel for a parameter (see why_not)."""
+    return why_not(param.device, param.dtype, block_size) is None
+
+
+def why_not(device, dtype, block_size):
+    """None where the kernel can run for a parameter of this device and dtype in blocks of block_size entries: a CUDA
+    GPU of compute capability 8.0 or later (Ampere, Hopper: what it is built and tested for), Triton, float32 or bf16
+    (the two whose roundings the kernel writes out), a power of two from 16 to 8192 (whole tiles). Else what is
+    missing, in words."""
+    device = torch.device(device)
+    if not available():
+        return "Triton is not installed (it comes with torch's CUDA builds)"
+    if device.type != "cuda":
+        return f"it runs on a CUDA GPU, not on {device.type}"
+    if _capability(device) < (8, 0):
+        major, minor = _capability(device)
+        return f"it needs a GPU of compute capability 8.0 or later; {device} has {major}.{minor}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it takes float32 or bfloat16 parameters, not {dtype}"
+    if block_size & (block_size - 1) or not 16 <= block_size <= 8192:
+        return f"its block size must be a power of two from 16 to 8192, not {block_size}"
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+import adam8bit_kernel
 import checkpoint
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
@@ -30,7 +31,7 @@ BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 200
 GALORE = {size: (5e-3, 500) if size == "7b" else (1e-2, 200) for size in RECIPES}
 # the flags one method or optimizer reads, and the fix to name when another run is given them
 READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain, sltrain_ft) or a galore_* --optimizer",
-           "block_size": "an 8-bit --optimizer (adam8bit, galore_adam8bit)",
+           **dict.fromkeys(("block_size", "adam8bit_kernel"), "an 8-bit --optimizer (adam8bit, galore_adam8bit)"),
            "alpha": "a --method with factors (lowrank, relora, sltrain, sltrain_ft)",
            "delta": "--method sltrain or sltrain_ft",
            **dict.fromkeys(("galore_rank", "galore_update_gap", "galore_scale"), "a galore_* --optimizer"),
@@ -86,6 +87,9 @@ def make_parser(description=None):
     a("--per_layer", action="store_true", help="update each parameter inside backward and free its gradient")
     a("--block_size", type=int, help="8-bit Adam: entries per block, each block with one float32 scale (default "
       "256, bitsandbytes' since 0.44; before, when the paper's 8-bit runs were made, its blocks were of 2048)")
+    a("--adam8bit_kernel", choices=["auto", "on", "off"], help="8-bit Adam on a CUDA GPU: its step as one Triton "
+      "kernel per tensor (adam8bit_kernel.py) where it can run (default auto), always (on: refused where it cannot), "
+      "or never (off: the eager step, or --compile's); the state is the same, so a run resumes under any")
     a("--grad_clipping", type=float, help="clip the global gradient norm to this, 0: off (default: 1.0 at 7b, as its "
       "authors' script, unless --per_layer, which cannot clip globally; else 0)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
@@ -240,6 +244,7 @@ def get_args(argv=None, description=None):
                 "drop --freeze")
     check_baseline_flags(p, args, model_config)
     resolve_device_and_batch(p, args)
+    check_adam8bit_kernel(p, args)
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
         steps, warmup, _, _ = RECIPES[args.size]
         args.warmup_steps = args.num_training_steps * warmup // steps
@@ -262,7 +267,7 @@ def unused_flags(method, optimizer):
     read = {"rank", "alpha"} if method != "full" else {"rank"} if galore else set()
     read |= {"delta"} if method in SPARSE else set()
     read |= {"galore_rank", "galore_update_gap", "galore_scale"} if galore else set()
-    read |= {"block_size"} if optimizer.endswith("adam8bit") else set()
+    read |= {"block_size", "adam8bit_kernel"} if optimizer.endswith("adam8bit") else set()
     read |= {"relora_reset", "relora_warmup", "relora_prune"} if method == "relora" else set()
     return [name for name in READ_BY if name not in read]
 
@@ -281,6 +286,19 @@ def check_baseline_flags(p, args, config):
         p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
     if not 0 <= args.relora_prune <= 1:
         p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
+
+
+def check_adam8bit_kernel(p, args):
+    """--adam8bit_kernel: auto by default for an 8-bit optimizer; `on` refused where the kernel cannot run."""
+    if not args.optimizer.endswith("adam8bit"):
+        return
+    args.adam8bit_kernel = args.adam8bit_kernel or "auto"
+    device = torch.device(args.device)
+    reason = args.adam8bit_kernel == "on" and adam8bit_kernel.why_not(device, getattr(torch, run_dtype(args, device)),
+                                                                      args.block_size)
+    if reason:
+        p.error(f"--adam8bit_kernel on: the one-kernel 8-bit step cannot run here: {reason}; pass --adam8bit_kernel "
+                "auto (the kernel where it can run) or off")
 
 
 def resolve_device_and_batch(p, args):

@@ -377,11 +377,10 @@ def _check_fused(fused, optimizer):
         raise ValueError(f"fused must be None (where it can), True or False, got {fused!r}")
     for group in optimizer.param_groups if fused else []:
         for p in group["params"]:
-            if p.numel() >= group["min_8bit_size"] and not adam8bit_kernel.usable(p, group["block_size"]):
-                raise ValueError(f"fused=True: the one-kernel 8-bit step needs Triton (installed: "
-                                 f"{adam8bit_kernel.available()}), a float32 or bfloat16 parameter on a CUDA GPU "
-                                 f"of compute capability 8.0 or later (got {p.device}, {p.dtype}) and a block_size "
-                                 f"of a power of two from 16 to 8192 (got {group['block_size']}); pass fused=None "
+            reason = p.numel() >= group["min_8bit_size"] and adam8bit_kernel.why_not(p.device, p.dtype,
+                                                                                        group["block_size"])
+            if reason:
+                raise ValueError(f"fused=True: the one-kernel 8-bit step cannot run here: {reason}; pass fused=None "
                                  "to use it only where it can run")
     return fused
 

@@ -96,7 +96,7 @@ def optimizers_take_it_where_it_can_run(kernel):
     """Adam8bit (fused=None) and GaLore over it call the kernel for each 8-bit tensor where it can run (here: told
     it can, on CPU), and train as the eager step does; fused=False never calls it."""
     calls, launch = [], kernel.adam8bit_
-    kernel.usable = lambda p, block_size: True
+    kernel.why_not = lambda device, dtype, block_size: None
     kernel.adam8bit_ = lambda *a: calls.append(a[0].numel()) or launch(*a)
     torch.manual_seed(0)
     x, y = torch.randn(8, 96), torch.randn(8, 64)
@@ -127,7 +127,7 @@ def the_suite_times_it_beside_the_steps_it_replaces(kernel):
     and compiled steps, the model section adds 8-bit per-layer rows without it, and the host-time bench has a row."""
     import bench
     import suite
-    kernel.usable = lambda p, block_size: True
+    kernel.why_not = lambda device, dtype, block_size: None
     suite.per_layer_host_time = lambda device, size, method: {}  # timed alone below, at a size of two blocks
     tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
     steps = suite.suite_optimizer(tiny, cpu, torch.float32)["variants"]
@@ -212,7 +212,9 @@ def test_fused_true_is_refused_where_the_kernel_cannot_run():
     p = nn.Parameter(torch.randn(64, 96))
     for make in (lambda: optim.Adam8bit([p], fused=True), lambda: optim.Adam8bit([p], fused=True, block_size=100),
                  lambda: GaLore([dict(params=[p], rank=None)], inner="adam8bit", fused=True)):
-        with pytest.raises(ValueError, match="fused=True: the one-kernel 8-bit step needs Triton.*pass fused=None"):
+        with pytest.raises(ValueError, match="fused=True: the one-kernel 8-bit step cannot run here: "
+                                             "(Triton is not installed.*|it runs on a CUDA GPU, not on cpu); "
+                                             "pass fused=None to use it only where it can run"):
             make()
     with pytest.raises(ValueError, match="fused must be None"):
         optim.Adam8bit([p], fused="yes")
@@ -255,3 +257,12 @@ def test_the_kernel_is_taken_on_the_gpus_it_is_built_for(monkeypatch):
     assert not adam8bit_kernel.usable(OnGPU(1), 256)  # a T4's sm_75
     assert not adam8bit_kernel.usable(OnGPU(0, torch.float16), 256) and not adam8bit_kernel.usable(OnGPU(0), 100)
     assert not adam8bit_kernel.usable(torch.zeros(1), 256)  # a CPU tensor
+    # and what is missing, in words (train.py's --adam8bit_kernel on and fused=True say it)
+    assert adam8bit_kernel.why_not("cuda:0", torch.bfloat16, 256) is None
+    assert "8.0 or later; cuda:1 has 7.5" in adam8bit_kernel.why_not("cuda:1", torch.bfloat16, 256)
+    assert "float32 or bfloat16 parameters, not torch.float16" in adam8bit_kernel.why_not("cuda:0", torch.float16, 256)
+    for block in (100, 8, 16384):
+        assert f"power of two from 16 to 8192, not {block}" in adam8bit_kernel.why_not("cuda:0", torch.float32, block)
+    assert "not on cpu" in adam8bit_kernel.why_not("cpu", torch.float32, 256)
+    monkeypatch.setattr(adam8bit_kernel, "available", lambda: False)
+    assert "Triton is not installed" in adam8bit_kernel.why_not("cuda:0", torch.float32, 256)

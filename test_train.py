@@ -189,6 +189,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     (["--block_size", "2048"], "--block_size: not read by --method sltrain with --optimizer adamw; drop it, or pass an "
                                "8-bit --optimizer"),
     (["--optimizer", "adam8bit", "--block_size", "0"], "--block_size must be >= 1, got 0"),
+    (["--adam8bit_kernel", "off"], "--adam8bit_kernel: not read by --method sltrain with --optimizer adamw; drop it, "
+                                   "or pass an 8-bit --optimizer"),
+    (["--optimizer", "adam8bit", "--adam8bit_kernel", "on"], "--adam8bit_kernel on: the one-kernel 8-bit step cannot "
+                                                             "run here: "),  # a CPU, or no Triton: either is named
+    (["--optimizer", "galore_adam8bit", "--method", "full", "--adam8bit_kernel", "on"], "pass --adam8bit_kernel auto "
+                                                                                        "(the kernel where it can "
+                                                                                        "run) or off"),
 ])
 def test_bad_flags_fail_before_any_work(corpus, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -234,6 +241,43 @@ def test_block_size_is_honored_kept_by_resume_and_an_older_run_had_256(corpus, t
     checkpoint.save(tmp_path / "b" / "ckpt.pt", old)
     train.main(base_args(corpus, tmp_path / "b", 4, *eight, "--resume"))
     assert final_state(tmp_path / "b")["step"] == 4
+
+
+def test_adam8bit_kernel_is_honored_and_may_change_on_resume(corpus, tmp_path, monkeypatch, capsys):
+    """--adam8bit_kernel: auto takes the one-kernel step wherever it can run, on too, off never; GaLore's 8-bit
+    moments alike. Faked here as runnable on this CPU, with the kernel's launch recording each tensor and making
+    the eager update (the kernel itself is tested in test_adam8bit_kernel.py). A resume may switch it, and says so;
+    a checkpoint from before the flag resumes as auto without a word."""
+    import adam8bit_kernel
+    import optim
+    launched = []
+    monkeypatch.setattr(adam8bit_kernel, "why_not", lambda device, dtype, block_size: None)
+    monkeypatch.setattr(adam8bit_kernel, "adam8bit_", lambda *a: launched.append(a[0].numel()) or optim._adam8bit_(*a))
+    runs = {}
+    for name, extra in {"auto": [], "on": ["--adam8bit_kernel", "on"], "off": ["--adam8bit_kernel", "off"],
+                        "galore auto": ["--optimizer", "galore_adam8bit", "--method", "full"],
+                        "galore off": ["--optimizer", "galore_adam8bit", "--method", "full", "--adam8bit_kernel", "off"]
+                        }.items():
+        before = len(launched)
+        train.main(base_args(corpus, tmp_path / name, 2, "--optimizer", "adam8bit", "--per_layer", *extra))
+        runs[name] = (len(launched) - before, final_state(tmp_path / name))
+    assert runs["auto"][0] > 0 and runs["on"][0] == runs["auto"][0] and runs["galore auto"][0] > 0
+    assert runs["off"][0] == 0 and runs["galore off"][0] == 0
+    assert runs["auto"][1]["args"]["adam8bit_kernel"] == "auto" and runs["off"][1]["args"]["adam8bit_kernel"] == "off"
+    for name in ("on", "off"):  # the same arithmetic either way
+        for key, value in runs["auto"][1]["model"].items():
+            assert torch.equal(value, runs[name][1]["model"][key]), key
+    capsys.readouterr()
+    train.main(base_args(corpus, tmp_path / "off", 3, "--optimizer", "adam8bit", "--per_layer", "--resume"))
+    resumed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming from"))
+    assert resumed.endswith("changed and honored: num_training_steps 2 -> 3, eval_every 2 -> 3, adam8bit_kernel off "
+                            "-> auto")
+    old = final_state(tmp_path / "auto")
+    del old["args"]["adam8bit_kernel"], old["sha256"]
+    checkpoint.save(tmp_path / "auto" / "ckpt.pt", old)
+    train.main(base_args(corpus, tmp_path / "auto", 3, "--optimizer", "adam8bit", "--per_layer", "--resume"))
+    resumed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming from"))
+    assert resumed.endswith("changed and honored: num_training_steps 2 -> 3, eval_every 2 -> 3")
 
 
 def test_resume_from_another_run_is_refused(corpus, tmp_path):

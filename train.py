@@ -107,8 +107,13 @@ def galore_maker(args, model):
         return GaLore(groups, lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
                       update_gap=args.galore_update_gap, scale=args.galore_scale,
                       inner=args.optimizer.removeprefix("galore_"), block_size=args.block_size or flags.BLOCK_SIZE,
-                      compile=args.compile)
+                      compile=args.compile, fused=fused_for(args))
     return make
+
+
+def fused_for(args):
+    """--adam8bit_kernel as the optimizers' fused: the one-kernel 8-bit step where it can run, always, or never."""
+    return {"on": True, "off": False}.get(args.adam8bit_kernel)
 
 
 def relora_restart(args, model, optimizers, done):
@@ -129,7 +134,7 @@ RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total
 EVAL_MUST_MATCH = ("size",) + MODEL_FIELDS + ("tokenizer_sha256",)
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile", "amp",
-                  "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device")
+                  "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device", "adam8bit_kernel")
 
 
 def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
@@ -147,6 +152,8 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
     old = ckpt["args"]
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
+    if "adam8bit_kernel" not in old:  # nor --adam8bit_kernel: compared as its default, not reported as a change
+        old["adam8bit_kernel"] = "auto" if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
         args.init_from = old.get("init_from")
     if not (dtype_given or args.eval_only or args.amp) and old.get("dtype") and not old.get("amp"):
@@ -462,8 +469,8 @@ def build(args, config, device, dtype, ddp, ckpt):
     hyper = dict(lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
     make_optimizer = {"adamw": lambda params: AdamW(params, **hyper),
                       "adam8bit": lambda params: Adam8bit(params, **hyper, block_size=args.block_size,
-                                                          compile=args.compile)}.get(args.optimizer)
-    make_optimizer = make_optimizer or galore_maker(args, raw_model)
+                                                          compile=args.compile, fused=fused_for(args))}
+    make_optimizer = make_optimizer.get(args.optimizer) or galore_maker(args, raw_model)
     if args.per_layer:
         per_layer, optimizer, scheduler = attach_per_layer(model, make_optimizer, lr_lambda_for(args)), None, None
     else:
