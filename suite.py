@@ -349,12 +349,14 @@ def deadline(proc, seconds):
 def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
     (two micro-batches per update, so the signal may come within one) and resumed (how close its end is to the
-    straight run), --compile, and torchrun's NCCL (or gloo) path. Each run
+    straight run), --compile, a short run with the default 8-bit step (on a GPU the one-kernel step) against the same
+    run with --adam8bit_kernel off (how close their losses stay), and torchrun's NCCL (or gloo) path. Each run
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
     raises at the end, naming the runs that failed."""
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
-    for run in ("straight", "signalled", "compiled", "eager_sync", "torchrun"):  # the suite's scratch folders, anew
+    # the suite's scratch folders, anew
+    for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun"):
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # whatever the working folder
     base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
@@ -412,13 +414,24 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         return dict(ok=True, last_loss=rows("compiled")[-1].get("val_loss"), tail=out.splitlines()[-2],
                     sync_debug=out.splitlines()[-1])  # CUDA's own check
 
+    def kernel():  # the same short run with the default 8-bit step and with the eager one, update by update
+        said = {run: train(run, "--num_training_steps", short, *extra) for run, extra in
+                (("kernel_auto", ()), ("kernel_off", ("--adam8bit_kernel", "off")))}
+        losses = {run: [r["loss"] for r in rows(run) if "loss" in r] for run in said}
+        evals = {run: rows(run)[-1].get("val_loss") for run in said}
+        step = {run: next((part.strip() for line in out.splitlines() for part in line.split(" | ")
+                           if part.startswith("8-bit step")), None) for run, out in said.items()}
+        return dict(step=step["kernel_auto"], step_off=step["kernel_off"], last_loss=evals["kernel_auto"],
+                    last_loss_off=evals["kernel_off"], val_loss_diff=abs(evals["kernel_auto"] - evals["kernel_off"]),
+                    max_loss_diff=max(abs(a - b) for a, b in zip(*losses.values(), strict=True)))
+
     def torchrun():
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         return dict(ok=True, tail=train("torchrun", "--num_training_steps", short, launcher=launcher).splitlines()[-1])
 
     runs = dict(straight=straight, sigterm_resume=sigterm_resume, compile=compiled if p["compile"] else None,
                 sync_debug=lambda: dict(line=train("eager_sync", *sync).splitlines()[-1]),  # every op, and CUDA's check
-                torchrun=torchrun)
+                kernel=kernel, torchrun=torchrun)
     result = {}
     for name, run in runs.items():
         if run is None:

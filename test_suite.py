@@ -211,6 +211,10 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     # CUDA's own check (on CPU: none), of update 3 alone: the first compiles, and on a GPU autotunes, which syncs
     line = "sync_debug: 1 update between log steps watched; host syncs: none"
     assert r["compile"]["sync_debug"] == line, r["compile"]
+    # on this CPU the default 8-bit step is the eager one, which off asks for: the two runs are the same run
+    assert r["kernel"]["step"].startswith("8-bit step: eager (no kernel: ") and \
+        r["kernel"]["step_off"] == "8-bit step: eager (no kernel: --adam8bit_kernel off)", r["kernel"]
+    assert r["kernel"]["max_loss_diff"] == 0.0 and r["kernel"]["val_loss_diff"] == 0.0, r["kernel"]
     print(r["compile"])
     suite.report_suite({"program": r})
 
@@ -220,13 +224,10 @@ def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
     at once (an unknown size), and each keeps its own error beside the others, then the section raises naming them."""
     s = dict(suite.SUITES["tiny"], program=dict(suite.SUITES["tiny"]["program"], size="nosuch"))
     saved = []
-    with pytest.raises(RuntimeError, match="train.py runs failed: straight, sigterm_resume, compile, sync_debug, "
-                                           "torchrun"):
+    runs = ["straight", "sigterm_resume", "compile", "sync_debug", "kernel", "torchrun"]
+    with pytest.raises(RuntimeError, match=f"train.py runs failed: {', '.join(runs)}"):
         suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
-    assert [list(r) for r in saved] == [["straight"], ["straight", "sigterm_resume"],
-                                        ["straight", "sigterm_resume", "compile"],
-                                        ["straight", "sigterm_resume", "compile", "sync_debug"],
-                                        ["straight", "sigterm_resume", "compile", "sync_debug", "torchrun"]]
+    assert [list(r) for r in saved] == [runs[:n] for n in range(1, len(runs) + 1)]
     assert "invalid choice: 'nosuch'" in saved[-1]["torchrun"]["error"]
 
 
@@ -251,7 +252,7 @@ def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa:
     s = dict(suite.SUITES["tiny"], program=dict(suite.SUITES["tiny"]["program"], timeout=0.3))
     saved, t0 = [], time.perf_counter()
     with pytest.raises(RuntimeError, match="train.py runs failed: straight, sigterm_resume, compile, sync_debug, "
-                                           "torchrun"):
+                                           "kernel, torchrun"):
         suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
     assert all("killed after 0.3 s" in row["error"] for row in saved[-1].values()), saved[-1]
     assert time.perf_counter() - t0 < 60

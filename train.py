@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import adam8bit_kernel
 from analyze import prepare_for_training
 import checkpoint
 import flags
@@ -109,6 +110,17 @@ def galore_maker(args, model):
                       inner=args.optimizer.removeprefix("galore_"), block_size=args.block_size or flags.BLOCK_SIZE,
                       compile=args.compile, fused=fused_for(args))
     return make
+
+
+def eight_bit_step(args, device):
+    """How an 8-bit optimizer steps, for the run's first lines: one kernel per tensor, or eager (or compiled) and
+    why not the kernel."""
+    if args.eval_only or not args.optimizer.endswith("adam8bit"):
+        return ""
+    why = "--adam8bit_kernel off" if args.adam8bit_kernel == "off" else \
+        adam8bit_kernel.why_not(device, getattr(torch, args.dtype), args.block_size)
+    return " | 8-bit step: one kernel per tensor" if why is None else \
+        f" | 8-bit step: {'compiled' if args.compile else 'eager'} (no kernel: {why})"
 
 
 def fused_for(args):
@@ -535,7 +547,7 @@ def prepare(args, held):
         print(describe(run.raw_model))
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
-        print(f"{world} x {device.type} | {args.dtype}{amp} | " + (
+        print(f"{world} x {device.type} | {args.dtype}{amp}{eight_bit_step(args, device)} | " + (
             f"--eval_only: batches of {args.batch_size} sequences of {args.max_length} tokens per device, the first "
             f"{args.eval_tokens:,} validation tokens" if args.eval_only else
             f"batch {args.batch_size} x {args.gradient_accumulation} accum x {world} = {args.total_batch_size} "
