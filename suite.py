@@ -34,6 +34,7 @@ any failed. tiny runs on CPU (float32; memory by the profiler) and is what test_
 
 import argparse
 import contextlib
+import functools
 import gc
 import glob
 import json
@@ -152,7 +153,7 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
         model.compile_blocks(backend=backend)
     idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
-    def step():
+    def step(idx=idx):  # another idx: the same step on other tokens (suite_model's host time, on a few)
         loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
         loss.backward()
         if opt is not None:
@@ -161,12 +162,17 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     return step
 
 
+HOST_TOKENS, HOST_ROUNDS = 16, 3  # suite_model's host time: a train step on one sequence of 16 tokens, 3 rounds
+
+
 def suite_model(s, device, dtype, compiled, progress=lambda partial: None):
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
     issue's targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and
     sltrain 8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by
-    side. progress gets the figures after each round."""
+    side. progress gets the figures after each round. Eager, each variant's host_ms is then the time of the same
+    step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the step's work
+    is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the host."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     make = lambda m, o, pl, fused=None: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
@@ -185,7 +191,16 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None):
                     rounds=len(times["full/adamw"]), variants=v)
     times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1,  # compiling is warm-up
                        after_round=lambda times: progress(figures(times)))
-    return figures(times)
+    result = figures(times)
+    if not compiled:  # (compiled, a new shape would compile another graph, whose host time is not the one timed)
+        vocab = config_for(s["model_size"], vocab_size=s.get("vocab")).vocab_size
+        few = torch.randint(vocab, (1, HOST_TOKENS + 1), device=device)
+        host = interleave({name: functools.partial(step, few) for name, step in variants.items()}, HOST_ROUNDS, device)
+        for name, row in result["variants"].items():
+            row["host_ms"] = 1e3 * statistics.median(host[name])
+            row["host_share"] = row["host_ms"] / row["ms"]
+        progress(result)
+    return result
 
 
 def suite_amp(s, device, dtype, progress=lambda partial: None):
@@ -537,7 +552,9 @@ def report_model(r, key="model"):
     print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {'compiled' if M['compiled'] else 'eager'}: "
           "tokens/s, ratio to full/adamw")
     for name, row in M["variants"].items():
-        print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
+        host = "" if "host_ms" not in row else (f" | on {HOST_TOKENS} tokens {row['host_ms']:.1f} ms, "
+                                                f"{row['host_share']:.0%} of the step's {row['ms']:.1f} ms")
+        print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}{host}")
 
 
 def report_amp(r):

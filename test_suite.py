@@ -37,6 +37,9 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         assert r[key]["compiled"] is (key == "model_compiled") and v["full/adamw"]["ratio"] == 1.0
         assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")}
         assert all(x["tok_s"] > 0 for x in v.values())
+        # eager, the host's time for each step, timed on a few tokens; compiled, not (another shape, another graph)
+        assert all(x["host_ms"] > 0 and x["host_share"] == x["host_ms"] / x["ms"] if key == "model" else
+                   "host_ms" not in x for x in v.values()), v
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
                                     "sltrain/adam8bit/per_layer"}
