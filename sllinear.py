@@ -124,7 +124,9 @@ class SLLinearFunction(torch.autograd.Function):
         if need_V:
             grad_V = G.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
 
-        # gradients in the dtypes of the inputs (float32 ones under mixed precision)
+        if ctx.dtype is None:  # computed in the inputs' dtypes (each call here is host time a GPU may wait for)
+            return grad_x, grad_B, grad_A, grad_V, None, None, None, None
+        # mixed precision: the gradients in the dtypes of the inputs (float32 ones)
         grads = [None if g is None else g.to(t.dtype) for g, t in zip((grad_B, grad_A, grad_V), params)]
         return None if grad_x is None else grad_x.to(ctx.x_dtype), *grads, None, None, None, None
 
