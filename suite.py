@@ -49,8 +49,8 @@ import torch.nn as nn
 
 import adam8bit_kernel
 import optim
-from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
-                   ratio_text, record_error, report_inference, start, summary, write_json)
+from bench import (INFERENCE_BATCH, bench_inference, check_out, cuda_graphed, finish, interleave, per_layer_host_time,
+                   pick_device, ratio_text, record_error, report_inference, start, summary, write_json)
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from sllinear import SLLinear, scaled_mm
@@ -89,14 +89,24 @@ def projection_shapes(size):
     return c, ((c.dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim))
 
 
-def suite_layer(s, device, dtype, progress=lambda partial: None):
+def accounted_ms(v, suffix=""):
+    """The layer's parts summed as SLTrain's forward + backward makes them: dense + 2·(form + scatter) + factor
+    grads + gather (each part timed alone; suffix "/graphed": replayed from CUDA graphs)."""
+    ms = lambda name: v[name + suffix]["ms"]  # noqa: E731
+    return ms("dense") + 2 * (ms("form") + ms("scatter")) + ms("factor_grads") + ms("gather")
+
+
+def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
     """SLTrain forward+backward ÷ nn.Linear at every projection shape, and where SLTrain's extra time goes: forming
     W alone (merge) and the parts of sllinear.py's extra work, each timed alone. Forward forms W (form s·BA, scatter
     V into it); backward forms it again, then G = gᵀx (as dense does), the factor gradients G Aᵀ and Bᵀ G, and V's
     gradient (gather G at I). So accounted = dense + 2·(form + scatter) + factor_grads + gather, beside sltrain.
     On CUDA each variant also has issued_ms, the host's time to issue one call: where it is most of ms (a 60m
-    shape's microsecond kernels), the time is the host's launches, not the GPU's work (the table says so).
-    progress gets the rows after each shape."""
+    shape's microsecond kernels), the time is the host's launches, not the GPU's work (the table says so). So on
+    CUDA each variant is also timed replayed from a CUDA graph ("<name>/graphed"): the GPU's time alone, with the
+    ratio to the floor and the parts' sum (graphed_accounted) that the GPU's work alone gives; a capture that fails
+    is said in the row's graph_error, the other figures kept (graphs: whether to, by default on CUDA). progress gets
+    the rows after each shape."""
     rows = []
     for size in s["layer_sizes"]:
         c, shapes = projection_shapes(size)
@@ -116,18 +126,30 @@ def suite_layer(s, device, dtype, progress=lambda partial: None):
                      # the factor gradients: (out, r) and (r, in)
                      "factor_grads": lambda: (scaled_mm(G, A.t(), scale), scaled_mm(B.t(), G, scale)),
                      "gather": lambda: G.view(-1).index_select(0, I)}  # (out·in,)[I] -> (nnz,)
-            issued = {}
-            times = interleave({"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl), "merge": lambda: sl.merged_weight(),
-                                **parts}, s["rounds"], device, issued=issued)
+            issued, variants = {}, {"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl),
+                                    "merge": lambda: sl.merged_weight(), **parts}
+            graph_error = None
+            if device.type == "cuda" if graphs is None else graphs:  # the same calls replayed from CUDA graphs
+                try:
+                    variants.update({f"{name}/graphed": cuda_graphed(fn, device) for name, fn in variants.items()})
+                except Exception as e:  # the eager figures are still worth having
+                    graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            times = interleave(variants, s["rounds"], device, issued=issued)
             v = summary(times, "dense")
             for name, seconds in issued.items():  # CUDA: the host's time to issue a call, beside the device's
                 v[name]["issued_ms"] = 1e3 * statistics.median(seconds)
-            ms = {name: row["ms"] for name, row in v.items()}
-            accounted = ms["dense"] + 2 * (ms["form"] + ms["scatter"]) + ms["factor_grads"] + ms["gather"]
             floor = 1 + 4 * c.rank / (3 * s["tokens"])
-            rows.append(dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
-                             floor=floor, accounted_ms=accounted, variants=v))
-            del dense, sl, x, g, B, A, V, I, W, G, parts
+            row = dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
+                       floor=floor, accounted_ms=accounted_ms(v), variants=v)
+            if "sltrain/graphed" in v:
+                ratios = sorted(a / b for a, b in zip(times["sltrain/graphed"], times["dense/graphed"]))
+                row.update(graphed_ratio=statistics.median(ratios), graphed_range=(ratios[0], ratios[-1]),
+                           graphed_accounted_ms=accounted_ms(v, "/graphed"))
+            if graph_error:
+                row["graph_error"] = graph_error
+            rows.append(row)
+            del dense, sl, x, g, B, A, V, I, W, G, parts, variants
+            gc.collect()  # the graphs' memory pools go with their replays
             progress(rows)
     return rows
 
@@ -545,6 +567,15 @@ def report_layer(r):
         if bound:
             print(f"  {'':>16} launch-bound (the host took {LAUNCH_BOUND:.0%} or more of the time to issue the "
                   f"work): {', '.join(bound)}")
+        if "graphed_ratio" in L:
+            low, high = L["graphed_range"]
+            print(f"  {'':>16} CUDA graphs (the GPU's time alone): dense {ms('dense/graphed')} ms | sltrain "
+                  f"x{L['graphed_ratio']:.3f} [{low:.2f}-{high:.2f}] ({L['graphed_ratio'] / L['floor'] - 1:+.1%} of "
+                  f"floor) | form {ms('form/graphed')} | scatter {ms('scatter/graphed')} | factor grads "
+                  f"{ms('factor_grads/graphed')} | gather {ms('gather/graphed')} | accounted "
+                  f"{L['graphed_accounted_ms']:.3f}")
+        if "graph_error" in L:
+            print(f"  {'':>16} CUDA graph capture failed: {L['graph_error']}")
 
 
 def report_model(r, key="model"):

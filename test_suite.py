@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import bench
 import optim
 import suite
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
@@ -276,6 +277,51 @@ def test_the_layer_table_names_the_variants_the_host_held_back(capsys):
         del v["issued_ms"]
     suite.report_layer({"layer": [row]})
     assert "launch-bound" not in capsys.readouterr().out
+
+
+def test_the_layer_is_also_timed_from_cuda_graphs_and_a_failed_capture_costs_only_itself(monkeypatch, capsys):
+    """On CUDA every layer variant is also replayed from a CUDA graph, the GPU's time without the host's: the ratio
+    to the floor and the parts' sum follow from those. Here (CPU) the capture is faked as the call itself; a capture
+    that fails leaves the eager figures and says why."""
+    tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
+    captured = []
+    monkeypatch.setattr(suite, "cuda_graphed", lambda fn, device: captured.append(fn) or fn)
+    rows = suite.suite_layer(tiny, cpu, torch.float32, graphs=True)
+    names = ["dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather"]
+    for L in rows:
+        v = L["variants"]
+        assert list(v) == names + [f"{name}/graphed" for name in names] and "graph_error" not in L
+        assert L["graphed_accounted_ms"] == suite.accounted_ms(v, "/graphed") and L["graphed_ratio"] > 0
+        low, high = L["graphed_range"]
+        assert low <= L["graphed_ratio"] <= high
+    assert len(captured) == len(names) * len(rows)
+    suite.report_layer({"layer": rows})
+    assert capsys.readouterr().out.count("CUDA graphs (the GPU's time alone): dense") == len(rows)
+
+    def fails(fn, device):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(suite, "cuda_graphed", fails)
+    rows = suite.suite_layer(tiny, cpu, torch.float32, graphs=True)
+    assert all(list(L["variants"]) == names and "graphed_ratio" not in L for L in rows)
+    assert rows[0]["graph_error"] == "RuntimeError: operation not permitted when stream is capturing"
+    suite.report_layer({"layer": rows})
+    assert "CUDA graph capture failed: RuntimeError: operation not permitted" in capsys.readouterr().out
+    assert all("graph_error" not in L for L in suite.suite_layer(tiny, cpu, torch.float32))  # on CPU: not tried
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_a_cuda_graph_replays_the_calls_work():
+    device = torch.device("cuda")
+    x = torch.zeros(1, device=device)
+    replay = bench.cuda_graphed(lambda: x.add_(1), device, warmup=2)  # warm-up runs it, capture does not
+    torch.cuda.synchronize()
+    assert x.item() == 2
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    assert x.item() == 4
+    rows = suite.suite_layer(suite.SUITES["tiny"], device, torch.bfloat16)
+    assert all("graphed_ratio" in L and "graph_error" not in L for L in rows), rows
 
 
 def test_a_hung_worker_in_a_session_of_its_own_is_killed_too(tmp_path):
