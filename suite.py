@@ -187,14 +187,18 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
 HOST_TOKENS, HOST_ROUNDS = 16, 3  # suite_model's host time: a train step on one sequence of 16 tokens, 3 rounds
 
 
-def suite_model(s, device, dtype, compiled, progress=lambda partial: None):
+def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graphs=None):
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
     issue's targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and
     sltrain 8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by
     side. progress gets the figures after each round. Eager, each variant's host_ms is then the time of the same
     step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the step's work
-    is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the host."""
+    is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the host.
+    Then (graphs: by default eager on CUDA) each step is captured as a CUDA graph and replayed, one variant at a time
+    (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make of
+    it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not
+    interleaved); a capture that fails is said in the variant's graph_error."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     make = lambda m, o, pl, fused=None: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
@@ -222,7 +226,29 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None):
             row["host_ms"] = 1e3 * statistics.median(host[name])
             row["host_share"] = row["host_ms"] / row["ms"]
         progress(result)
+    if device.type == "cuda" and not compiled if graphs is None else graphs:
+        graphed_steps(result, variants, s["rounds"], device)
+        progress(result)
     return result
+
+
+def graphed_steps(result, variants, rounds, device):
+    """suite_model's graphed figures: each step captured and replayed alone, its memory freed before the next."""
+    rows = result["variants"]
+    for name in list(variants):
+        try:
+            replay = cuda_graphed(variants[name], device)
+            rows[name]["graphed_ms"] = 1e3 * statistics.median(interleave({name: replay}, rounds, device)[name])
+        except Exception as e:  # the eager figures stand
+            rows[name]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        replay = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the graph's memory pool
+    base = rows["full/adamw"].get("graphed_ms")
+    for row in rows.values():
+        if base and "graphed_ms" in row:
+            row["graphed_ratio"] = base / row["graphed_ms"]
 
 
 def suite_amp(s, device, dtype, progress=lambda partial: None):
@@ -585,6 +611,11 @@ def report_model(r, key="model"):
     for name, row in M["variants"].items():
         host = "" if "host_ms" not in row else (f" | on {HOST_TOKENS} tokens {row['host_ms']:.1f} ms, "
                                                 f"{row['host_share']:.0%} of the step's {row['ms']:.1f} ms")
+        if "graphed_ms" in row:
+            host += f" | CUDA graph {row['graphed_ms']:.1f} ms" + (
+                f", x{row['graphed_ratio']:.3f} of full/adamw's" if "graphed_ratio" in row else "")
+        if "graph_error" in row:
+            host += f" | CUDA graph capture failed: {row['graph_error']}"
         print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}{host}")
 
 

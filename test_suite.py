@@ -7,6 +7,7 @@ The GPU suite's code at toy sizes on CPU, so that a GPU session spends its minut
 import json
 import math
 import os
+import re
 import time
 
 import pytest
@@ -309,6 +310,35 @@ def test_the_layer_is_also_timed_from_cuda_graphs_and_a_failed_capture_costs_onl
     assert all("graph_error" not in L for L in suite.suite_layer(tiny, cpu, torch.float32))  # on CPU: not tried
 
 
+def test_each_eager_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, capsys):
+    """On CUDA the model section also captures each eager train step as a CUDA graph and times its replays, one
+    variant at a time, each freed before the next: the GPU's time for the step alone, and its ratio to full AdamW's.
+    Here (CPU) the capture is faked as the step itself, and fails for one variant, which says so; the rest stand."""
+    tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
+    captured = []
+
+    def capture(fn, device):
+        captured.append(fn)
+        if len(captured) == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return fn
+    monkeypatch.setattr(suite, "cuda_graphed", capture)
+    r = suite.suite_model(tiny, cpu, torch.float32, False, graphs=True)
+    v = r["variants"]
+    failed = list(v)[2]
+    assert v[failed]["graph_error"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert "graphed_ms" not in v[failed] and len(captured) == len(v)
+    assert v["full/adamw"]["graphed_ratio"] == 1.0
+    for name, row in v.items():
+        if name != failed:
+            assert row["graphed_ms"] > 0 and row["graphed_ratio"] == v["full/adamw"]["graphed_ms"] / row["graphed_ms"]
+    suite.report_model({"model": r})
+    out = capsys.readouterr().out
+    assert len(re.findall(r"\| CUDA graph \d", out)) == len(v) - 1 and "CUDA graph capture failed: RuntimeError" in out
+    assert not any("graphed_ms" in row for row in suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
+                   .values())  # on CPU: not tried
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_a_cuda_graph_replays_the_calls_work():
     device = torch.device("cuda")
@@ -322,6 +352,8 @@ def test_a_cuda_graph_replays_the_calls_work():
     assert x.item() == 4
     rows = suite.suite_layer(suite.SUITES["tiny"], device, torch.bfloat16)
     assert all("graphed_ratio" in L and "graph_error" not in L for L in rows), rows
+    steps = suite.suite_model(suite.SUITES["tiny"], device, torch.bfloat16, False)["variants"]
+    assert all(row["graphed_ms"] > 0 for row in steps.values()), steps
 
 
 def test_a_hung_worker_in_a_session_of_its_own_is_killed_too(tmp_path):
