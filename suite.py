@@ -89,6 +89,11 @@ def projection_shapes(size):
     return c, ((c.dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim))
 
 
+def first_line(error):
+    """An exception as one line: its type and its message's first line (CUDA's errors run on over several)."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 def accounted_ms(v, suffix=""):
     """The layer's parts summed as SLTrain's forward + backward makes them: dense + 2·(form + scatter) + factor
     grads + gather (each part timed alone; suffix "/graphed": replayed from CUDA graphs)."""
@@ -133,7 +138,7 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
                 try:
                     variants.update({f"{name}/graphed": cuda_graphed(fn, device) for name, fn in variants.items()})
                 except Exception as e:  # the eager figures are still worth having
-                    graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    graph_error = first_line(e)
             times = interleave(variants, s["rounds"], device, issued=issued)
             v = summary(times, "dense")
             for name, seconds in issued.items():  # CUDA: the host's time to issue a call, beside the device's
@@ -240,7 +245,7 @@ def graphed_steps(result, variants, rounds, device):
             replay = cuda_graphed(variants[name], device)
             rows[name]["graphed_ms"] = 1e3 * statistics.median(interleave({name: replay}, rounds, device)[name])
         except Exception as e:  # the eager figures stand
-            rows[name]["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            rows[name]["graph_error"] = first_line(e)
         replay = None
         gc.collect()
         if device.type == "cuda":
