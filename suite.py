@@ -241,15 +241,15 @@ def graphed_steps(result, variants, rounds, device):
     """suite_model's graphed figures: each step captured and replayed alone, its memory freed before the next."""
     rows = result["variants"]
     for name in list(variants):
+        gc.collect()
+        if device.type == "cuda":  # the blocks the eager steps left cached, which a graph's own pool cannot use
+            torch.cuda.empty_cache()
         try:
             replay = cuda_graphed(variants[name], device)
             rows[name]["graphed_ms"] = 1e3 * statistics.median(interleave({name: replay}, rounds, device)[name])
         except Exception as e:  # the eager figures stand
             rows[name]["graph_error"] = first_line(e)
-        replay = None
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the graph's memory pool
+        replay = None  # the graph, and its memory pool with it
     base = rows["full/adamw"].get("graphed_ms")
     for row in rows.values():
         if base and "graphed_ms" in row:
