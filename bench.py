@@ -333,7 +333,7 @@ def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
               "Adam8bit": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, fused=False),
               "Adam8bit(compile=True)": lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, compile=True,
                                                                  fused=False)}
-    if adam8bit_kernel.usable(torch.empty(0, device=device), BLOCK_SIZE):  # a CUDA GPU with Triton
+    if adam8bit_kernel.why_not(device, torch.float32, BLOCK_SIZE) is None:  # a CUDA GPU with Triton
         makers["Adam8bit(fused=True)"] = lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, fused=True)
     config = config_for("tiny", method=method, n_layers=config_for(size).n_layers, vocab_size=256)
     idx = torch.randint(256, (1, 17), device=device)

@@ -50,7 +50,7 @@ import torch.nn as nn
 import adam8bit_kernel
 import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, cuda_graphed, finish, interleave, per_layer_host_time,
-                   pick_device, ratio_text, record_error, report_inference, start, summary, write_json)
+                   pick_device, ratio, ratio_text, record_error, report_inference, start, summary, write_json)
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from sllinear import SLLinear, scaled_mm
@@ -147,9 +147,8 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
             row = dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
                        floor=floor, accounted_ms=accounted_ms(v), variants=v)
             if "sltrain/graphed" in v:
-                ratios = sorted(a / b for a, b in zip(times["sltrain/graphed"], times["dense/graphed"]))
-                row.update(graphed_ratio=statistics.median(ratios), graphed_range=(ratios[0], ratios[-1]),
-                           graphed_accounted_ms=accounted_ms(v, "/graphed"))
+                row["graphed_ratio"], row["graphed_range"] = ratio(times, "sltrain/graphed", "dense/graphed")
+                row["graphed_accounted_ms"] = accounted_ms(v, "/graphed")
             if graph_error:
                 row["graph_error"] = graph_error
             rows.append(row)
@@ -210,7 +209,7 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
                                                    s["max_length"], device, dtype, backend, s.get("vocab"), fused=fused)
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
-    if adam8bit_kernel.usable(torch.empty(0, device=device, dtype=dtype), BLOCK_SIZE):
+    if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})
 
