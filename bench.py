@@ -178,11 +178,15 @@ def bench_layer(device, tokens, dtype, rounds, dim=2048, rank=128, delta=0.03):
 
 
 def bench_model(size, batch_size, max_length, device, dtype, rounds):
-    """Train-step tokens/s of each method (forward, backward, optim.AdamW step; GaLore's own step), and ÷ full."""
-    variants = {}
-    for method in (*PRETRAINING, "galore"):
+    """Train-step tokens/s of each method (forward, backward, optim.AdamW step; GaLore's own step), and ÷ full;
+    sltrain also with each projection its own call ("sltrain/separate"; by default q, k, v and gate, up share one,
+    sllinear.projections). Each step's aten operations too, views included: on a GPU, what the host issues."""
+    variants, steps = {}, {}
+    for method in (*PRETRAINING, "sltrain/separate", "galore"):
         torch.manual_seed(0)
-        model = LLaMA(config_for(size, method="full" if method == "galore" else method), device=device).to(dtype)
+        ours = {"galore": "full", "sltrain/separate": "sltrain"}.get(method, method)
+        model = LLaMA(config_for(size, method=ours), device=device).to(dtype)
+        model.fuse_projections(method != "sltrain/separate")
         hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         opt = optim.AdamW(model.parameters(), **hyper)
         if method == "galore":  # projections refreshed every 200 updates: the timed steps are the usual ones
@@ -197,11 +201,12 @@ def bench_model(size, batch_size, max_length, device, dtype, rounds):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        variants[method] = step
-    times = interleave(variants, rounds, device, warmup=1)
+        steps[method] = step
+    times = interleave(steps, rounds, device, warmup=1)
     variants = summary(times, "full", invert=True)  # ratio of throughputs: >1 is faster than full
-    for v in variants.values():
+    for method, v in variants.items():
         v["tok_s"] = batch_size * max_length / (v["ms"] / 1e3)
+        v["ops"] = count_ops(steps[method])
     return dict(size=size, batch_size=batch_size, max_length=max_length, dtype=str(dtype).removeprefix("torch."),
                 variants=variants)
 
@@ -560,7 +565,7 @@ def report(r):
         print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW "
               "(galore: galore.GaLore), "
               "throughput vs full")
-        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}" for m in v))
+        print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}, {v[m]['ops']} ops" for m in v))
     for O in r.get("optimizer", []):
         v = O["variants"]
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "

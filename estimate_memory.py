@@ -147,8 +147,11 @@ def recomputed_block(whole, checkpointed, n_layers):
 
 
 def layer_grad_numel(model, trainable):
-    """Gradient elements of the largest layer: with per-layer updates a layer's gradients are freed after its step."""
-    return max(sum(p.numel() for p in m.parameters(recurse=False) if trainable(p)) for m in model.modules())
+    """Gradient elements of the largest layer, or group of layers sharing a call (model.shared_calls), whose
+    gradients appear together: with per-layer updates a layer's gradients are freed after its step."""
+    def numel(modules):
+        return sum(p.numel() for m in modules for p in m.parameters(recurse=False) if trainable(p))
+    return max(numel(modules) for modules in [[m] for m in model.modules()] + model.shared_calls())
 
 
 def loss_backward_bytes(batch_size, max_length, vocab_size, logit_bytes=BF16):
@@ -482,9 +485,24 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     weak = [weakref.ref(p) for p in params]  # not params: hooks are held in C++, where Python's garbage collector
     # cannot see a cycle through them (parameter -> hook -> params -> parameter), which would keep the model forever
 
-    def track_grads(_):  # registered before the per-layer hooks, so it runs while this gradient is still alive
-        alive = [p for p in (ref() for ref in weak) if p is not None and p.grad is not None]
-        peak["grads"] = max(peak["grads"], sum(p.grad.nbytes for p in alive))
+    # layers sharing a call (model.shared_calls) get their gradients at once: while one is accumulated, the others
+    # wait in autograd's engine, alive but not yet anyone's .grad, and are counted as such (by id: a parameter held
+    # here would keep the model alive, as above)
+    groups = [{id(p): p.numel() * p.element_size() for m in modules for p in m.parameters(recurse=False)
+               if p.requires_grad} for modules in model.shared_calls()]
+    group_of = {key: group for group in groups for key in group}
+    waiting = {}  # id of a group -> ids of its parameters whose gradient of this backward is not accumulated yet
+
+    def track_grads(p):  # registered before the per-layer hooks, so it runs while this gradient is still alive
+        alive = [q for q in (ref() for ref in weak) if q is not None and q.grad is not None]
+        pending = 0
+        if id(p) in group_of:
+            group = group_of[id(p)]
+            rest = waiting.get(id(group)) or set(group)  # the group's first gradient: all of them are made
+            rest.discard(id(p))
+            waiting[id(group)] = rest
+            pending = sum(group[key] for key in rest)
+        peak["grads"] = max(peak["grads"], sum(q.grad.nbytes for q in alive) + pending)
 
     for p in params:
         p.register_post_accumulate_grad_hook(track_grads)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from sllinear import SLLinear
+from sllinear import SLLinear, one_call, projections
 
 PRETRAINING = ("full", "lowrank", "relora", "sltrain")  # the paper's Table 1 methods
 METHODS = PRETRAINING + ("sltrain_ft",)  # and fine-tuning a pretrained model (its appendix)
@@ -199,6 +199,8 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
+    fuse = True  # SLTrain's q, k and v in one call (sllinear.projections); LLaMA.fuse_projections sets it
+
     def __init__(self, config, device=None):
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.dim // config.n_heads
@@ -207,11 +209,16 @@ class Attention(nn.Module):
         self.v_proj = make_linear(config.dim, config.dim, config, device)
         self.o_proj = make_linear(config.dim, config.dim, config, device)
 
+    def shared_input(self):
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, kv=None):
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = projections(x, self.shared_input(), self.fuse)  # (B, T, C) each
+        # v alone of the three is saved by attention, and as a view of one fused output it would keep q's and k's
+        # rows alive with it until backward; its own copy lets them go (a no-op where v is its layer's own output)
+        v = v.contiguous()
+        q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:  # generation: attend to the cached positions too (KVCache.store)
             k, v = kv(k, v)  # (B, nh, T_past + T, hs)
@@ -255,14 +262,20 @@ class KVCache:
 
 
 class MLP(nn.Module):
+    fuse = True  # SLTrain's gate and up in one call (sllinear.projections); LLaMA.fuse_projections sets it
+
     def __init__(self, config, device=None):
         super().__init__()
         self.gate_proj = make_linear(config.dim, config.ffn_dim, config, device)
         self.up_proj = make_linear(config.dim, config.ffn_dim, config, device)
         self.down_proj = make_linear(config.ffn_dim, config.dim, config, device)
 
+    def shared_input(self):
+        return self.gate_proj, self.up_proj
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = projections(x, self.shared_input(), self.fuse)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class Block(nn.Module):
@@ -388,6 +401,20 @@ class LLaMA(nn.Module):
         for block in self.layers:
             block.compile(**options)
         return self
+
+    def fuse_projections(self, on=True):
+        """Whether SLTrain's projections of one input (q, k and v; gate and up) share one call, as they do by
+        default (sllinear.projections): the same arithmetic per output, fewer operations for the host to issue.
+        Off, each is its own call, for comparison (suite.py's model section times both)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.fuse = on
+        return self
+
+    def shared_calls(self):
+        """The groups of projections that share one call as the model stands (sllinear.projections)."""
+        return [m.shared_input() for m in self.modules()
+                if isinstance(m, (Attention, MLP)) and m.fuse and one_call(m.shared_input())]
 
     def num_params(self):
         """Parameter counts by kind: dense (embeddings, norms, head, full-rank projections), lowrank (B, A),

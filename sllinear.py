@@ -20,6 +20,9 @@ and g = ∂L/∂z:
 Between forward and backward only x, B, A, V and I (and W0, itself a weight) are kept: no tensor of the size
 of W, which is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks).
 
+Layers of one input (q, k and v; gate and up) can share a call, a group: z = x [W_1; W_2; ...]ᵀ, the same formulas
+with W and G stacked by rows, each layer's gradients read from its own rows (sl_linear_group, projections).
+
 Run the gradient checks:  python -m pytest -q test_sllinear.py
 """
 
@@ -38,113 +41,143 @@ def scaled_mm(a, b, scale):
     return a.new_empty(a.shape[0], b.shape[1]).addmm_(a, b, beta=0, alpha=scale)
 
 
-def merge(B, A, values, indices, scale, base=None):
-    """The dense weight s·BA ⊕_I V of shape (out, in), or W0 + s·BA ⊕_I V with base W0 (fine-tuning). A zero-rank
-    B (out, 0), A (0, in) gives the sparse part alone; empty values/indices give the low-rank part alone."""
-    W = scaled_mm(B, A, scale)  # (out, r) @ (r, in) -> (out, in)
+def merge_into(W, B, A, values, indices, scale, base=None):
+    """s·BA ⊕_I V, or W0 + s·BA ⊕_I V with base W0 (fine-tuning), written over W (out, in): a fresh matrix, whose
+    content is never read, or a block of rows of a larger one (a group's, below). A zero-rank B (out, 0), A (0, in)
+    gives the sparse part alone; empty values/indices give the low-rank part alone."""
+    W.addmm_(B, A, beta=0, alpha=scale)  # (out, r) @ (r, in) -> (out, in), scaled by the GEMM (see scaled_mm)
     if base is not None:  # in place, in W's dtype (train.py --amp keeps W0 in bf16: model.frozen_base_to)
         W += base
-    W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place on the fresh temporary
+    W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place
     return W
 
+
+def merge(B, A, values, indices, scale, base=None):
+    """The dense weight s·BA ⊕_I V (or W0 + s·BA ⊕_I V) of shape (out, in), in a fresh matrix."""
+    return merge_into(B.new_empty(B.shape[0], A.shape[1]), B, A, values, indices, scale, base)
+
+
+# A group is one or more layers that share their input: q, k and v of attention, gate and up of the MLP. Each layer
+# is its (B, A, values, indices, base) with base None but in fine-tuning. Their weights are formed into the rows of
+# one (Σ out, in) matrix, so that the group takes one GEMM with x in forward and two in backward, where its layers
+# would take one and two each, and one autograd Function call: fewer operations for the host to issue, which is what
+# SLTrain's layers wait on at 350m on a GPU (BENCHMARKS.md). The arithmetic of each output is its own layer's.
 
 def _cast(dtype, *tensors):
     return tensors if dtype is None else [t.to(dtype) for t in tensors]
 
 
-def _weight(B, A, values, indices, scale, dtype, base):
-    """W in dtype (if given), B, A and V cast to it first: the weight forward and backward each form."""
-    return merge(*_cast(dtype, B, A, values), indices, scale, base)
+def _rows(W, group):
+    """W's blocks of rows, one per layer of the group (views, contiguous)."""
+    return (W,) if len(group) == 1 else W.split([layer[0].shape[0] for layer in group])
 
 
-def _product(x, B, A, values, indices, scale, dtype, base):
-    """x (s·BA ⊕_I V)ᵀ with B, A and V cast to dtype (if given) inside: the forward's arithmetic."""
-    return x @ _weight(B, A, values, indices, scale, dtype, base).t()  # (..., in) @ (in, out) -> (..., out)
+def _weights(group, scale, dtype):
+    """The group's weights in one (Σ out, in) matrix in dtype (if given), each B, A and V cast to it first: what
+    forward and backward each form."""
+    B, A = group[0][:2]
+    W = B.new_empty(sum(layer[0].shape[0] for layer in group), A.shape[1], dtype=dtype or B.dtype)
+    for rows, (B, A, values, indices, base) in zip(_rows(W, group), group):
+        merge_into(rows, *_cast(dtype, B, A, values), indices, scale, base)
+    return W
+
+
+def _product(x, group, scale, dtype):
+    """x Wᵀ for the group's W, B, A and V cast to dtype (if given) inside: the forward's arithmetic."""
+    return x @ _weights(group, scale, dtype).t()  # (..., in) @ (in, Σ out) -> (..., Σ out)
 
 
 @torch.library.custom_op("sltrain::product", mutates_args=())
-def _opaque_product(x: torch.Tensor, B: torch.Tensor, A: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-                    scale: float, dtype: torch.dtype | None, base: torch.Tensor | None) -> torch.Tensor:
+def _opaque_product(x: torch.Tensor, Bs: list[torch.Tensor], As: list[torch.Tensor], values: list[torch.Tensor],
+                    indices: list[torch.Tensor], bases: list[torch.Tensor | None], scale: float,
+                    dtype: torch.dtype | None) -> torch.Tensor:
     """_product as one operator the compiler cannot see into. Seeing the casts of B, A and V in forward and the
     same casts in backward, it would merge them and keep the bf16 copies for backward (2 bytes per parameter)."""
-    return _product(x, B, A, values, indices, scale, dtype, base)
+    return _product(x, list(zip(Bs, As, values, indices, bases)), scale, dtype)
 
 
 @_opaque_product.register_fake
-def _(x, B, A, values, indices, scale, dtype, base):
-    return x.new_empty(*x.shape[:-1], B.shape[0], dtype=x.dtype)
+def _(x, Bs, As, values, indices, bases, scale, dtype):
+    return x.new_empty(*x.shape[:-1], sum(B.shape[0] for B in Bs), dtype=x.dtype)
 
 
 class SLLinearFunction(torch.autograd.Function):
-    """y = x Wᵀ with W = s·BA ⊕_I V (or W0 + s·BA ⊕_I V) formed on the fly and formed again in backward."""
+    """y = x Wᵀ with W = s·BA ⊕_I V (or W0 + s·BA ⊕_I V) formed on the fly and formed again in backward; for a
+    group, the layers' outputs side by side, y = x [W_1; W_2; ...]ᵀ. Called as apply(x, scale, dtype, *layers),
+    layers being the group's (B, A, values, indices, base) one after the other."""
 
     @staticmethod
-    def forward(ctx, x, B, A, values, indices, scale, dtype=None, base=None):
+    def forward(ctx, x, scale, dtype, *layers):
         # dtype: mixed precision's compute dtype (sl_linear passes autocast's). x, B, A and V are cast to it here
         # and B, A, V again in backward, so what is kept is the parameters themselves, never a copy of them
         x_dtype, x = x.dtype, x if dtype is None else x.to(dtype)
-        product = _opaque_product if torch.compiler.is_compiling() else _product
-        y = product(x, B, A, values, indices, scale, dtype, base)
+        group = [layers[i:i + 5] for i in range(0, len(layers), 5)]
+        if torch.compiler.is_compiling():
+            y = _opaque_product(x, *map(list, zip(*group)), scale, dtype)
+        else:
+            y = _product(x, group, scale, dtype)
         # saved: the inputs only; W dies in product and is rebuilt in backward for one more (out, r, in) GEMM
-        ctx.save_for_backward(x, B, A, values, indices, base)
+        ctx.save_for_backward(x, *layers)
         ctx.scale, ctx.dtype, ctx.x_dtype = scale, dtype, x_dtype
         return y
 
     @staticmethod
     @once_differentiable  # a second derivative (create_graph=True) is refused in one line, not failed deep inside
     def backward(ctx, grad_y):
-        x, *params, indices, base = ctx.saved_tensors
-        B, A, values = _cast(ctx.dtype, *params)
-        s = ctx.scale
-        out_features, in_features = B.shape[0], A.shape[1]
-        need_x, need_B, need_A, need_V = ctx.needs_input_grad[:4]
-        grad_x = grad_B = grad_A = grad_V = None
-        g = grad_y.reshape(-1, out_features)  # (N, out)
+        x, *layers = ctx.saved_tensors
+        group = [(*_cast(ctx.dtype, *layers[i:i + 3]), *layers[i + 3:i + 5]) for i in range(0, len(layers), 5)]
+        s, in_features = ctx.scale, x.shape[-1]
+        need_x, needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        g = grad_y.reshape(-1, grad_y.shape[-1])  # (N, Σ out)
 
         # ∂L/∂x = g W, with W rebuilt from the factors
-        W = None
+        grad_x = W = None
         if need_x:
-            W = _weight(B, A, values, indices, s, ctx.dtype, base)
-            grad_x = (g @ W).view(*grad_y.shape[:-1], in_features)  # (N, out) @ (out, in) -> (N, in)
+            W = _weights(group, s, None)  # B, A and V are already in the compute dtype
+            grad_x = (g @ W).view(*grad_y.shape[:-1], in_features)  # (N, Σ out) @ (Σ out, in) -> (N, in)
 
-        # G = gᵀ x, the dense weight gradient, shared by B, A and V; written over W, which is no longer
-        # needed, so backward holds one weight-sized temporary, not two
-        if need_B or need_A or need_V:
-            G = torch.mm(g.t(), x.reshape(-1, in_features), out=W)  # (N, out)ᵀ @ (N, in) -> (out, in)
+        # G = gᵀ x, the dense weight gradients of the group, shared by B, A and V; written over W, which is no
+        # longer needed, so backward holds one weight-sized temporary, not two
+        grads = [None] * len(layers)
+        if any(needs):
+            G = torch.mm(g.t(), x.reshape(-1, in_features), out=W)  # (N, Σ out)ᵀ @ (N, in) -> (Σ out, in)
+            for i, (G_i, (B, A, values, indices, base)) in enumerate(zip(_rows(G, group), group)):
+                need_B, need_A, need_V = needs[5 * i:5 * i + 3]
+                if need_B:  # ∂L/∂B = s · G Aᵀ
+                    grads[5 * i] = scaled_mm(G_i, A.t(), s)  # (out, in) @ (in, r) -> (out, r)
+                if need_A:  # ∂L/∂A = s · Bᵀ G
+                    grads[5 * i + 1] = scaled_mm(B.t(), G_i, s)  # (r, out) @ (out, in) -> (r, in)
+                if need_V:  # ∂L/∂V = G gathered at the support I
+                    grads[5 * i + 2] = G_i.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
 
-        # ∂L/∂B = s · G Aᵀ
-        if need_B:
-            grad_B = scaled_mm(G, A.t(), s)  # (out, in) @ (in, r) -> (out, r)
-
-        # ∂L/∂A = s · Bᵀ G
-        if need_A:
-            grad_A = scaled_mm(B.t(), G, s)  # (r, out) @ (out, in) -> (r, in)
-
-        # ∂L/∂V = G gathered at the support I
-        if need_V:
-            grad_V = G.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
-
-        if ctx.dtype is None:  # computed in the inputs' dtypes (each call here is host time a GPU may wait for)
-            return grad_x, grad_B, grad_A, grad_V, None, None, None, None
-        # mixed precision: the gradients in the dtypes of the inputs (float32 ones)
-        grads = [None if g is None else g.to(t.dtype) for g, t in zip((grad_B, grad_A, grad_V), params)]
-        return None if grad_x is None else grad_x.to(ctx.x_dtype), *grads, None, None, None, None
+        if ctx.dtype is not None:  # mixed precision: the gradients in the dtypes of the inputs (float32 ones)
+            grad_x = None if grad_x is None else grad_x.to(ctx.x_dtype)
+            grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, layers)]
+        # outside mixed precision nothing is cast: each call here is host time a GPU may wait for
+        return grad_x, None, None, *grads
 
 
-def sl_linear(x, B, A, values, indices, scale, base=None):
-    """Functional form: x (s·BA ⊕_I V)ᵀ, or x (W0 + s·BA ⊕_I V)ᵀ with base W0 (frozen: it gets no gradient).
-    For a sparse-only layer pass B (out, 0) and A (0, in)."""
+def sl_linear_group(x, group, scale):
+    """x [W_1; W_2; ...]ᵀ for a group of layers sharing x, each (B, A, values, indices, base), W_i = s·B_i A_i ⊕
+    V_i (+ W0_i): the outputs side by side, (..., Σ out). For a sparse-only layer pass B (out, 0) and A (0, in)."""
     device = x.device.type
     # meta has no autocast state. (Not torch.amp.is_autocast_available: torch 2.11's compiler cannot trace it and
     # would break each compiled block's graph at every SLTrain layer.)
+    flat = [t for layer in group for t in layer]
     if device != "meta" and torch.is_autocast_enabled(device):
         # mixed precision: autocast does not reach inside an autograd.Function, so the Function casts x and the
         # (float32) weights to the autocast dtype itself: W is formed and multiplied in bf16 alone and the gradients
         # come back in float32. Casts outside it, as autocast makes for nn.Linear, would keep a bf16 copy of B, A
         # and V for backward: 2 bytes more per parameter between forward and backward (6 GB at 7b, batch 1).
         with torch.autocast(device, enabled=False):
-            return SLLinearFunction.apply(x, B, A, values, indices, scale, torch.get_autocast_dtype(device), base)
-    return SLLinearFunction.apply(x, B, A, values, indices, scale, None, base)
+            return SLLinearFunction.apply(x, scale, torch.get_autocast_dtype(device), *flat)
+    return SLLinearFunction.apply(x, scale, None, *flat)
+
+
+def sl_linear(x, B, A, values, indices, scale, base=None):
+    """Functional form: x (s·BA ⊕_I V)ᵀ, or x (W0 + s·BA ⊕_I V)ᵀ with base W0 (frozen: it gets no gradient).
+    For a sparse-only layer pass B (out, 0) and A (0, in)."""
+    return sl_linear_group(x, [(B, A, values, indices, base)], scale)
 
 
 def uniform_support(n, nnz, generator=None, device=None):
@@ -245,8 +278,18 @@ class SLLinear(nn.Module):
             # (N, in) -> (N, r) -> (N, out); s on the (N, r) product: scaling B instead would save a scaled copy of B
             y = ((x @ self.A.t()) * self.scale) @ self.B.t()  # for backward, in every layer (7b: 2.8 GB at batch 1)
             return y if self.W0 is None else F.linear(x, self.W0) + y  # LoRA: W0 x + s·B(A x)
-        B, A = self._factors(self.values)
-        return sl_linear(x, B, A, self.values, self.indices, self.scale, self.W0)  # <-- SLTrain: W = s·BA + S
+        return sl_linear_group(x, [self.factors()], self.scale)  # <-- SLTrain: W = s·BA + S (+ W0)
+
+    def factors(self):
+        """(B, A, values, indices, W0): the layer as sl_linear_group takes it (zero-size B, A if sparse-only)."""
+        return *self._factors(self.values), self.values, self.indices, self.W0
+
+    def shares_a_call_with(self, other):
+        """Whether other can go in one group with this layer: an SLTrain layer with a sparse part, alike in input
+        width, scale, dtype and whether it has a W0."""
+        return (isinstance(other, SLLinear) and self.values is not None and other.values is not None
+                and (other.in_features, other.scale, other.values.dtype, other.W0 is None)
+                == (self.in_features, self.scale, self.values.dtype, self.W0 is None))
 
     @torch.no_grad()
     def merged_weight(self):
@@ -265,3 +308,21 @@ class SLLinear(nn.Module):
         base = ", W0 frozen" if self.W0 is not None else ""
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, nnz={nnz}, "
                 f"scale={self.scale:g}{base}")
+
+
+def one_call(layers):
+    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.shares_a_call_with). Their
+    gradients then appear together, in backward's one call: with per-layer updates, the group's gradients are alive
+    at once (estimate_memory.py counts them so)."""
+    first = layers[0]
+    return isinstance(first, SLLinear) and all(first.shares_a_call_with(layer) for layer in layers)
+
+
+def projections(x, layers, fuse=True):
+    """[layer(x) for layer in layers] for layers of one input x (q, k and v; gate and up). SLTrain layers that can
+    (one_call) go through one call, a group (sl_linear_group), and their outputs are views of its one output;
+    fuse=False calls each layer on its own."""
+    if fuse and one_call(layers):
+        y = sl_linear_group(x, [layer.factors() for layer in layers], layers[0].scale)
+        return y.split([layer.out_features for layer in layers], dim=-1)
+    return [layer(x) for layer in layers]

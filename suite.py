@@ -159,13 +159,15 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
 
 
 def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None,
-               amp=False, fused=None):
+               amp=False, fused=None, fuse=True):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
     step after it, optionally compiled as train.py --compile does it: each block (LLaMA.compile_blocks), and the
-    8-bit step (fused: Adam8bit's, the one-kernel step where it can run by default)."""
+    8-bit step (fused: Adam8bit's, the one-kernel step where it can run by default). fuse=False: each SLTrain
+    projection its own call (LLaMA.fuse_projections)."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
+    model.fuse_projections(fuse)
     model.autocast = torch.bfloat16 if amp else None
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     make = optim.AdamW if optimizer == "adamw" else lambda ps, **kw: optim.Adam8bit(ps, **kw, compile=bool(backend),
@@ -196,19 +198,21 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
     issue's targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and
     sltrain 8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by
-    side. progress gets the figures after each round. Eager, each variant's host_ms is then the time of the same
-    step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the step's work
-    is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the host.
-    Then (graphs: by default eager on CUDA) each step is captured as a CUDA graph and replayed, one variant at a time
-    (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make of
-    it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not
-    interleaved); a capture that fails is said in the variant's graph_error."""
+    side; and sltrain AdamW with each projection its own call ("separate"), beside the default, where q, k, v and gate,
+    up share one (sllinear.projections). progress gets the figures after each round. Eager, each variant's host_ms
+    is then the time of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's
+    time to issue the step's work is what is timed: host_ms near ms (host_share near 1) means that at the full batch
+    the GPU waits for the host. Then (graphs: by default eager on CUDA) each step is captured as a CUDA graph and
+    replayed, one variant at a time (a graph holds a step's memory): graphed_ms is the GPU's time for the step
+    alone, what CUDA graphs would make of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians
+    of runs one after another, not interleaved); a capture that fails is said in the variant's graph_error."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
-    make = lambda m, o, pl, fused=None: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
-                                                   s["max_length"], device, dtype, backend, s.get("vocab"), fused=fused)
+    make = lambda m, o, pl, **kw: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
+                                             s["max_length"], device, dtype, backend, s.get("vocab"), **kw)
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
+    variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
     if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})

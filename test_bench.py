@@ -202,3 +202,13 @@ def test_a_call_timed_at_zero_runs_a_bounded_block(monkeypatch):
     times = bench.interleave({"instant": call}, rounds=1, device=torch.device("cpu"), warmup=1, min_block=0.01)
     assert calls[0] <= 2 + 10_000, f"{calls[0]} calls: warm-up, sizing and one round"
     assert times["instant"] == [0.0]
+
+
+def test_the_model_section_times_sltrain_with_separate_projections_and_counts_each_steps_operations():
+    """bench.py's model section: each method's step, sltrain also with each projection its own call; with the aten
+    operations of each step, of which the shared calls issue fewer."""
+    r = bench.bench_model("tiny", 1, 8, torch.device("cpu"), torch.float32, rounds=1)
+    v = r["variants"]
+    assert list(v) == ["full", "lowrank", "relora", "sltrain", "sltrain/separate", "galore"]
+    assert all(row["tok_s"] > 0 and row["ops"] > 0 for row in v.values())
+    assert v["sltrain/separate"]["ops"] > v["sltrain"]["ops"] > v["full"]["ops"], v

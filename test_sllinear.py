@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import LLaMA, SIZES, KVCache, RMSNorm, config_for
-from sllinear import SLLinear, SLLinearFunction, sl_linear, uniform_support
+from sllinear import SLLinear, projections, sl_linear, sl_linear_group, uniform_support
 
 
 def random_factors(out_f, in_f, rank, nnz, dtype=torch.float64, index_dtype=torch.int64, seed=0):
@@ -44,7 +44,7 @@ def test_gradcheck(x_shape, index_dtype, rank, nnz):
     B, A, values, indices = random_factors(10, 12, rank, nnz, index_dtype=index_dtype)
     x = torch.randn(*x_shape, dtype=torch.float64, requires_grad=True)
     inputs = (x, B, A, values, indices, 0.7)
-    assert torch.autograd.gradcheck(SLLinearFunction.apply, inputs, eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(sl_linear, inputs, eps=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -100,6 +100,96 @@ def test_layer_matches_merged_weight():
     y = layer(x)
     assert max_diff(y, x @ layer.merged_weight().t()) < 1e-5
     assert layer.merged_weight().shape == (32, 48)
+
+
+def random_group(in_f, outs, ranks, nnzs, base=False, dtype=torch.float64):
+    """A group of layers sharing an input, each (B, A, values, indices, W0 or None), int32 and int64 supports mixed."""
+    group = []
+    for i, (out_f, rank, nnz) in enumerate(zip(outs, ranks, nnzs)):
+        B, A, values, indices = random_factors(out_f, in_f, rank, nnz, dtype, (torch.int32, torch.int64)[i % 2], i)
+        W0 = torch.randn(out_f, in_f, dtype=dtype) if base else None
+        group.append((B, A, values, indices, W0))
+    return group
+
+
+@pytest.mark.parametrize("base", [False, True], ids=["pretraining", "fine-tuning"])
+def test_a_group_gives_each_layer_its_own_output_and_gradients(base):
+    """Layers sharing an input in one call (as q, k and v; gate and up): each output and every gradient is that
+    layer's own, against the dense reference; a sparse-only layer and one without values trained among them."""
+    group = random_group(12, (10, 7, 10), (3, 0, 2), (20, 15, 9), base)
+    group[2][2].requires_grad_(False)  # its values frozen (--freeze lowrank freezes the factors: same bookkeeping)
+    x = torch.randn(3, 4, 12, dtype=torch.float64, requires_grad=True)
+    scale = 0.7
+    y = sl_linear_group(x, group, scale)
+    assert y.shape == (3, 4, 27)
+    dense = [dense_reference(B, A, V, I, scale) + (0 if W0 is None else W0) for B, A, V, I, W0 in group]
+    y_ref = torch.cat([x @ W.t() for W in dense], dim=-1)
+    leaves = [x] + [t for B, A, V, _, _ in group for t in (B, A, V) if t.requires_grad and t.numel()]
+    grad_y = torch.randn_like(y)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(torch.autograd.grad(y, leaves, grad_y), torch.autograd.grad(y_ref, leaves, grad_y)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, *ts: sl_linear_group(x, [(*ts[3 * i:3 * i + 3], *layer[3:])
+                                                                       for i, layer in enumerate(group)], scale),
+                                    (x, *[t for layer in group for t in layer[:3]]), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["sltrain", "sltrain_ft"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "amp"])
+def test_fused_projections_compute_what_separate_calls_do(method, autocast):
+    """A model whose q, k, v and gate, up share a call gives the logits, loss and gradients of one calling each
+    layer on its own (to float32 rounding: the sums of the shared GEMMs run in another order); under autocast too."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method=method, vocab_size=96))
+    for m in model.modules():
+        if isinstance(m, SLLinear):  # B away from its zero start, so that every term of W counts
+            torch.nn.init.normal_(m.B, std=0.05)
+    model.autocast = torch.bfloat16 if autocast else None
+    idx = torch.randint(0, 96, (2, 16))
+    results = []
+    for fuse in (True, False):
+        model.fuse_projections(fuse).zero_grad(set_to_none=True)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        results.append([logits.float()] + [p.grad for p in model.parameters() if p.requires_grad])
+    tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-4, atol=1e-6)
+    for fused, separate in zip(*results):
+        torch.testing.assert_close(fused, separate, **tol)
+        assert fused.dtype == separate.dtype
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations run, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_projections_take_fewer_gemms_and_keep_what_backward_saves():
+    """Per block, q, k, v in one call save 2 GEMMs with x in forward and 4 in backward, gate and up 1 and 2: 9 of
+    the 49 an SLTrain block's projections take. Forward saves the same bytes for backward either way (attention's v
+    is its own tensor, not a view keeping q's and k's rows alive)."""
+    from estimate_memory import SavedTensors
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96))
+    idx = torch.randint(0, 96, (2, 16))
+    gemms, saved = {}, {}
+    for fuse in (True, False):
+        model.fuse_projections(fuse)
+        with SavedTensors(model) as kept:
+            loss = model(idx, idx)[1]
+        saved[fuse] = kept.nbytes
+        with CountOps() as ops:
+            model(idx, idx)[1].backward()
+        gemms[fuse] = sum(ops.counts.get(name, 0) for name in ("mm", "addmm", "addmm_", "bmm"))
+    assert gemms[False] - gemms[True] == 9 * model.config.n_layers, gemms
+    assert saved[True] == saved[False], saved
 
 
 class SavedSizes:
@@ -384,13 +474,44 @@ def test_autocast_keeps_no_copy_of_the_parameters_for_backward(rank, compiled):
 
     B, A = layer._factors(layer.values)
     leaves = [t.detach().requires_grad_() for t in (x, B, A, layer.values)]
-    ref = SLLinearFunction.apply(*(t.to(torch.bfloat16) for t in leaves), layer.indices, layer.scale)
+    ref = sl_linear(*(t.to(torch.bfloat16) for t in leaves), layer.indices, layer.scale)
     ref.float().square().sum().backward()
 
     assert torch.equal(y, ref)  # compiled too (on this CPU): inductor's backward rounds as eager's kernels do
     mine = [x, layer.B, layer.A, layer.values] if rank else [x, layer.values]
     for got, want in zip(mine, leaves if rank else leaves[::3]):
         assert got.grad.dtype == torch.float32 and torch.equal(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "amp"])
+def test_a_compiled_group_is_one_graph_and_computes_what_eager_does(autocast):
+    """--compile traces a block's shared calls whole (fullgraph, one frame): its forward is the opaque operator, now
+    of a group, and what it saves beside the parameters is x (under autocast, x's bf16 cast) alone; outputs and
+    gradients equal eager's bit for bit on this CPU."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch.manual_seed(0)
+    layers = [SLLinear(80, out, rank=8, delta=0.05, alpha=16) for out in (96, 96, 64)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.B, std=0.05)
+    params = [p for layer in layers for p in layer.parameters()]
+    kept = {t.untyped_storage().data_ptr() for t in params + [layer.indices for layer in layers]}
+    x = torch.randn(3, 7, 80, requires_grad=True)
+    results = []
+    for compiled in (False, True):
+        counter = CompileCounterWithBackend("inductor")
+        torch._dynamo.reset()
+        call = torch.compile(projections, backend=counter, fullgraph=True) if compiled else projections
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            ys = call(x, layers)
+        assert counter.frame_count == int(compiled)
+        copies = [(t.numel(), t.dtype) for t in saved if t.numel() and t.untyped_storage().data_ptr() not in kept]
+        assert copies == [(3 * 7 * 80, torch.bfloat16 if autocast else torch.float32)], copies
+        grads = torch.autograd.grad(sum(y.float().square().sum() for y in ys), [x] + params)
+        results.append([*ys, *grads])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
 
 
 # ----------------------------------------------------------------------------- the model

@@ -37,7 +37,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     for key, methods in (("model", suite.PRETRAINING), ("model_compiled", ("full", "lowrank", "sltrain"))):
         v = r[key]["variants"]
         assert r[key]["compiled"] is (key == "model_compiled") and v["full/adamw"]["ratio"] == 1.0
-        assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")}
+        assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")} | {
+            "sltrain/adamw/separate"}
         assert all(x["tok_s"] > 0 for x in v.values())
         # eager, the host's time for each step, timed on a few tokens; compiled, not (another shape, another graph)
         assert all(x["host_ms"] > 0 and x["host_share"] == x["host_ms"] / x["ms"] if key == "model" else
@@ -189,6 +190,18 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     alone = suite.run_suite("tiny", torch.device("cpu"), ["memory_galore"])["memory_galore"]["tiny"]
     assert list(alone["settings"]) == ["galore/adam8bit/per_layer"] and alone["reduction"] is None  # no full row
     assert calls[-1] == ("galore", None)
+
+
+def test_the_separate_variant_calls_each_projection_on_its_own():
+    """model's sltrain/adamw/separate differs from sltrain/adamw in that alone: 9 GEMMs more per block."""
+    from test_sllinear import CountOps
+    gemms = []
+    for fuse in (True, False):
+        step = suite.train_step("tiny", "sltrain", "adamw", False, 1, 8, torch.device("cpu"), torch.float32, fuse=fuse)
+        with CountOps() as ops:
+            step()
+        gemms.append(sum(ops.counts.get(name, 0) for name in ("mm", "addmm", "addmm_", "bmm")))
+    assert gemms[1] - gemms[0] == 9 * suite.config_for("tiny").n_layers, gemms
 
 
 def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
