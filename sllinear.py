@@ -311,11 +311,16 @@ class SLLinear(nn.Module):
 
 
 def one_call(layers):
-    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.shares_a_call_with). Their
-    gradients then appear together, in backward's one call: with per-layer updates, the group's gradients are alive
-    at once (estimate_memory.py counts them so)."""
+    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.shares_a_call_with), none with a
+    forward hook (a shared call runs no layer's forward, so a hook put on one, or on every module, would not see
+    it). Their gradients then appear together, in backward's one call: with per-layer updates, the group's
+    gradients are alive at once (estimate_memory.py counts them so)."""
     first = layers[0]
-    return isinstance(first, SLLinear) and all(first.shares_a_call_with(layer) for layer in layers)
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return False
+    return isinstance(first, SLLinear) and all(first.shares_a_call_with(layer) and not layer._forward_hooks
+                                               and not layer._forward_pre_hooks for layer in layers)
 
 
 def projections(x, layers, fuse=True):

@@ -158,6 +158,35 @@ def test_fused_projections_compute_what_separate_calls_do(method, autocast):
         assert fused.dtype == separate.dtype
 
 
+@pytest.mark.parametrize("where", ["layer", "pre-hook", "every module"])
+def test_a_forward_hook_on_a_projection_sees_its_call(where):
+    """A shared call runs no layer's forward: where a hook would watch one (on the layer, or on every module), the
+    layers are called each on its own, so that the hook sees what it was put there to see."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96))
+    idx = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        want = model(idx)[0]
+    seen = []
+    layer = model.layers[1].attn.k_proj
+    if where == "layer":
+        handle = layer.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    elif where == "pre-hook":
+        handle = layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: seen.append(out.shape) if m is layer else None)
+    try:
+        groups = [m.shared_input() for block in model.layers for m in (block.attn, block.mlp)]
+        assert model.shared_calls() == ([] if where == "every module" else [g for g in groups if layer not in g])
+        with torch.no_grad():
+            got = model(idx)[0]
+    finally:
+        handle.remove()
+    assert seen == [(2, 16, 64)], seen
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 class CountOps(TorchDispatchMode):
     """Counts the aten operations run, by name."""
 
