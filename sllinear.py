@@ -310,23 +310,29 @@ class SLLinear(nn.Module):
                 f"scale={self.scale:g}{base}")
 
 
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 def one_call(layers):
-    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.shares_a_call_with), none with a
-    forward hook (a shared call runs no layer's forward, so a hook put on one, or on every module, would not see
-    it). Their gradients then appear together, in backward's one call: with per-layer updates, the group's
-    gradients are alive at once (estimate_memory.py counts them so)."""
-    first = layers[0]
-    hooks = nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.shares_a_call_with). A shared
+    call runs no layer's forward nor the module call around it, so a layer with a forward of its own, or a hook
+    (forward or backward, on it or on every module), is called on its own: its forward runs and its hooks see it.
+    The group's gradients appear together, in backward's one call: with per-layer updates they are alive at once
+    (estimate_memory.py counts them so)."""
+    every = nn.modules.module
+    if any(getattr(every, "_global" + hooks) for hooks in HOOKS):
         return False
-    return isinstance(first, SLLinear) and all(first.shares_a_call_with(layer) and not layer._forward_hooks
-                                               and not layer._forward_pre_hooks for layer in layers)
+    first = layers[0]
+    return isinstance(first, SLLinear) and all(
+        first.shares_a_call_with(layer) and type(layer).forward is SLLinear.forward and "forward" not in vars(layer)
+        and not any(getattr(layer, hooks) for hooks in HOOKS) for layer in layers)
 
 
 def projections(x, layers, fuse=True):
     """[layer(x) for layer in layers] for layers of one input x (q, k and v; gate and up). SLTrain layers that can
     (one_call) go through one call, a group (sl_linear_group), and their outputs are views of its one output;
-    fuse=False calls each layer on its own."""
+    fuse=False calls each layer on its own. (Shared, an output left out of the loss gives its layer zero gradients,
+    where on its own the layer would get none; in the model every output counts.)"""
     if fuse and one_call(layers):
         y = sl_linear_group(x, [layer.factors() for layer in layers], layers[0].scale)
         return y.split([layer.out_features for layer in layers], dim=-1)

@@ -158,31 +158,44 @@ def test_fused_projections_compute_what_separate_calls_do(method, autocast):
         assert fused.dtype == separate.dtype
 
 
-@pytest.mark.parametrize("where", ["layer", "pre-hook", "every module"])
-def test_a_forward_hook_on_a_projection_sees_its_call(where):
-    """A shared call runs no layer's forward: where a hook would watch one (on the layer, or on every module), the
-    layers are called each on its own, so that the hook sees what it was put there to see."""
+WATCHES = {  # ways to watch one layer's call: (register, whether it watches every module)
+    "forward hook": (lambda layer, see: layer.register_forward_hook(lambda m, a, out: see(out.shape)), False),
+    "forward pre-hook": (lambda layer, see: layer.register_forward_pre_hook(lambda m, a: see(a[0].shape)), False),
+    "backward hook": (lambda layer, see: layer.register_full_backward_hook(lambda m, gi, go: see(go[0].shape)), False),
+    "backward pre-hook": (lambda layer, see: layer.register_full_backward_pre_hook(lambda m, go: see(go[0].shape)),
+                          False),
+    "every module's forward": (lambda layer, see: torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: see(out.shape) if m is layer else None), True),
+    "every module's backward": (lambda layer, see: torch.nn.modules.module.register_module_full_backward_hook(
+        lambda m, gi, go: see(go[0].shape) if m is layer else None), True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # every module's: the embedding's int input
+@pytest.mark.parametrize("watch", [*WATCHES, "its own forward"])
+def test_a_watched_projection_is_called_on_its_own(watch):
+    """A shared call runs no layer's forward nor the module call around it: where a hook watches a layer (forward
+    or backward, on it or on every module) or the layer has a forward of its own, the layers are called each on
+    its own, so that the hook, or the forward, sees what it was put there to see."""
     torch.manual_seed(0)
     model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96))
     idx = torch.randint(0, 96, (2, 16))
-    with torch.no_grad():
-        want = model(idx)[0]
-    seen = []
-    layer = model.layers[1].attn.k_proj
-    if where == "layer":
-        handle = layer.register_forward_hook(lambda m, args, out: seen.append(out.shape))
-    elif where == "pre-hook":
-        handle = layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    want = model(idx, idx)[1]
+    seen, layer = [], model.layers[1].attn.k_proj
+    if watch == "its own forward":
+        layer.forward = lambda x: seen.append(x.shape) or SLLinear.forward(layer, x)
+        handle, everywhere = None, False
     else:
-        handle = torch.nn.modules.module.register_module_forward_hook(
-            lambda m, args, out: seen.append(out.shape) if m is layer else None)
+        register, everywhere = WATCHES[watch]
+        handle = register(layer, seen.append)
     try:
         groups = [m.shared_input() for block in model.layers for m in (block.attn, block.mlp)]
-        assert model.shared_calls() == ([] if where == "every module" else [g for g in groups if layer not in g])
-        with torch.no_grad():
-            got = model(idx)[0]
+        assert model.shared_calls() == ([] if everywhere else [g for g in groups if layer not in g])
+        got = model(idx, idx)[1]
+        got.backward()
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
     assert seen == [(2, 16, 64)], seen
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
