@@ -369,7 +369,7 @@ def print_breakdown(r):
              f"and dense parameters ({state}) + {r['projection_m']:.2f}M projection ({r['dtype']})")
     else:
         line("optim", r["optim_gb"], "G", f"{r['state_m']:.2f}M moments, {state}")
-    which = "the largest layer only (per-layer updates)" if r["per_layer"] else \
+    which = "the largest layer (or projections sharing a call) only (per-layer updates)" if r["per_layer"] else \
         "every parameter's" if m == "galore" else "every trained parameter's"
     line("grads", r["grad_gb"], "G", f"{r['dtype']}, {which}")
     if r["batch_size"]:
