@@ -504,7 +504,9 @@ class PerLayer:
     parameters of its own (an SLLinear's B, A and values; a norm's weight), stepped as soon as the last of them has
     its gradient, after which their gradients are freed. A layer's gradients come out of its backward together, so
     this holds no more gradient than one optimizer per tensor would, and the host issues one step per layer, not
-    one per tensor (SLTrain has three tensors per projection). See attach_per_layer for how to drive it."""
+    one per tensor (SLTrain has three tensors per projection). Layers that share one call (the model's
+    shared_calls(): SLTrain's q, k, v and gate, up) get their gradients together too, and are one layer here. See
+    attach_per_layer for how to drive it."""
 
     def __init__(self, model, make_optimizer, lr_lambda=None, max_grad_norm_per_param=None):
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -518,11 +520,16 @@ class PerLayer:
         self.names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         if not self.names:
             raise ValueError("the model has no parameters that require grad")
+        layer_of = {}  # module name -> the layer it is updated with, where it shares a call: the group's first
+        modules = {m: name for name, m in module.named_modules()}
+        for group in module.shared_calls() if hasattr(module, "shared_calls") else ():
+            layer_of.update({modules[m]: modules[group[0]] for m in group})
         layers = defaultdict(list)
         for p, name in self.names.items():
-            layers[name.rpartition(".")[0]].append(p)
+            owner = name.rpartition(".")[0]
+            layers[layer_of.get(owner, owner)].append(p)
         self.optimizers = {layer: make_optimizer(params) for layer, params in layers.items()}  # by module name
-        self.optimizer_of = {p: self.optimizers[name.rpartition(".")[0]] for p, name in self.names.items()}
+        self.optimizer_of = {p: self.optimizers[layer] for layer, params in layers.items() for p in params}
         self._size = {opt: sum(len(g["params"]) for g in opt.param_groups) for opt in self.optimizers.values()}
         for opt in self.optimizers.values():
             for group in opt.param_groups:

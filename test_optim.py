@@ -684,16 +684,21 @@ def test_per_layer_updates_run_from_a_backward_on_another_thread(name):
 def test_per_layer_steps_each_layer_once_and_keeps_the_per_parameter_format():
     model = tiny_llama()
     per_layer = attach_per_layer(model, OPTIMIZERS["Adam8bit"])
-    layers = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
-    assert len(per_layer.optimizers) == len(layers) < len(list(model.parameters()))  # SLLinear: B, A, values as one
+    modules = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
+    # SLLinear: B, A, values as one layer; q, k, v (and gate, up) sharing a call as one: 3 and 2 modules less a block
+    layers = len(modules) - 3 * model.config.n_layers
+    assert len(per_layer.optimizers) == layers < len(list(model.parameters()))
     sl = next(m for m in model.modules() if isinstance(m, SLLinear))
     assert per_layer.optimizer_of[sl.A] is per_layer.optimizer_of[sl.B] is per_layer.optimizer_of[sl.values]
+    for group in model.shared_calls():  # one optimizer for the parameters of all the group's layers
+        assert len({per_layer.optimizer_of[p] for layer in group for p in layer.parameters()}) == 1
+    assert len(model.shared_calls()) == 2 * model.config.n_layers
     steps = []
     for opt in per_layer.optimizers.values():
         opt.register_step_post_hook(lambda opt, *_: steps.append(opt))
     x, y = bigram_batches(1, batch=2, T=16)
     model(x[0], y[0])[1].backward()
-    assert len(steps) == len(set(steps)) == len(layers), "each layer's optimizer steps once per update"
+    assert len(steps) == len(set(steps)) == layers, "each layer's optimizer steps once per update"
     saved = per_layer.state_dict()["optimizers"]  # one entry per parameter, as one optimizer per parameter saves it
     assert set(saved) == {name for name, _ in model.named_parameters()}
     assert all(s["param_groups"][0]["params"] == [0] and set(s["state"]) == {0} for s in saved.values())
