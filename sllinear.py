@@ -152,7 +152,7 @@ class SLLinearFunction(torch.autograd.Function):
 
         if ctx.dtype is not None:  # mixed precision: the gradients in the dtypes of the inputs (float32 ones)
             grad_x = None if grad_x is None else grad_x.to(ctx.x_dtype)
-            grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, layers)]
+            grads = [None if d is None else d.to(t.dtype) for d, t in zip(grads, layers)]
         # outside mixed precision nothing is cast: each call here is host time a GPU may wait for
         return grad_x, None, None, *grads
 
