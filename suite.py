@@ -348,8 +348,24 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
     return result
 
 
+KERNEL_ROWS = (1, 2, 8, 16)  # the one-kernel 8-bit step's blocks per program timed beside adam8bit_kernel.ROWS
+
+
+def with_rows(rows, step):
+    """step() with the one-kernel 8-bit step taking `rows` blocks per program (adam8bit_kernel.ROWS; each value is
+    a kernel of its own, compiled at its first launch) instead of its default."""
+    def run():
+        default, adam8bit_kernel.ROWS = adam8bit_kernel.ROWS, rows
+        try:
+            step()
+        finally:
+            adam8bit_kernel.ROWS = default
+    return run
+
+
 def suite_optimizer(s, device, dtype, progress=lambda partial: None):
-    """optim.Adam8bit step, eager and compiled, ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the
+    """optim.Adam8bit step, eager and compiled (and where it runs the one-kernel step, also at each of KERNEL_ROWS),
+    ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the
     host's time per update of per-layer updates for the model section's size (per_layer_host_time): what
     bounds a per-layer GPU step when it exceeds the device's time."""
     torch.manual_seed(0)
@@ -369,6 +385,9 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
              "optim.Adam8bit(compile=True)": stepper(lambda ps: optim.Adam8bit(ps, **hyper, compile=True, fused=False))}
     if adam8bit_kernel.usable(base[0], BLOCK_SIZE):  # a CUDA GPU with Triton: the one-kernel step
         steps["optim.Adam8bit(fused=True)"] = stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=True))
+        for rows in KERNEL_ROWS:  # and with other numbers of blocks per program than its default, for a GPU to pick
+            steps[f"optim.Adam8bit(fused=True), ROWS={rows}"] = with_rows(
+                rows, stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=True)))
     times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
     result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                   variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})

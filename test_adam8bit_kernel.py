@@ -132,10 +132,12 @@ def the_suite_times_it_beside_the_steps_it_replaces(kernel):
     tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
     steps = suite.suite_optimizer(tiny, cpu, torch.float32)["variants"]
     assert list(steps) == ["torch.optim.AdamW", "optim.Adam8bit", "optim.Adam8bit(compile=True)",
-                           "optim.Adam8bit(fused=True)"] and all(row["ms"] > 0 for row in steps.values())
+                           "optim.Adam8bit(fused=True)"] + [f"optim.Adam8bit(fused=True), ROWS={rows}"
+                                                            for rows in suite.KERNEL_ROWS]
+    assert all(row["ms"] > 0 for row in steps.values())
     rows = suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
     assert {"full/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer"} \
-        <= set(rows) and len(rows) == 10
+        <= set(rows) and len(rows) == 11  # and sltrain/adamw/separate
     assert "Adam8bit(fused=True)" in bench.per_layer_host_time("cpu", "tiny", "sltrain", rounds=1)
 
 
@@ -156,6 +158,14 @@ def test_on_a_gpu_the_kernel_makes_the_eager_steps_update():
     assert adam8bit_kernel.usable(torch.zeros(1, device="cuda"), 256), "a GPU older than compute capability 8.0"
     same_updates_as_eager(adam8bit_kernel, "cuda", CASES + [(torch.bfloat16, 1_000_003, 256, 0.9, 0.1),
                                                             (torch.float32, 1_000_003, 256, 0.9, 0.1)])
+    import suite
+    default = adam8bit_kernel.ROWS
+    try:  # each number of blocks per program the suite times
+        for rows in suite.KERNEL_ROWS:
+            adam8bit_kernel.ROWS = rows
+            same_updates_as_eager(adam8bit_kernel, "cuda", [(torch.bfloat16, 1_000_003, 256, 0.9, 0.1)])
+    finally:
+        adam8bit_kernel.ROWS = default
 
 
 @needs_gpu
@@ -175,6 +185,20 @@ def test_on_a_gpu_adam8bit_takes_the_kernel_by_default():
 @needs_triton
 def test_the_kernel_makes_the_eager_steps_update():
     interpreted(same_updates_as_eager)
+
+
+def same_updates_at_every_rows(kernel):
+    """The same at each number of blocks per program that the suite times (suite.KERNEL_ROWS): a program's last rows
+    past the state's end are masked, whatever their number."""
+    import suite
+    for rows in suite.KERNEL_ROWS:
+        kernel.ROWS = rows
+        same_updates_as_eager(kernel, cases=[case for case in CASES if case[1] == 3000])
+
+
+@needs_triton
+def test_the_kernel_makes_the_eager_steps_update_at_every_rows():
+    interpreted(same_updates_at_every_rows)
 
 
 @needs_triton

@@ -204,6 +204,23 @@ def test_the_separate_variant_calls_each_projection_on_its_own():
     assert gemms[1] - gemms[0] == 9 * suite.config_for("tiny").n_layers, gemms
 
 
+def test_the_kernel_is_also_timed_at_other_blocks_per_program(monkeypatch):
+    """Where the one-kernel 8-bit step runs (here: told it can, its launch the eager update), the optimizer section
+    times it at its default blocks per program and at each of KERNEL_ROWS, each step launched at its own, and leaves
+    the default as it was."""
+    import adam8bit_kernel
+    default, seen = adam8bit_kernel.ROWS, []
+    monkeypatch.setattr(adam8bit_kernel, "why_not", lambda device, dtype, block_size: None)
+    monkeypatch.setattr(adam8bit_kernel, "adam8bit_",
+                        lambda *a: seen.append(adam8bit_kernel.ROWS) or optim._adam8bit_(*a))
+    monkeypatch.setattr(suite, "per_layer_host_time", lambda device, size, method: {})
+    steps = suite.suite_optimizer(suite.SUITES["tiny"], torch.device("cpu"), torch.float32)["variants"]
+    timed = [f"optim.Adam8bit(fused=True), ROWS={rows}" for rows in suite.KERNEL_ROWS]
+    assert list(steps)[3:] == ["optim.Adam8bit(fused=True)", *timed] and all(steps[k]["ms"] > 0 for k in timed)
+    assert set(seen) == {default, *suite.KERNEL_ROWS} and default not in suite.KERNEL_ROWS
+    assert adam8bit_kernel.ROWS == default
+
+
 def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
     """--only memory_galore memory runs memory first, as the whole suite does: GaLore's reduction is against the
     memory section's full AdamW, which must be measured by then."""
