@@ -282,14 +282,16 @@ class SLLinear(nn.Module):
 
     def factors(self):
         """(B, A, values, indices, W0): the layer as sl_linear_group takes it (zero-size B, A if sparse-only)."""
-        return *self._factors(self.values), self.values, self.indices, self.W0
+        values = self.values
+        return *self._factors(values), values, self.indices, self.W0
 
-    def shares_a_call_with(self, other):
-        """Whether other can go in one group with this layer: an SLTrain layer with a sparse part, alike in input
-        width, scale, dtype and whether it has a W0."""
-        return (isinstance(other, SLLinear) and self.values is not None and other.values is not None
-                and (other.in_features, other.scale, other.values.dtype, other.W0 is None)
-                == (self.in_features, self.scale, self.values.dtype, self.W0 is None))
+    def call_key(self):
+        """What layers sharing a call must have alike (input width, scale, dtype, whether a W0), or None for a layer
+        that cannot share one (no sparse part: it never forms W)."""
+        # read from the module's own dicts, not through nn.Module's attribute lookup: this runs at every forward. A
+        # parametrized V (torch.nn.utils.parametrize) is not there: that layer is called on its own
+        values = self._parameters.get("values")
+        return None if values is None else (self.in_features, self.scale, values.dtype, self._buffers.get("W0") is None)
 
     @torch.no_grad()
     def merged_weight(self):
@@ -311,21 +313,25 @@ class SLLinear(nn.Module):
 
 
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+GLOBAL_HOOKS = tuple("_global" + hooks for hooks in HOOKS)  # nn.modules.module's, the hooks of every module
 
 
 def one_call(layers):
-    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.shares_a_call_with). A shared
-    call runs no layer's forward nor the module call around it, so a layer with a forward of its own, or a hook
-    (forward or backward, on it or on every module), is called on its own: its forward runs and its hooks see it.
-    The group's gradients appear together, in backward's one call: with per-layer updates they are alive at once
-    (estimate_memory.py counts them so)."""
+    """Whether layers of one input can share a call: SLTrain layers alike (SLLinear.call_key). A shared call runs no
+    layer's forward nor the module call around it, so a layer with a forward of its own, or a hook (forward or
+    backward, on it or on every module), is called on its own: its forward runs and its hooks see it. The group's
+    gradients appear together, in backward's one call: with per-layer updates they are alive at once
+    (estimate_memory.py counts them so). Asked at every forward, so it reads each layer once."""
     every = nn.modules.module
-    if any(getattr(every, "_global" + hooks) for hooks in HOOKS):
+    if any(getattr(every, hooks) for hooks in GLOBAL_HOOKS):
         return False
-    first = layers[0]
-    return isinstance(first, SLLinear) and all(
-        first.shares_a_call_with(layer) and type(layer).forward is SLLinear.forward and "forward" not in vars(layer)
-        and not any(getattr(layer, hooks) for hooks in HOOKS) for layer in layers)
+    keys = set()
+    for layer in layers:
+        if not isinstance(layer, SLLinear) or type(layer).forward is not SLLinear.forward \
+                or "forward" in vars(layer) or any(getattr(layer, hooks) for hooks in HOOKS):
+            return False
+        keys.add(layer.call_key())
+    return len(keys) == 1 and None not in keys
 
 
 def projections(x, layers, fuse=True):

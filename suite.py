@@ -365,9 +365,9 @@ def with_rows(rows, step):
 
 def suite_optimizer(s, device, dtype, progress=lambda partial: None):
     """optim.Adam8bit step, eager and compiled (and where it runs the one-kernel step, also at each of KERNEL_ROWS),
-    ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the
-    host's time per update of per-layer updates for the model section's size (per_layer_host_time): what
-    bounds a per-layer GPU step when it exceeds the device's time."""
+    ÷ torch.optim.AdamW (fused on CUDA) on the 7b shapes, bf16; and the host's time per update of per-layer updates
+    for the model section's size (per_layer_host_time): what bounds a per-layer GPU step when it exceeds the
+    device's time."""
     torch.manual_seed(0)
     base = [torch.randn(shape, device=device, dtype=dtype) * 0.02 for shape in s["optimizer_shapes"]]
     grads = [torch.randn_like(p) * 1e-3 for p in base]
@@ -384,10 +384,10 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
              "optim.Adam8bit": stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=False)),
              "optim.Adam8bit(compile=True)": stepper(lambda ps: optim.Adam8bit(ps, **hyper, compile=True, fused=False))}
     if adam8bit_kernel.usable(base[0], BLOCK_SIZE):  # a CUDA GPU with Triton: the one-kernel step
-        steps["optim.Adam8bit(fused=True)"] = stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=True))
+        kernel = lambda ps: optim.Adam8bit(ps, **hyper, fused=True)  # noqa: E731
+        steps["optim.Adam8bit(fused=True)"] = stepper(kernel)
         for rows in KERNEL_ROWS:  # and with other numbers of blocks per program than its default, for a GPU to pick
-            steps[f"optim.Adam8bit(fused=True), ROWS={rows}"] = with_rows(
-                rows, stepper(lambda ps: optim.Adam8bit(ps, **hyper, fused=True)))
+            steps[f"optim.Adam8bit(fused=True), ROWS={rows}"] = with_rows(rows, stepper(kernel))
     times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
     result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                   variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})
