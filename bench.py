@@ -41,6 +41,7 @@ rounds of the per-round ratio. suite.py times the same way, with these functions
 """
 
 import argparse
+import collections
 import copy
 import datetime
 import gc
@@ -354,21 +355,26 @@ def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
     return {name: ((t - none) * 1e3, None if n is None else n - none_ops) for name, (t, n) in times.items()}
 
 
-def count_ops(fn):
-    """The number of aten operations fn() issues, views included: on a GPU, about the kernel launches and what else
-    the host must do for each."""
+def ops_by_name(fn):
+    """The aten operations fn() issues, views included, counted by name (mm, addmm_, view, ...): on a GPU, about the
+    kernel launches and what else the host must do for each."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        n = 0
+    counts = collections.Counter()
 
+    class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
+            counts[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():
         fn()
-    return Count.n
+    return counts
+
+
+def count_ops(fn):
+    """The number of aten operations fn() issues (ops_by_name, summed)."""
+    return sum(ops_by_name(fn).values())
 
 
 def _host_step_time(model, make, idx, rounds, ops):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench import ops_by_name
 from model import LLaMA, SIZES, KVCache, RMSNorm, config_for
 from sllinear import SLLinear, projections, sl_linear, sl_linear_group, uniform_support
 
@@ -200,17 +201,10 @@ def test_a_watched_projection_is_called_on_its_own(watch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-class CountOps(TorchDispatchMode):
-    """Counts the aten operations run, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+def gemm_count(fn):
+    """The matrix products among the aten operations fn() issues (bench.ops_by_name)."""
+    ops = ops_by_name(fn)
+    return sum(ops[name] for name in ("mm", "addmm", "addmm_", "bmm"))
 
 
 def test_fused_projections_take_fewer_gemms_and_keep_what_backward_saves():
@@ -227,9 +221,7 @@ def test_fused_projections_take_fewer_gemms_and_keep_what_backward_saves():
         with SavedTensors(model) as kept:
             loss = model(idx, idx)[1]
         saved[fuse] = kept.nbytes
-        with CountOps() as ops:
-            model(idx, idx)[1].backward()
-        gemms[fuse] = sum(ops.counts.get(name, 0) for name in ("mm", "addmm", "addmm_", "bmm"))
+        gemms[fuse] = gemm_count(lambda: model(idx, idx)[1].backward())
     assert gemms[False] - gemms[True] == 9 * model.config.n_layers, gemms
     assert saved[True] == saved[False], saved
 
