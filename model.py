@@ -215,9 +215,6 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv=None):
         B, T, C = x.shape
         q, k, v = projections(x, self.shared_input(), self.fuse)  # (B, T, C) each
-        # v alone of the three is saved by attention, and as a view of one fused output it would keep q's and k's
-        # rows alive with it until backward; its own copy lets them go (a no-op where v is its layer's own output)
-        v = v.contiguous()
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:  # generation: attend to the cached positions too (KVCache.store)

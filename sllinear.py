@@ -20,8 +20,9 @@ and g = ∂L/∂z:
 Between forward and backward only x, B, A, V and I (and W0, itself a weight) are kept: no tensor of the size
 of W, which is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks).
 
-Layers of one input (q, k and v; gate and up) can share a call, a group: z = x [W_1; W_2; ...]ᵀ, the same formulas
-with W and G stacked by rows, each layer's gradients read from its own rows (sl_linear_group, projections).
+Layers of one input (q, k and v; gate and up) can share a call, a group: one autograd call forms their weights into
+the rows of one matrix and gives each layer its own output z_i = x W_iᵀ, the same formulas per layer, each layer's
+gradients read from its own rows of G (sl_linear_group, projections).
 
 Run the gradient checks:  python -m pytest -q test_sllinear.py
 """
@@ -59,9 +60,11 @@ def merge(B, A, values, indices, scale, base=None):
 
 # A group is one or more layers that share their input: q, k and v of attention, gate and up of the MLP. Each layer
 # is its (B, A, values, indices, base) with base None but in fine-tuning. Their weights are formed into the rows of
-# one (Σ out, in) matrix, so that the group takes one GEMM with x in forward and two in backward, where its layers
-# would take one and two each, and one autograd Function call: fewer operations for the host to issue, which is what
-# SLTrain's layers wait on at 350m on a GPU (BENCHMARKS.md). The arithmetic of each output is its own layer's.
+# one (Σ out, in) matrix, and the group takes one autograd Function call where its layers would take one each: fewer
+# operations for the host to issue, which is what SLTrain's layers wait on at 350m on a GPU (BENCHMARKS.md). Each
+# layer keeps its own GEMMs with x and its own output, a tensor of its own: one GEMM for the group, its output split
+# into views, made the attention's and the MLP's elementwise work run on strided rows and backward cat the outputs'
+# gradients, and measured slower on an H200 than a call per layer (BENCHMARKS.md). The arithmetic is each layer's.
 
 def _cast(dtype, *tensors):
     return tensors if dtype is None else [t.to(dtype) for t in tensors]
@@ -83,14 +86,15 @@ def _weights(group, scale, dtype):
 
 
 def _product(x, group, scale, dtype):
-    """x Wᵀ for the group's W, B, A and V cast to dtype (if given) inside: the forward's arithmetic."""
-    return x @ _weights(group, scale, dtype).t()  # (..., in) @ (in, Σ out) -> (..., Σ out)
+    """[x W_iᵀ for each layer] for the group's W, B, A and V cast to dtype (if given) inside: the forward's
+    arithmetic, each output a tensor of its own."""
+    return [x @ W.t() for W in _rows(_weights(group, scale, dtype), group)]  # (..., in) @ (in, out) -> (..., out)
 
 
 @torch.library.custom_op("sltrain::product", mutates_args=())
 def _opaque_product(x: torch.Tensor, Bs: list[torch.Tensor], As: list[torch.Tensor], values: list[torch.Tensor],
                     indices: list[torch.Tensor], bases: list[torch.Tensor | None], scale: float,
-                    dtype: torch.dtype | None) -> torch.Tensor:
+                    dtype: torch.dtype | None) -> list[torch.Tensor]:
     """_product as one operator the compiler cannot see into. Seeing the casts of B, A and V in forward and the
     same casts in backward, it would merge them and keep the bf16 copies for backward (2 bytes per parameter)."""
     return _product(x, list(zip(Bs, As, values, indices, bases)), scale, dtype)
@@ -98,13 +102,13 @@ def _opaque_product(x: torch.Tensor, Bs: list[torch.Tensor], As: list[torch.Tens
 
 @_opaque_product.register_fake
 def _(x, Bs, As, values, indices, bases, scale, dtype):
-    return x.new_empty(*x.shape[:-1], sum(B.shape[0] for B in Bs), dtype=x.dtype)
+    return [x.new_empty(*x.shape[:-1], B.shape[0], dtype=x.dtype) for B in Bs]
 
 
 class SLLinearFunction(torch.autograd.Function):
     """y = x Wᵀ with W = s·BA ⊕_I V (or W0 + s·BA ⊕_I V) formed on the fly and formed again in backward; for a
-    group, the layers' outputs side by side, y = x [W_1; W_2; ...]ᵀ. Called as apply(x, scale, dtype, *layers),
-    layers being the group's (B, A, values, indices, base) one after the other."""
+    group, each layer's output y_i = x W_iᵀ. Called as apply(x, scale, dtype, *layers), layers being the group's
+    (B, A, values, indices, base) one after the other; returns the outputs, one per layer."""
 
     @staticmethod
     def forward(ctx, x, scale, dtype, *layers):
@@ -113,42 +117,50 @@ class SLLinearFunction(torch.autograd.Function):
         x_dtype, x = x.dtype, x if dtype is None else x.to(dtype)
         group = [layers[i:i + 5] for i in range(0, len(layers), 5)]
         if torch.compiler.is_compiling():
-            y = _opaque_product(x, *map(list, zip(*group)), scale, dtype)
+            ys = _opaque_product(x, *map(list, zip(*group)), scale, dtype)
         else:
-            y = _product(x, group, scale, dtype)
+            ys = _product(x, group, scale, dtype)
         # saved: the inputs only; W dies in product and is rebuilt in backward for one more (out, r, in) GEMM
         ctx.save_for_backward(x, *layers)
         ctx.scale, ctx.dtype, ctx.x_dtype = scale, dtype, x_dtype
-        return y
+        ctx.set_materialize_grads(False)  # an output left out of the loss: its layer gets no gradient, as alone
+        return tuple(ys)
 
     @staticmethod
     @once_differentiable  # a second derivative (create_graph=True) is refused in one line, not failed deep inside
-    def backward(ctx, grad_y):
+    def backward(ctx, *grad_ys):
         x, *layers = ctx.saved_tensors
         group = [(*_cast(ctx.dtype, *layers[i:i + 3]), *layers[i + 3:i + 5]) for i in range(0, len(layers), 5)]
         s, in_features = ctx.scale, x.shape[-1]
         need_x, needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        g = grad_y.reshape(-1, grad_y.shape[-1])  # (N, Σ out)
-
-        # ∂L/∂x = g W, with W rebuilt from the factors
-        grad_x = W = None
-        if need_x:
-            W = _weights(group, s, None)  # B, A and V are already in the compute dtype
-            grad_x = (g @ W).view(*grad_y.shape[:-1], in_features)  # (N, Σ out) @ (Σ out, in) -> (N, in)
-
-        # G = gᵀ x, the dense weight gradients of the group, shared by B, A and V; written over W, which is no
-        # longer needed, so backward holds one weight-sized temporary, not two
+        gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_ys]  # (N, out) each
         grads = [None] * len(layers)
-        if any(needs):
-            G = torch.mm(g.t(), x.reshape(-1, in_features), out=W)  # (N, Σ out)ᵀ @ (N, in) -> (Σ out, in)
-            for i, (G_i, (B, A, values, indices, base)) in enumerate(zip(_rows(G, group), group)):
-                need_B, need_A, need_V = needs[5 * i:5 * i + 3]
-                if need_B:  # ∂L/∂B = s · G Aᵀ
-                    grads[5 * i] = scaled_mm(G_i, A.t(), s)  # (out, in) @ (in, r) -> (out, r)
-                if need_A:  # ∂L/∂A = s · Bᵀ G
-                    grads[5 * i + 1] = scaled_mm(B.t(), G_i, s)  # (r, out) @ (out, in) -> (r, in)
-                if need_V:  # ∂L/∂V = G gathered at the support I
-                    grads[5 * i + 2] = G_i.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
+        if all(g is None for g in gs):
+            return None, None, None, *grads
+        W = _weights(group, s, None)  # B, A and V are already in the compute dtype
+
+        # ∂L/∂x = Σ g_i W_i, with W rebuilt from the factors, summed by the GEMMs themselves
+        grad_x = None
+        if need_x:
+            for g, W_i in zip(gs, _rows(W, group)):
+                if g is not None:  # (N, out) @ (out, in) -> (N, in)
+                    grad_x = g @ W_i if grad_x is None else grad_x.addmm_(g, W_i)
+            grad_x = grad_x.view(*x.shape[:-1], in_features)
+
+        # G_i = g_iᵀ x, each layer's dense weight gradient, shared by its B, A and V; written over its rows of W,
+        # which are no longer needed, so backward holds one weight-sized temporary, not two
+        x = x.reshape(-1, in_features)
+        for i, (g, W_i, (B, A, values, indices, base)) in enumerate(zip(gs, _rows(W, group), group)):
+            if g is None:
+                continue
+            need_B, need_A, need_V = needs[5 * i:5 * i + 3]
+            G = torch.mm(g.t(), x, out=W_i) if need_B or need_A or need_V else None  # (out, in)
+            if need_B:  # ∂L/∂B = s · G Aᵀ
+                grads[5 * i] = scaled_mm(G, A.t(), s)  # (out, in) @ (in, r) -> (out, r)
+            if need_A:  # ∂L/∂A = s · Bᵀ G
+                grads[5 * i + 1] = scaled_mm(B.t(), G, s)  # (r, out) @ (out, in) -> (r, in)
+            if need_V:  # ∂L/∂V = G gathered at the support I
+                grads[5 * i + 2] = G.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
 
         if ctx.dtype is not None:  # mixed precision: the gradients in the dtypes of the inputs (float32 ones)
             grad_x = None if grad_x is None else grad_x.to(ctx.x_dtype)
@@ -158,8 +170,8 @@ class SLLinearFunction(torch.autograd.Function):
 
 
 def sl_linear_group(x, group, scale):
-    """x [W_1; W_2; ...]ᵀ for a group of layers sharing x, each (B, A, values, indices, base), W_i = s·B_i A_i ⊕
-    V_i (+ W0_i): the outputs side by side, (..., Σ out). For a sparse-only layer pass B (out, 0) and A (0, in)."""
+    """(x W_1ᵀ, x W_2ᵀ, ...) for a group of layers sharing x, each (B, A, values, indices, base), W_i = s·B_i A_i ⊕
+    V_i (+ W0_i): a tuple of outputs, (..., out_i) each. For a sparse-only layer pass B (out, 0) and A (0, in)."""
     device = x.device.type
     # meta has no autocast state. (Not torch.amp.is_autocast_available: torch 2.11's compiler cannot trace it and
     # would break each compiled block's graph at every SLTrain layer.)
@@ -177,7 +189,7 @@ def sl_linear_group(x, group, scale):
 def sl_linear(x, B, A, values, indices, scale, base=None):
     """Functional form: x (s·BA ⊕_I V)ᵀ, or x (W0 + s·BA ⊕_I V)ᵀ with base W0 (frozen: it gets no gradient).
     For a sparse-only layer pass B (out, 0) and A (0, in)."""
-    return sl_linear_group(x, [(B, A, values, indices, base)], scale)
+    return sl_linear_group(x, [(B, A, values, indices, base)], scale)[0]
 
 
 def uniform_support(n, nnz, generator=None, device=None):
@@ -278,7 +290,7 @@ class SLLinear(nn.Module):
             # (N, in) -> (N, r) -> (N, out); s on the (N, r) product: scaling B instead would save a scaled copy of B
             y = ((x @ self.A.t()) * self.scale) @ self.B.t()  # for backward, in every layer (7b: 2.8 GB at batch 1)
             return y if self.W0 is None else F.linear(x, self.W0) + y  # LoRA: W0 x + s·B(A x)
-        return sl_linear_group(x, [self.factors()], self.scale)  # <-- SLTrain: W = s·BA + S (+ W0)
+        return sl_linear_group(x, [self.factors()], self.scale)[0]  # <-- SLTrain: W = s·BA + S (+ W0)
 
     def factors(self):
         """(B, A, values, indices, W0): the layer as sl_linear_group takes it (zero-size B, A if sparse-only)."""
@@ -336,10 +348,7 @@ def one_call(layers):
 
 def projections(x, layers, fuse=True):
     """[layer(x) for layer in layers] for layers of one input x (q, k and v; gate and up). SLTrain layers that can
-    (one_call) go through one call, a group (sl_linear_group), and their outputs are views of its one output;
-    fuse=False calls each layer on its own. (Shared, an output left out of the loss gives its layer zero gradients,
-    where on its own the layer would get none; in the model every output counts.)"""
+    (one_call) go through one call, a group (sl_linear_group); fuse=False calls each layer on its own."""
     if fuse and one_call(layers):
-        y = sl_linear_group(x, [layer.factors() for layer in layers], layers[0].scale)
-        return y.split([layer.out_features for layer in layers], dim=-1)
+        return sl_linear_group(x, [layer.factors() for layer in layers], layers[0].scale)
     return [layer(x) for layer in layers]

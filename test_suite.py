@@ -193,11 +193,13 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
 
 
 def test_the_separate_variant_calls_each_projection_on_its_own():
-    """model's sltrain/adamw/separate differs from sltrain/adamw in that alone: 9 GEMMs more per block."""
+    """model's sltrain/adamw/separate differs from sltrain/adamw in that alone: the same GEMMs, and more operations
+    for the host, each projection in an autograd call of its own."""
+    from bench import ops_by_name
     from test_sllinear import gemm_count
-    gemms = [gemm_count(suite.train_step("tiny", "sltrain", "adamw", False, 1, 8, torch.device("cpu"), torch.float32,
-                                         fuse=fuse)) for fuse in (True, False)]
-    assert gemms[1] - gemms[0] == 9 * suite.config_for("tiny").n_layers, gemms
+    ops = [ops_by_name(suite.train_step("tiny", "sltrain", "adamw", False, 1, 8, torch.device("cpu"), torch.float32,
+                                        fuse=fuse)) for fuse in (True, False)]
+    assert gemm_count(ops[0]) == gemm_count(ops[1]) and sum(ops[0].values()) < sum(ops[1].values()), ops
 
 
 def test_the_kernel_is_also_timed_at_other_blocks_per_program(monkeypatch):
