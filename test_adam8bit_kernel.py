@@ -56,14 +56,22 @@ CASES = [(dtype, *case) for dtype in (torch.float32, torch.bfloat16)
          for case in ((3000, 256, 0.9, 0.1), (1000, 64, 0.3, 0.0), (256, 256, 0.9, 0.0))]
 
 
-def same_updates_as_eager(kernel, device="cpu", cases=CASES):
+def same_updates_as_eager(kernel, device="cpu", cases=CASES, exact=None):
     """Five steps of each, state carried: a bf16 parameter to the bit (the kernel writes out torch's rounding of
     it, after the decay and after the step); a float32 one to float32 rounding (the eager CPU kernels fuse some
     multiply-adds that numpy does not); the codes the same but for the odd value on a rounding edge, the absmax to
     float32 rounding. beta1 0.3 takes torch's other lerp formula; n = 1000 pads its last block; no decay skips it.
-    On a GPU, where the compiler fuses multiply-adds of its own, a bf16 parameter may differ by one bf16 step at
-    the odd entry whose float32 value lay on a rounding edge."""
+
+    On a GPU the eager step's CUDA kernels and the compiled kernel each fuse multiply-adds of their own, so an odd
+    √v lands on the other side of a code's edge (232 of a million entries in a step on an H200), and from there the
+    two runs' states differ by more than a code (the next step's absmax and codes are taken from another √v). So
+    there each step starts from the eager step's state, and is held to the step's own tolerance: a code, or a bf16
+    parameter, one step off at at most 1% of the entries (on the H200: 0.02 to 0.1%). carried_updates_stay_close
+    checks the runs carried. (exact: whether to carry the state and ask for the bf16 bits; by default on CPU, where
+    the interpreter runs the kernel.)"""
     device = torch.device(device)
+    exact = device.type == "cpu" if exact is None else exact
+    edges = lambda n: max(1, n // (1000 if exact else 100))  # noqa: E731 (entries allowed on a rounding edge)
     tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
     for dtype, n, block_size, beta1, weight_decay in cases:
         case = f"{dtype}, n {n}, block {block_size}, beta1 {beta1}, decay {weight_decay}"
@@ -72,17 +80,21 @@ def same_updates_as_eager(kernel, device="cpu", cases=CASES):
         for step, g in enumerate(gradients(n, dtype, 5, slice(block_size, 2 * block_size)), start=1):
             g = g.to(device)
             hyper = optim._step_scalars(1e-2, beta1, 0.999, 1e-8, weight_decay, step)
+            if not exact:  # this step from the eager step's state (docstring)
+                kernel_p.copy_(eager_p)
+                for ours, theirs in zip(fused, eager):
+                    [t.copy_(e) for t, e in zip(ours, theirs)]
             optim._adam8bit_(eager_p, g, *eager, tables, block_size, hyper)
             kernel.adam8bit_(kernel_p, g, *fused, tables, block_size, hyper)
-            if dtype == torch.bfloat16 and device.type == "cpu":
+            if dtype == torch.bfloat16 and exact:
                 assert torch.equal(kernel_p, eager_p), f"{case}: step {step}"
             elif dtype == torch.bfloat16:
-                assert (kernel_p != eager_p).sum() <= max(1, n // 1000), f"{case}: step {step}"
+                assert (kernel_p != eager_p).sum() <= edges(n), f"{case}: step {step}"
                 torch.testing.assert_close(kernel_p, eager_p, rtol=2 ** -7, atol=0, msg=f"{case}: step {step}")
             else:
                 torch.testing.assert_close(kernel_p, eager_p, rtol=3e-7, atol=1e-7, msg=f"{case}: step {step}")
             for (codes, absmax), (eager_codes, eager_absmax) in zip(fused, eager):
-                assert (codes != eager_codes).sum() <= max(1, n // 1000), f"{case}: step {step}"
+                assert (codes != eager_codes).sum() <= edges(n), f"{case}: step {step}"
                 assert ((codes.int() - eager_codes.int()).abs() <= 1).all(), f"{case}: step {step}"
                 torch.testing.assert_close(absmax, eager_absmax, rtol=1e-6, atol=0, msg=f"{case}: step {step}")
         if n > block_size:  # the block of zero gradients: its m and √v stay exactly 0
@@ -90,6 +102,60 @@ def same_updates_as_eager(kernel, device="cpu", cases=CASES):
                 values = optim.dequantize_blockwise(codes, absmax, signed, n)
                 assert (values[block_size:2 * block_size] == 0).all() and (values[:block_size] != 0).any(), case
         assert torch.isfinite(kernel_p.float()).all(), case
+
+
+def carried_updates_stay_close(kernel, device, cases, steps=5, lr=1e-2):
+    """The kernel's run and the eager step's, each carrying its own state for `steps` steps (on a GPU, where they
+    part at rounding edges): at most one entry in a thousand is further apart than the dtype's rounding of its value
+    or of a step (a bf16 step; 1e-5 of a float32 one), none by more than 2·lr a step (an Adam step moves an entry by
+    about lr, never much more), and the moments they carry agree to 1% in norm."""
+    device = torch.device(device)
+    tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
+    for dtype, n, block_size, beta1, weight_decay in cases:
+        case = f"{dtype}, n {n}, block {block_size}, beta1 {beta1}, decay {weight_decay}"
+        eager_p = torch.randn(n).to(device, dtype)
+        kernel_p, eager, fused = eager_p.clone(), state(n, block_size, device), state(n, block_size, device)
+        for step, g in enumerate(gradients(n, dtype, steps, slice(block_size, 2 * block_size)), start=1):
+            hyper = optim._step_scalars(lr, beta1, 0.999, 1e-8, weight_decay, step)
+            optim._adam8bit_(eager_p, g.to(device), *eager, tables, block_size, hyper)
+            kernel.adam8bit_(kernel_p, g.to(device), *fused, tables, block_size, hyper)
+        ours, theirs = kernel_p.float(), eager_p.float()
+        rounding = (theirs.abs() + lr) * (2 ** -7 if dtype == torch.bfloat16 else 1e-5)  # of the value or the step
+        assert ((ours - theirs).abs() > rounding).sum() <= max(1, n // 1000), case
+        assert (ours - theirs).abs().max() <= 2 * lr * steps, case
+        for (codes, absmax), (eager_codes, eager_absmax), signed in zip(fused, eager, (True, False)):
+            a, b = (optim.dequantize_blockwise(c, scale, signed, n)
+                    for c, scale in ((codes, absmax), (eager_codes, eager_absmax)))
+            assert (a - b).norm() <= 0.01 * b.norm(), case
+
+
+class RoundedOtherwise:
+    """A stand-in for the kernel as a GPU runs it: the eager step on a gradient one float32 rounding away, entry by
+    entry (as a multiply-add fused otherwise leaves its results)."""
+
+    @staticmethod
+    def adam8bit_(param, grad, *rest):
+        ulps = torch.randint(-1, 2, grad.shape, generator=torch.Generator().manual_seed(grad.numel()))
+        optim._adam8bit_(param, grad.float() * (1 + ulps * 2.0 ** -23), *rest)
+
+
+class StepTooLong:
+    """A wrong kernel: its steps 10% too long."""
+
+    @staticmethod
+    def adam8bit_(param, grad, m, v, tables, block_size, hyper):
+        optim._adam8bit_(param, grad, m, v, tables, block_size, (1.1 * hyper[0], *hyper[1:]))
+
+
+def test_the_gpu_checks_pass_a_step_rounded_otherwise_and_fail_a_wrong_one():
+    """The checks the GPU test makes, tried on CPU: a step whose float32 roundings differ passes them, step by step
+    and carried; one whose steps are 10% too long fails each."""
+    same_updates_as_eager(RoundedOtherwise, cases=CASES, exact=False)
+    carried_updates_stay_close(RoundedOtherwise, "cpu", CASES)
+    with pytest.raises(AssertionError):
+        same_updates_as_eager(StepTooLong, cases=CASES, exact=False)
+    with pytest.raises(AssertionError):
+        carried_updates_stay_close(StepTooLong, "cpu", CASES)
 
 
 def optimizers_take_it_where_it_can_run(kernel):
@@ -156,8 +222,9 @@ def test_on_a_gpu_the_kernel_makes_the_eager_steps_update():
     """The kernel as compiled for this GPU against the eager step on it, the interpreter's cases and a tensor of a
     million entries (thousands of programs; its last block padded)."""
     assert adam8bit_kernel.usable(torch.zeros(1, device="cuda"), 256), "a GPU older than compute capability 8.0"
-    same_updates_as_eager(adam8bit_kernel, "cuda", CASES + [(torch.bfloat16, 1_000_003, 256, 0.9, 0.1),
-                                                            (torch.float32, 1_000_003, 256, 0.9, 0.1)])
+    big = [(torch.bfloat16, 1_000_003, 256, 0.9, 0.1), (torch.float32, 1_000_003, 256, 0.9, 0.1)]
+    same_updates_as_eager(adam8bit_kernel, "cuda", CASES + big)
+    carried_updates_stay_close(adam8bit_kernel, "cuda", CASES + big)
     import suite
     default = adam8bit_kernel.ROWS
     try:  # each number of blocks per program the suite times
