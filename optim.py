@@ -470,6 +470,14 @@ def _norm32(t):
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
+def _norms32(grads):
+    """[_norm32(g) for g in grads], in one multi-tensor launch (a few for many tensors) where it needs no float32
+    copy of a whole tensor: on a GPU, where a launch a tensor is host time that per-layer updates wait on."""
+    if grads[0].device.type == "cpu" and any(g.dtype != torch.float32 and g.numel() > PIECE for g in grads):
+        return [_norm32(g) for g in grads]
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+
+
 def clip_grad_norm32(parameters, max_norm):
     """torch.nn.utils.clip_grad_norm_ with the global norm and the clipping factor in float32, whatever the
     gradients' dtype: for bf16 gradients torch's are bf16 (the logged norm off by up to 2⁻⁹ of itself, and the
@@ -479,11 +487,7 @@ def clip_grad_norm32(parameters, max_norm):
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    if grads[0].device.type == "cpu":  # by pieces (_norm32), not a whole float32 copy of each
-        norms = [_norm32(g) for g in grads]
-    else:
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # one launch per few tensors, not one each
-    norm = torch.linalg.vector_norm(torch.stack(norms))
+    norm = torch.linalg.vector_norm(torch.stack(_norms32(grads)))
     if max_norm != float("inf"):
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
@@ -601,11 +605,11 @@ class PerLayer:
 
     @torch.no_grad()
     def _update(self, opt, params):
-        for p in params:
-            norm = _norm32(p.grad)
-            self._norms.append(norm)  # summed once the update is done: one op per parameter here, not four
-            if self.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ applied to this one tensor
-                p.grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        grads = [p.grad for p in params]
+        norms = _norms32(grads)
+        self._norms.extend(norms)  # summed once the update is done
+        if self.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ applied to each tensor on its own
+            torch._foreach_mul_(grads, (self.max_grad_norm / (torch.stack(norms) + 1e-6)).clamp(max=1.0).unbind())
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * self._factor
         opt.step()

@@ -620,6 +620,20 @@ OPTIMIZERS = {
 }
 
 
+def test_per_layer_updates_take_a_layers_gradient_norms_in_one_call():
+    """The norms of a layer's gradients (summed into the logged norm) in one multi-tensor call per layer, not one
+    each: on a GPU each is a launch the host issues. (The logged norm's value:
+    test_per_layer_grad_norm_and_clipping.)"""
+    from bench import ops_by_name
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="sltrain", vocab_size=VOCAB))
+    per = attach_per_layer(model, lambda ps: AdamW(ps, lr=1e-3))
+    x, y = bigram_batches(2, batch=2, T=16)
+    model(x[0], y[0])[1].backward()  # the state appears
+    ops = ops_by_name(lambda: model(x[1], y[1])[1].backward())
+    assert ops["_foreach_norm"] == len(per.optimizers) and ops["linalg_vector_norm"] == 1, ops
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_per_layer_matches_global_step(name):
     """10 steps of 2 micro-batches each, with a warm-up schedule: the same parameters as one global step."""
