@@ -31,6 +31,12 @@ CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in 
 # of them (_update_8bit_together)
 CHUNKED_DEVICES = {"cpu"}
 PIECE = 1 << 20
+# The one-kernel 8-bit step (adam8bit_kernel.py) takes consecutive tensors of up to KERNEL_RUN entries in all end to
+# end, one launch for them, for a dozen aten copies: on the H200's host a per-layer update of 350m SLTrain with one
+# launch per 8-bit tensor (506) took 3.2 times full's (170) for 1.6 times the aten operations (BENCHMARKS.md), which
+# points at the launches. (suite.py's host_us_per_call measures a launch against an operation.) Larger tensors, whose
+# launch is small beside their work, take their own. 0: one launch per tensor.
+KERNEL_RUN = 1 << 22
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -253,14 +259,14 @@ class Adam8bit(torch.optim.Optimizer):
     entries (norms, small factors) keep float32 moments: they are cheap and quantization hurts them
     most. Weight decay is decoupled, as in AdamW. A non-finite gradient entry counts as zero, for that step.
 
-    On a CUDA GPU with Triton (fused=None, the default), each 8-bit tensor's update is one kernel
-    (adam8bit_kernel.py): one launch and one pass over memory, where the eager update is ~35 kernels and ~65
-    operations the host issues, which bound a GPU step whose many tensors each launch their own. fused=True asks
-    for it (refused where it cannot run), fused=False never uses it. Where it is not used, runs of consecutive small
-    8-bit tensors (a layer's, under per-layer updates) are updated as one, to the bit the same: one launch per
-    operation for all of them (_update_8bit_together), and compile=True runs the update through torch.compile, a few
-    fused kernels. Both the kernel's and the compiled results agree with the eager step to float32 rounding, not bit
-    for bit; the state format is the same."""
+    On a CUDA GPU with Triton (fused=None, the default), the 8-bit update is one kernel (adam8bit_kernel.py): one
+    launch and one pass over memory, where the eager update is ~35 kernels and ~65 operations the host issues, which
+    bound a GPU step whose many tensors each launch their own; consecutive tensors of up to KERNEL_RUN entries in
+    all (a layer's, under per-layer updates) share a launch. fused=True asks for it (refused where it cannot run),
+    fused=False never uses it. Where it is not used, runs of consecutive small 8-bit tensors are updated as one too,
+    to the bit the same: one launch per operation for all of them (_update_8bit_together), and compile=True runs the
+    update through torch.compile, a few fused kernels. Both the kernel's and the compiled results agree with the
+    eager step to float32 rounding, not bit for bit; the state format is the same."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
                  min_8bit_size=4096, compile=False, fused=None):
@@ -280,7 +286,7 @@ class Adam8bit(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-            eight_bit = []
+            eight_bit = {True: [], False: []}  # by whether the one kernel updates them
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -290,20 +296,21 @@ class Adam8bit(torch.optim.Optimizer):
                 state["step"] += 1
                 if "exp_avg" in state:  # a small tensor: float32 moments and the AdamW math
                     _adamw_([p], [_finite(p.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
-                elif _fused(self.fused, p, group["block_size"]):
-                    self._update_8bit(p, state, group["block_size"], *hyper, fused=True)
                 else:
-                    eight_bit.append(p)
-            for run in self._runs(eight_bit):
-                if len(run) > 1:
-                    _update_8bit_together(run, [self.state[p] for p in run], group["block_size"], *hyper,
-                                          compile=self.compile)
-                else:
-                    self._update_8bit(run[0], self.state[run[0]], group["block_size"], *hyper, compile=self.compile)
+                    eight_bit[_fused(self.fused, p, group["block_size"])].append(p)
+            for fused, limit in ((True, KERNEL_RUN), (False, PIECE)):
+                for run in self._runs(eight_bit[fused], limit):
+                    states = [self.state[p] for p in run]
+                    if len(run) > 1:
+                        _update_8bit_together(run, states, group["block_size"], *hyper, compile=self.compile,
+                                              fused=fused)
+                    else:
+                        self._update_8bit(run[0], states[0], group["block_size"], *hyper, compile=self.compile,
+                                          fused=fused)
         return loss
 
-    def _runs(self, params):
-        """params in runs to update as one: consecutive, of one dtype and step count, PIECE entries at most; one
+    def _runs(self, params, limit):
+        """params in runs to update as one: consecutive, of one dtype and step count, `limit` entries at most; one
         by one on CPU, whose chunks keep the temporaries in cache."""
         if len(params) < 2 or params[0].device.type in CHUNKED_DEVICES:
             return [[p] for p in params]
@@ -311,7 +318,7 @@ class Adam8bit(torch.optim.Optimizer):
         for p in params:
             size = self.state[p]["exp_avg_codes"].numel()
             run = runs[-1] if runs else []
-            if run and total + size <= PIECE and p.dtype == run[0].dtype \
+            if run and total + size <= limit and p.dtype == run[0].dtype \
                     and self.state[p]["step"] == self.state[run[0]]["step"]:
                 run.append(p)
                 total += size
@@ -385,12 +392,14 @@ def _check_fused(fused, optimizer):
     return fused
 
 
-def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, weight_decay, compile=False):
+def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, weight_decay, compile=False,
+                          fused=False):
     """The 8-bit updates of several tensors as one: their parameters, gradients and states laid end to end, each
     padded to whole blocks (no block mixes two tensors; the padding is zeros and stays zero), one update of the
     whole, the results copied back. Element by element the same arithmetic as one update per tensor, to the bit,
     in a fixed number of operations: a GPU's host issues them once per run of tensors instead of once per tensor.
-    compile: the update of the whole through torch.compile (the copies around it stay eager)."""
+    compile: the update of the whole through torch.compile (the copies around it stay eager); fused: the one-kernel
+    step, one launch for the run."""
     sizes = [state["exp_avg_codes"].numel() for state in states]  # each tensor's entries, padded to whole blocks
     device, n = params[0].device, sum(sizes)
     param, grad = torch.zeros(n, dtype=params[0].dtype, device=device), torch.zeros(n, device=device)
@@ -402,7 +411,7 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     whole = [torch.cat([state[key] for state in states]) for key in keys]
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
     hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, states[0]["step"])
-    update = _adam8bit_compiled() if compile else _adam8bit_
+    update = adam8bit_kernel.adam8bit_ if fused else _adam8bit_compiled() if compile else _adam8bit_
     update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
     torch._foreach_copy_(flat_params, param_parts)
     for key, flat in zip(keys, whole):

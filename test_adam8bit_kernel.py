@@ -188,6 +188,38 @@ def optimizers_take_it_where_it_can_run(kernel):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def a_run_of_tensors_takes_one_launch(kernel):
+    """Adam8bit laying consecutive tensors end to end (optim.KERNEL_RUN; off CPU, forced here) launches the kernel
+    once for them, and updates each as its own launch would, to the bit (bf16) and in the state."""
+    calls, launch = [], kernel.adam8bit_
+    kernel.why_not = lambda device, dtype, block_size: None
+    kernel.adam8bit_ = lambda *a: calls.append(a[0].numel()) or launch(*a)
+    optim.CHUNKED_DEVICES.discard("cpu")
+    torch.manual_seed(0)
+    start = [torch.randn(shape).bfloat16() for shape in ((96, 80), (300,), (64, 96), (4096,))]
+    results = {}
+    for limit in (optim.KERNEL_RUN, 0):
+        optim.KERNEL_RUN, before = limit, len(calls)
+        params = [nn.Parameter(p.clone()) for p in start]
+        opt = optim.Adam8bit(params, lr=1e-2, weight_decay=0.1, min_8bit_size=256)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step + p.numel())).bfloat16()
+            opt.step()
+        results[limit] = params, opt.state_dict(), calls[before:]
+    (together, state, launches), (alone, state_alone, launches_alone) = results.values()
+    assert launches_alone == [7680, 300, 6144, 4096] * 3
+    assert launches == [7680 + 512 + 6144 + 4096] * 3  # each tensor padded to whole blocks of 256
+    assert all(torch.equal(p, q) for p, q in zip(together, alone))
+    for a, b in zip(state["state"].values(), state_alone["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k])), a.keys()
+
+
+@needs_triton
+def test_a_run_of_tensors_takes_one_launch():
+    interpreted(a_run_of_tensors_takes_one_launch)
+
+
 def the_suite_times_it_beside_the_steps_it_replaces(kernel):
     """Where the kernel can run (here: told it can, on CPU), the suite's optimizer section times it beside the eager
     and compiled steps, the model section adds 8-bit per-layer rows without it, and the host-time bench has a row."""

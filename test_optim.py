@@ -567,18 +567,27 @@ def same_state(a, b):
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
-@pytest.mark.parametrize("per_layer,compile,dtype", [(True, False, torch.bfloat16), (False, False, torch.bfloat16),
-                                                     (True, True, torch.float32)],
-                         ids=["per-layer", "global", "per-layer-compiled"])
-def test_adam8bit_small_tensors_together_match_one_by_one(monkeypatch, per_layer, compile, dtype):
+@pytest.mark.parametrize("per_layer,compile,dtype,kernel", [(True, False, torch.bfloat16, False),
+                                                            (False, False, torch.bfloat16, False),
+                                                            (True, True, torch.float32, False),
+                                                            (True, False, torch.bfloat16, True)],
+                         ids=["per-layer", "global", "per-layer-compiled", "per-layer-kernel"])
+def test_adam8bit_small_tensors_together_match_one_by_one(monkeypatch, per_layer, compile, dtype, kernel):
     """Off CPU (forced here) consecutive small 8-bit tensors are updated as one run: the same parameters and state,
-    to the bit, as one update per tensor, in far fewer operations."""
+    to the bit, as one update per tensor, in far fewer operations; with the one-kernel step (here: told it can run,
+    its launch the eager update), in far fewer launches."""
+    import adam8bit_kernel
     import optim
     monkeypatch.setattr(optim, "CHUNKED_DEVICES", set())
+    launches = []
+    if kernel:
+        monkeypatch.setattr(adam8bit_kernel, "why_not", lambda device, dtype, block_size: None)
+        monkeypatch.setattr(adam8bit_kernel, "adam8bit_", lambda *a: launches.append(1) or optim._adam8bit_(*a))
 
     def train(together, steps=3):
         if not together:
-            monkeypatch.setattr(optim.Adam8bit, "_runs", lambda self, params: [[p] for p in params])
+            monkeypatch.setattr(optim.Adam8bit, "_runs", lambda self, params, limit: [[p] for p in params])
+        launches.clear()
         torch.manual_seed(0)
         model = LLaMA(config_for("tiny", method="sltrain", vocab_size=VOCAB)).to(dtype)
         make = lambda ps: Adam8bit(ps, lr=1e-3, weight_decay=0.1, min_8bit_size=65, compile=compile)  # noqa: E731
@@ -596,14 +605,16 @@ def test_adam8bit_small_tensors_together_match_one_by_one(monkeypatch, per_layer
         with watcher.watch(ops=not compile):
             step(steps - 1)
         ops = count_ops(lambda: step(steps)) if not compile else None
-        return model, (per or opt).state_dict(), ops
+        return model, (per or opt).state_dict(), ops, len(launches)
 
     watcher = HostSyncs()
 
-    (together, state, ops), (alone, state_alone, ops_alone) = train(True), train(False)
+    (together, state, ops, launched), (alone, state_alone, ops_alone, launched_alone) = train(True), train(False)
     syncs = watcher.summary()
     assert_same_params(together, alone, "together vs one by one")
     assert same_state(state, state_alone), "the 8-bit state differs"
+    if kernel:
+        assert 0 < launched < 0.5 * launched_alone, (launched, launched_alone)
     if not compile:
         print(f"ops of a step: {ops} together, {ops_alone} one by one")
         assert ops < 0.75 * ops_alone, (ops, ops_alone)
