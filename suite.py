@@ -391,9 +391,45 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
     times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
     result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                   variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})
+    if "optim.Adam8bit(fused=True)" in steps:
+        result["host_us_per_call"] = host_us_per_call(device, dtype)
     progress(result)  # saved before the host times, which build a model of host_size per method
     for m in ("full", "sltrain"):
         result["host_ms_per_update"][m] = per_layer_host_time(device, s["model_size"], m)
+    return result
+
+
+def host_us_per_call(device, dtype, calls=200):
+    """The host's µs to issue one call, on a tensor of 4096 entries (whose GPU work is next to nothing): an aten
+    operation (add_), the one-kernel 8-bit step's launch (adam8bit_kernel.adam8bit_), and Adam8bit.step() of one
+    tensor around it. What a per-layer update pays per tensor it launches the kernel for: the figures that say
+    whether laying several tensors end to end for one launch (a few aten copies more) would pay."""
+    p = nn.Parameter(torch.randn(4096, device=device, dtype=dtype))
+    p.grad = torch.randn_like(p)
+    step = optim.Adam8bit([p], lr=1e-3, min_8bit_size=1, fused=True)
+    step.step()  # the state, and the kernel compiled
+    state = step.state[p]
+    tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
+    hyper = optim._step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    calls_of = {"aten op (add_)": lambda: p.grad.add_(1.0),
+                "kernel launch": lambda: adam8bit_kernel.adam8bit_(
+                    p.view(-1), p.grad, (state["exp_avg_codes"], state["exp_avg_absmax"]),
+                    (state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]), tables, BLOCK_SIZE, hyper),
+                "Adam8bit.step, one tensor": step.step}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None
+    result = {}
+    for name, call in calls_of.items():
+        best = float("inf")
+        for _ in range(3):
+            with torch.no_grad():  # as an optimizer's step runs
+                call()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                best = min(best, time.perf_counter() - t0)  # issued, not waited for
+                sync()
+        result[name] = 1e6 * best / calls
     return result
 
 
@@ -688,6 +724,9 @@ def report_suite_optimizer(r):
     for method, host in O["host_ms_per_update"].items():
         print(f"  per-layer updates, host time per update ({O['host_size']} {method} layers at tiny width): "
               + " | ".join(f"{k} {ms:.1f} ms{'' if n is None else f' ({n} ops)'}" for k, (ms, n) in host.items()))
+    if "host_us_per_call" in O:
+        print("  host time per call (4096 entries): "
+              + " | ".join(f"{k} {us:.1f} µs" for k, us in O["host_us_per_call"].items()))
 
 
 # each suite section's table, printed as the section ends and again, from the JSON alone, by report_suite

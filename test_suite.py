@@ -202,7 +202,7 @@ def test_the_separate_variant_calls_each_projection_on_its_own():
     assert gemm_count(ops[0]) == gemm_count(ops[1]) and sum(ops[0].values()) < sum(ops[1].values()), ops
 
 
-def test_the_kernel_is_also_timed_at_other_blocks_per_program(monkeypatch):
+def test_the_kernel_is_also_timed_at_other_blocks_per_program(monkeypatch, capsys):
     """Where the one-kernel 8-bit step runs (here: told it can, its launch the eager update), the optimizer section
     times it at its default blocks per program and at each of KERNEL_ROWS, each step launched at its own, and leaves
     the default as it was."""
@@ -212,11 +212,20 @@ def test_the_kernel_is_also_timed_at_other_blocks_per_program(monkeypatch):
     monkeypatch.setattr(adam8bit_kernel, "adam8bit_",
                         lambda *a: seen.append(adam8bit_kernel.ROWS) or optim._adam8bit_(*a))
     monkeypatch.setattr(suite, "per_layer_host_time", lambda device, size, method: {})
-    steps = suite.suite_optimizer(suite.SUITES["tiny"], torch.device("cpu"), torch.float32)["variants"]
+    result = suite.suite_optimizer(suite.SUITES["tiny"], torch.device("cpu"), torch.float32)
+    steps = result["variants"]
     timed = [f"optim.Adam8bit(fused=True), ROWS={rows}" for rows in suite.KERNEL_ROWS]
     assert list(steps)[3:] == ["optim.Adam8bit(fused=True)", *timed] and all(steps[k]["ms"] > 0 for k in timed)
     assert set(seen) == {default, *suite.KERNEL_ROWS} and default not in suite.KERNEL_ROWS
     assert adam8bit_kernel.ROWS == default
+    # and the host's time to issue one launch, beside an aten operation's and a one-tensor step's
+    calls = result["host_us_per_call"]
+    assert list(calls) == ["aten op (add_)", "kernel launch", "Adam8bit.step, one tensor"] and min(calls.values()) > 0
+    launches = len(seen)
+    suite.host_us_per_call(torch.device("cpu"), torch.float32, calls=7)
+    assert len(seen) - launches == 2 * (3 * (1 + 7)) + 1  # the launches timed, the step's included, and the first
+    suite.report_suite_optimizer(dict(optimizer=result))
+    assert "host time per call (4096 entries): aten op (add_) " in capsys.readouterr().out
 
 
 def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
