@@ -402,11 +402,13 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     step, one launch for the run."""
     sizes = [state["exp_avg_codes"].numel() for state in states]  # each tensor's entries, padded to whole blocks
     device, n = params[0].device, sum(sizes)
-    param, grad = torch.zeros(n, dtype=params[0].dtype, device=device), torch.zeros(n, device=device)
+    # the gradients in float32, as _finite takes them; the kernel reads them in their own dtype (half the copy)
+    grad_dtype = params[0].grad.dtype if fused else torch.float32
+    param, grad = (torch.zeros(n, dtype=dtype, device=device) for dtype in (params[0].dtype, grad_dtype))
     unpadded = lambda flat: [part[: p.numel()] for part, p in zip(flat.split(sizes), params)]  # noqa: E731
     flat_params, param_parts = [p.view(-1) for p in params], unpadded(param)  # views, used going in and out
     torch._foreach_copy_(param_parts, flat_params)
-    torch._foreach_copy_(unpadded(grad), [p.grad.reshape(-1) for p in params])  # to float32, as _finite does
+    torch._foreach_copy_(unpadded(grad), [p.grad.reshape(-1) for p in params])
     keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
     whole = [torch.cat([state[key] for state in states]) for key in keys]
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
