@@ -124,6 +124,7 @@ class SLLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, *layers)
         ctx.scale, ctx.dtype, ctx.x_dtype = scale, dtype, x_dtype
         ctx.set_materialize_grads(False)  # an output left out of the loss: its layer gets no gradient, as alone
+        # (eagerly; compiled, it gets zeros, as a layer alone does there)
         return tuple(ys)
 
     @staticmethod
@@ -137,7 +138,9 @@ class SLLinearFunction(torch.autograd.Function):
         grads = [None] * len(layers)
         if all(g is None for g in gs):
             return None, None, None, *grads
-        W = _weights(group, s, None)  # B, A and V are already in the compute dtype
+        # B, A and V are already in the compute dtype. W is formed for ∂L/∂x alone; G needs only its memory
+        out_features = sum(layer[0].shape[0] for layer in group)
+        W = _weights(group, s, None) if need_x else group[0][0].new_empty(out_features, in_features)
 
         # ∂L/∂x = Σ g_i W_i, with W rebuilt from the factors, summed by the GEMMs themselves
         grad_x = None

@@ -136,6 +136,23 @@ def test_a_group_gives_each_layer_its_own_output_and_gradients(base):
                                     (x, *[t for layer in group for t in layer[:3]]), eps=1e-6, atol=1e-5)
 
 
+def test_backward_forms_w_only_for_the_inputs_gradient():
+    """Where x needs no gradient (SLTrain-FT's first block, whose embedding is frozen), backward does not form W:
+    no B A product and no scatter of V, only each layer's G in memory of its own; the gradients are the same."""
+    from bench import ops_by_name
+    group = random_group(12, (10, 7), (3, 2), (20, 15), dtype=torch.float32)
+    x = torch.randn(4, 12)
+    grads = {}
+    for need_x in (True, False):
+        x_in = x.clone().requires_grad_(need_x)
+        ys = sl_linear_group(x_in, group, 0.5)
+        leaves = [t for B, A, V, _, _ in group for t in (B, A, V)]
+        ops = ops_by_name(lambda: grads.__setitem__(need_x, torch.autograd.grad(sum(y.sum() for y in ys), leaves)))
+        assert ops["index_add_"] == (2 if need_x else 0), ops
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_an_output_left_out_of_the_loss_gives_its_layer_no_gradient():
     """As a layer called on its own would: its B, A and V get no gradient (None, not zeros), the others theirs."""
     layers = [SLLinear(12, out, rank=3, delta=0.2, alpha=6) for out in (10, 7)]
