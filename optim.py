@@ -318,7 +318,7 @@ class Adam8bit(torch.optim.Optimizer):
         for p in params:
             size = self.state[p]["exp_avg_codes"].numel()
             run = runs[-1] if runs else []
-            if run and total + size <= limit and p.dtype == run[0].dtype \
+            if run and total + size <= limit and p.dtype == run[0].dtype and p.device == run[0].device \
                     and self.state[p]["step"] == self.state[run[0]]["step"]:
                 run.append(p)
                 total += size
