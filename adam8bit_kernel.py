@@ -2,8 +2,9 @@
 The 8-bit Adam step as one GPU kernel (Triton): what optim._adam8bit_ does in ~35 kernels, in one pass over memory.
 
 On an H200 (2026-11-26) the eager step took 63.9x the time of torch's fused AdamW on the 7b shapes and
-torch.compile's 16.4x: six fused kernels, each a pass over the tensor. Here each program takes ROWS whole blocks of
-one tensor, reads its parameter, gradient, codes and absmax once, and writes them once: dequantize m and √v with the
+torch.compile's 16.4x: six fused kernels, each a pass over the tensor. Here each program takes ROWS whole blocks
+(of one tensor, or of a run of tensors laid end to end by optim.Adam8bit, each padded to whole blocks), reads their
+parameter, gradient, codes and absmax once, and writes them once: dequantize m and √v with the
 256-entry maps, update m, v and the parameter in float32, take each block's new absmax and requantize to the
 nearest code through optim._lookup_tables' 2^16 buckets. ~10 bytes an entry where fused AdamW moves 14 (bf16). On
 the same H200 this kernel took 1.23x fused AdamW's time (BENCHMARKS.md); ROWS = 4 was the fastest of 1 to 16.

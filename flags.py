@@ -88,8 +88,8 @@ def make_parser(description=None):
     a("--block_size", type=int, help="8-bit Adam: entries per block, each block with one float32 scale (default "
       "256, bitsandbytes' since 0.44; before, when the paper's 8-bit runs were made, its blocks were of 2048)")
     a("--adam8bit_kernel", choices=["auto", "on", "off"], help="8-bit Adam on a CUDA GPU: its step as one Triton "
-      "kernel per tensor (adam8bit_kernel.py) where it can run (default auto), always (on: refused where it cannot), "
-      "or never (off: the eager step, or --compile's); the state is the same, so a run resumes under any")
+      "kernel per run of tensors (adam8bit_kernel.py) where it can run (default auto), always (on: refused where it "
+      "cannot), or never (off: the eager step, or --compile's); the state is the same, so a run resumes under any")
     a("--grad_clipping", type=float, help="clip the global gradient norm to this, 0: off (default: 1.0 at 7b, as its "
       "authors' script, unless --per_layer, which cannot clip globally; else 0)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")

@@ -263,7 +263,7 @@ def test_adam8bit_kernel_is_honored_and_may_change_on_resume(corpus, tmp_path, m
         runs[name] = (len(launched) - before, final_state(tmp_path / name))
         said = capsys.readouterr().out  # the run's first lines say which step it takes
         assert (" | 8-bit step: eager (no kernel: --adam8bit_kernel off) | " if name.endswith("off") else
-                " | 8-bit step: one kernel per tensor | ") in said, said[:2000]
+                " | 8-bit step: one kernel per run of tensors | ") in said, said[:2000]
     assert runs["auto"][0] > 0 and runs["on"][0] == runs["auto"][0] and runs["galore auto"][0] > 0
     assert runs["off"][0] == 0 and runs["galore off"][0] == 0
     assert runs["auto"][1]["args"]["adam8bit_kernel"] == "auto" and runs["off"][1]["args"]["adam8bit_kernel"] == "off"

@@ -113,13 +113,13 @@ def galore_maker(args, model):
 
 
 def eight_bit_step(args, device):
-    """How an 8-bit optimizer steps, for the run's first lines: one kernel per tensor, or eager (or compiled) and
-    why not the kernel."""
+    """How an 8-bit optimizer steps, for the run's first lines: one kernel (a launch per run of consecutive tensors,
+    optim.KERNEL_RUN), or eager (or compiled) and why not the kernel."""
     if args.eval_only or not args.optimizer.endswith("adam8bit"):
         return ""
     why = "--adam8bit_kernel off" if args.adam8bit_kernel == "off" else \
         adam8bit_kernel.why_not(device, getattr(torch, args.dtype), args.block_size)
-    return " | 8-bit step: one kernel per tensor" if why is None else \
+    return " | 8-bit step: one kernel per run of tensors" if why is None else \
         f" | 8-bit step: {'compiled' if args.compile else 'eager'} (no kernel: {why})"
 
 
