@@ -391,9 +391,9 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
     times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
     result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                   variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})
+    progress(result)  # saved before the host times, which build a model of host_size per method
     if "optim.Adam8bit(fused=True)" in steps:
         result["host_us_per_call"] = host_us_per_call(device, dtype)
-    progress(result)  # saved before the host times, which build a model of host_size per method
     for m in ("full", "sltrain"):
         result["host_ms_per_update"][m] = per_layer_host_time(device, s["model_size"], m)
     return result
