@@ -195,17 +195,18 @@ HOST_TOKENS, HOST_ROUNDS = 16, 3  # suite_model's host time: a train step on one
 
 def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graphs=None):
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
-    eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the
-    issue's targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and
-    sltrain 8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by
-    side; and sltrain AdamW with each projection its own call ("separate"), beside the default, where q, k, v and gate,
-    up share one (sllinear.projections). progress gets the figures after each round. Eager, each variant's host_ms
-    is then the time of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's
-    time to issue the step's work is what is timed: host_ms near ms (host_share near 1) means that at the full batch
-    the GPU waits for the host. Then (graphs: by default eager on CUDA) each step is captured as a CUDA graph and
-    replayed, one variant at a time (a graph holds a step's memory): graphed_ms is the GPU's time for the step
-    alone, what CUDA graphs would make of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians
-    of runs one after another, not interleaved); a capture that fails is said in the variant's graph_error."""
+    eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the issue's
+    targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and sltrain
+    8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by side, and
+    sltrain's with a launch per tensor instead of one per run of tensors (optim.KERNEL_RUN); and sltrain AdamW with each
+    projection its own call ("separate"), beside the default, where q, k, v and gate, up share one
+    (sllinear.projections). progress gets the figures after each round. Eager, each variant's host_ms is then the time
+    of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the
+    step's work is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the
+    host. Then (graphs: by default eager on CUDA) each step is captured as a CUDA graph and replayed, one variant at a
+    time (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make
+    of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not
+    interleaved); a capture that fails is said in the variant's graph_error."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     make = lambda m, o, pl, **kw: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
@@ -216,6 +217,8 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})
+        variants["sltrain/adam8bit/per_layer/launch_per_tensor"] = with_setting(  # the kernel without its runs
+            optim, "KERNEL_RUN", 0, make("sltrain", "adam8bit", True))
 
     def figures(times):
         v = summary(times, "full/adamw", invert=True)
@@ -351,15 +354,17 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
 KERNEL_ROWS = (1, 2, 8, 16)  # the one-kernel 8-bit step's blocks per program timed beside adam8bit_kernel.ROWS
 
 
-def with_rows(rows, step):
-    """step() with the one-kernel 8-bit step taking `rows` blocks per program (adam8bit_kernel.ROWS; each value is
-    a kernel of its own, compiled at its first launch) instead of its default."""
-    def run():
-        default, adam8bit_kernel.ROWS = adam8bit_kernel.ROWS, rows
+def with_setting(module, name, value, step):
+    """step(...) with module.name set to value for the call, and back to what it was after: the one-kernel 8-bit
+    step with other blocks per program (adam8bit_kernel.ROWS; each value is a kernel of its own, compiled at its
+    first launch), or a launch per tensor (optim.KERNEL_RUN = 0)."""
+    def run(*args):
+        default = getattr(module, name)
+        setattr(module, name, value)
         try:
-            step()
+            step(*args)
         finally:
-            adam8bit_kernel.ROWS = default
+            setattr(module, name, default)
     return run
 
 
@@ -387,7 +392,8 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
         kernel = lambda ps: optim.Adam8bit(ps, **hyper, fused=True)  # noqa: E731
         steps["optim.Adam8bit(fused=True)"] = stepper(kernel)
         for rows in KERNEL_ROWS:  # and with other numbers of blocks per program than its default, for a GPU to pick
-            steps[f"optim.Adam8bit(fused=True), ROWS={rows}"] = with_rows(rows, stepper(kernel))
+            steps[f"optim.Adam8bit(fused=True), ROWS={rows}"] = with_setting(adam8bit_kernel, "ROWS", rows,
+                                                                               stepper(kernel))
     times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
     result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
                   variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})

@@ -235,7 +235,7 @@ def the_suite_times_it_beside_the_steps_it_replaces(kernel):
     assert all(row["ms"] > 0 for row in steps.values())
     rows = suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
     assert {"full/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer"} \
-        <= set(rows) and len(rows) == 11  # and sltrain/adamw/separate
+        <= set(rows) and len(rows) == 12  # and sltrain/adamw/separate, sltrain/adam8bit/per_layer/launch_per_tensor
     assert "Adam8bit(fused=True)" in bench.per_layer_host_time("cpu", "tiny", "sltrain", rounds=1)
 
 

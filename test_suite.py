@@ -228,6 +228,19 @@ def test_the_kernel_is_also_timed_at_other_blocks_per_program(monkeypatch, capsy
     assert "host time per call (4096 entries): aten op (add_) " in capsys.readouterr().out
 
 
+def test_the_model_section_also_times_the_kernel_with_a_launch_per_tensor(monkeypatch):
+    """Where the one-kernel step runs (here: told it can, its launch the eager update), sltrain's 8-bit per-layer
+    step is also timed with a launch per tensor (optim.KERNEL_RUN = 0) beside its runs, side by side, and the
+    setting is back to its default after each call."""
+    import adam8bit_kernel
+    default, seen = optim.KERNEL_RUN, set()
+    monkeypatch.setattr(adam8bit_kernel, "why_not", lambda device, dtype, block_size: None)
+    monkeypatch.setattr(adam8bit_kernel, "adam8bit_", lambda *a: seen.add(optim.KERNEL_RUN) or optim._adam8bit_(*a))
+    rows = suite.suite_model(suite.SUITES["tiny"], torch.device("cpu"), torch.float32, False)["variants"]
+    assert rows["sltrain/adam8bit/per_layer/launch_per_tensor"]["ms"] > 0 and len(rows) == 12, list(rows)
+    assert seen == {0, default} and optim.KERNEL_RUN == default and default > 0
+
+
 def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
     """--only memory_galore memory runs memory first, as the whole suite does: GaLore's reduction is against the
     memory section's full AdamW, which must be measured by then."""
