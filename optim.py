@@ -471,11 +471,15 @@ def _adam8bit_compiled():
 # -----------------------------------------------------------------------------
 # Per-layer updates: step each layer inside backward
 
+def _by_pieces(t):
+    """Whether t's float32 norm goes by pieces: CUDA reduces bf16 in float32 as it reads; the CPU kernel first
+    copies the whole tensor to float32 (65 MB for a 60m embedding's gradient, the peak of a step)."""
+    return t.device.type == "cpu" and t.dtype != torch.float32 and t.numel() > PIECE
+
+
 def _norm32(t):
-    """The 2-norm of t accumulated in float32. CUDA reduces bf16 in float32 as it reads; the CPU kernel first copies
-    the whole tensor to float32 (65 MB for a 60m embedding's gradient, the peak of a step), so there it goes by
-    pieces."""
-    if t.device.type != "cpu" or t.dtype == torch.float32 or t.numel() <= PIECE:
+    """The 2-norm of t accumulated in float32, by pieces where a whole float32 copy would be made (_by_pieces)."""
+    if not _by_pieces(t):
         return torch.linalg.vector_norm(t, dtype=torch.float32)
     parts = [torch.linalg.vector_norm(part, dtype=torch.float32) for part in t.reshape(-1).split(PIECE)]
     return torch.linalg.vector_norm(torch.stack(parts))
@@ -484,7 +488,7 @@ def _norm32(t):
 def _norms32(grads):
     """[_norm32(g) for g in grads], in one multi-tensor launch (a few for many tensors) where it needs no float32
     copy of a whole tensor: on a GPU, where a launch a tensor is host time that per-layer updates wait on."""
-    if grads[0].device.type == "cpu" and any(g.dtype != torch.float32 and g.numel() > PIECE for g in grads):
+    if any(_by_pieces(g) for g in grads):
         return [_norm32(g) for g in grads]
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
 

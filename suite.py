@@ -407,20 +407,17 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
 
 def host_us_per_call(device, dtype, calls=200):
     """The host's µs to issue one call, on a tensor of 4096 entries (whose GPU work is next to nothing): an aten
-    operation (add_), the one-kernel 8-bit step's launch (adam8bit_kernel.adam8bit_), and Adam8bit.step() of one
-    tensor around it. What a per-layer update pays per tensor it launches the kernel for: the figures that say
-    whether laying several tensors end to end for one launch (a few aten copies more) would pay."""
+    operation (add_), one tensor's one-kernel 8-bit update (Adam8bit._update_8bit: the launch and its arguments),
+    and Adam8bit.step() of one tensor around it. What a per-layer update pays per tensor it launches the kernel
+    for: the figures that say whether laying several tensors end to end for one launch (a few aten copies more)
+    would pay."""
     p = nn.Parameter(torch.randn(4096, device=device, dtype=dtype))
     p.grad = torch.randn_like(p)
     step = optim.Adam8bit([p], lr=1e-3, min_8bit_size=1, fused=True)
     step.step()  # the state, and the kernel compiled
-    state = step.state[p]
-    tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
-    hyper = optim._step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
-    calls_of = {"aten op (add_)": lambda: p.grad.add_(1.0),
-                "kernel launch": lambda: adam8bit_kernel.adam8bit_(
-                    p.view(-1), p.grad, (state["exp_avg_codes"], state["exp_avg_absmax"]),
-                    (state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]), tables, BLOCK_SIZE, hyper),
+    update = functools.partial(optim.Adam8bit._update_8bit, p, step.state[p], BLOCK_SIZE, 1e-3, 0.9, 0.999, 1e-8,
+                               0.0, fused=True)
+    calls_of = {"aten op (add_)": lambda: p.grad.add_(1.0), "kernel launch": update,
                 "Adam8bit.step, one tensor": step.step}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None
     result = {}
