@@ -105,6 +105,56 @@ def _(x, Bs, As, values, indices, bases, scale, dtype):
     return [x.new_empty(*x.shape[:-1], B.shape[0], dtype=x.dtype) for B in Bs]
 
 
+def _gradients(x, gs, group, scale, need_x, needs):
+    """Backward's arithmetic for a group whose B, A and V are in the compute dtype: [∂L/∂x, if need_x] and then each
+    layer's ∂L/∂B, ∂L/∂A and ∂L/∂V that needs (three a layer) asks for, in that order. gs: each layer's output
+    gradient (N, out), or None where the layer needs none."""
+    in_features = x.shape[-1]
+    # W is formed for ∂L/∂x alone; G needs only its memory
+    out_features = sum(layer[0].shape[0] for layer in group)
+    W = _weights(group, scale, None) if need_x else group[0][0].new_empty(out_features, in_features)
+    got = []
+    if need_x:  # ∂L/∂x = Σ g_i W_i, with W rebuilt from the factors, summed by the GEMMs themselves
+        grad_x = None
+        for g, W_i in zip(gs, _rows(W, group)):
+            if g is not None:  # (N, out) @ (out, in) -> (N, in)
+                grad_x = g @ W_i if grad_x is None else grad_x.addmm_(g, W_i)
+        got.append(grad_x.view(*x.shape[:-1], in_features))
+
+    # G_i = g_iᵀ x, each layer's dense weight gradient, shared by its B, A and V; written over its rows of W,
+    # which are no longer needed, so backward holds one weight-sized temporary, not two
+    x = x.reshape(-1, in_features)
+    for i, (g, W_i, (B, A, values, indices, base)) in enumerate(zip(gs, _rows(W, group), group)):
+        need_B, need_A, need_V = needs[3 * i:3 * i + 3]
+        if not (need_B or need_A or need_V):
+            continue
+        G = torch.mm(g.t(), x, out=W_i)  # (out, in)
+        if need_B:  # ∂L/∂B = s · G Aᵀ
+            got.append(scaled_mm(G, A.t(), scale))  # (out, in) @ (in, r) -> (out, r)
+        if need_A:  # ∂L/∂A = s · Bᵀ G
+            got.append(scaled_mm(B.t(), G, scale))  # (r, out) @ (out, in) -> (r, in)
+        if need_V:  # ∂L/∂V = G gathered at the support I
+            got.append(G.view(-1).index_select(0, indices))  # (out·in,)[I] -> (nnz,)
+    return got
+
+
+@torch.library.custom_op("sltrain::gradients", mutates_args=())
+def _opaque_gradients(x: torch.Tensor, gs: list[torch.Tensor | None], Bs: list[torch.Tensor],
+                      As: list[torch.Tensor], values: list[torch.Tensor], indices: list[torch.Tensor],
+                      bases: list[torch.Tensor | None], scale: float, need_x: bool,
+                      needs: list[bool]) -> list[torch.Tensor]:
+    """_gradients as one operator, for compiled backward (see SLLinearFunction.backward)."""
+    return _gradients(x, gs, list(zip(Bs, As, values, indices, bases)), scale, need_x, needs)
+
+
+@_opaque_gradients.register_fake
+def _(x, gs, Bs, As, values, indices, bases, scale, need_x, needs):
+    like = [x] if need_x else []
+    for i, layer in enumerate(zip(Bs, As, values)):
+        like += [t for t, need in zip(layer, needs[3 * i:3 * i + 3]) if need]
+    return [t.new_empty(t.shape) for t in like]
+
+
 class SLLinearFunction(torch.autograd.Function):
     """y = x Wᵀ with W = s·BA ⊕_I V (or W0 + s·BA ⊕_I V) formed on the fly and formed again in backward; for a
     group, each layer's output y_i = x W_iᵀ. Called as apply(x, scale, dtype, *layers), layers being the group's
@@ -132,39 +182,22 @@ class SLLinearFunction(torch.autograd.Function):
     def backward(ctx, *grad_ys):
         x, *layers = ctx.saved_tensors
         group = [(*_cast(ctx.dtype, *layers[i:i + 3]), *layers[i + 3:i + 5]) for i in range(0, len(layers), 5)]
-        s, in_features = ctx.scale, x.shape[-1]
-        need_x, needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_ys]  # (N, out) each
-        grads = [None] * len(layers)
-        if all(g is None for g in gs):
-            return None, None, None, *grads
-        # B, A and V are already in the compute dtype. W is formed for ∂L/∂x alone; G needs only its memory
-        out_features = sum(layer[0].shape[0] for layer in group)
-        W = _weights(group, s, None) if need_x else group[0][0].new_empty(out_features, in_features)
-
-        # ∂L/∂x = Σ g_i W_i, with W rebuilt from the factors, summed by the GEMMs themselves
-        grad_x = None
-        if need_x:
-            for g, W_i in zip(gs, _rows(W, group)):
-                if g is not None:  # (N, out) @ (out, in) -> (N, in)
-                    grad_x = g @ W_i if grad_x is None else grad_x.addmm_(g, W_i)
-            grad_x = grad_x.view(*x.shape[:-1], in_features)
-
-        # G_i = g_iᵀ x, each layer's dense weight gradient, shared by its B, A and V; written over its rows of W,
-        # which are no longer needed, so backward holds one weight-sized temporary, not two
-        x = x.reshape(-1, in_features)
-        for i, (g, W_i, (B, A, values, indices, base)) in enumerate(zip(gs, _rows(W, group), group)):
-            if g is None:
-                continue
-            need_B, need_A, need_V = needs[5 * i:5 * i + 3]
-            G = torch.mm(g.t(), x, out=W_i) if need_B or need_A or need_V else None  # (out, in)
-            if need_B:  # ∂L/∂B = s · G Aᵀ
-                grads[5 * i] = scaled_mm(G, A.t(), s)  # (out, in) @ (in, r) -> (out, r)
-            if need_A:  # ∂L/∂A = s · Bᵀ G
-                grads[5 * i + 1] = scaled_mm(B.t(), G, s)  # (r, out) @ (out, in) -> (r, in)
-            if need_V:  # ∂L/∂V = G gathered at the support I
-                grads[5 * i + 2] = G.view(-1).index_select(0, indices)  # (out·in,)[I] -> (nnz,)
-
+        need_x = ctx.needs_input_grad[0] and any(g is not None for g in gs)
+        # ∂L/∂B, ∂L/∂A and ∂L/∂V of each layer, if asked for and its output has a gradient
+        needs = [need and g is not None for g, i in zip(gs, range(3, len(ctx.needs_input_grad), 5))
+                 for need in ctx.needs_input_grad[i:i + 3]]
+        if not need_x and not any(needs):
+            return None, None, None, *[None] * len(layers)
+        # B, A and V are already in the compute dtype. Compiled, backward too is one operator the compiler cannot see
+        # into: traced, its in-place writes into one matrix's rows became copies of the whole matrix
+        if torch.compiler.is_compiling():
+            got = _opaque_gradients(x, gs, *map(list, zip(*group)), ctx.scale, need_x, needs)
+        else:
+            got = _gradients(x, gs, group, ctx.scale, need_x, needs)
+        got = iter(got)
+        grad_x = next(got) if need_x else None
+        grads = [next(got) if j < 3 and needs[3 * i + j] else None for i in range(len(group)) for j in range(5)]
         if ctx.dtype is not None:  # mixed precision: the gradients in the dtypes of the inputs (float32 ones)
             grad_x = None if grad_x is None else grad_x.to(ctx.x_dtype)
             grads = [None if d is None else d.to(t.dtype) for d, t in zip(grads, layers)]
