@@ -22,6 +22,8 @@ with --data_dir):
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
                     --compile, --sync_debug, torchrun (each run killed at a timeout, with every process below it)
     model_compiled  the model section compiled as train.py --compile, for full, lowrank and sltrain
+    profile         where the time of full's and SLTrain's AdamW steps goes, eager and compiled: torch.profiler's
+                    kernels (on CPU its operators), the heaviest by name
     inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
     memory_galore   the memory section for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
                     (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
@@ -203,10 +205,10 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     (sllinear.projections). progress gets the figures after each round. Eager, each variant's host_ms is then the time
     of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the
     step's work is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the
-    host. Then (graphs: by default eager on CUDA) each step is captured as a CUDA graph and replayed, one variant at a
-    time (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make
-    of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not
-    interleaved); a capture that fails is said in the variant's graph_error."""
+    host. Then (graphs: by default on CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one
+    variant at a time (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA
+    graphs would make of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after
+    another, not interleaved); a capture that fails is said in the variant's graph_error."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     make = lambda m, o, pl, **kw: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
@@ -237,7 +239,7 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
             row["host_ms"] = 1e3 * statistics.median(host[name])
             row["host_share"] = row["host_ms"] / row["ms"]
         progress(result)
-    if device.type == "cuda" and not compiled if graphs is None else graphs:
+    if device.type == "cuda" if graphs is None else graphs:
         graphed_steps(result, variants, s["rounds"], device)
         progress(result)
     return result
@@ -260,6 +262,54 @@ def graphed_steps(result, variants, rounds, device):
     for row in rows.values():
         if base and "graphed_ms" in row:
             row["graphed_ratio"] = base / row["graphed_ms"]
+
+
+PROFILE_STEPS, PROFILE_TOP = 2, 15  # the profile section: steps profiled per variant, kernels listed
+
+
+def suite_profile(s, device, dtype, progress=lambda partial: None):
+    """Where a step's time goes, for what the model sections' ratios cannot say: full's and SLTrain's AdamW steps at
+    the model section's size, eager and compiled (as model_compiled), each built and profiled alone, after two steps
+    of warm-up (compiling, autotuning), over PROFILE_STEPS steps: their time under the profiler (the host's time is
+    inflated by it), the device's time (the kernels', summed; on CPU the operators' own time) and the PROFILE_TOP
+    heaviest kernels by name, per step."""
+    rows = {}
+    for compiled in (False, True):
+        for method in ("full", "sltrain"):
+            step = train_step(s["model_size"], method, "adamw", False, s["model_batch"], s["max_length"], device,
+                              dtype, s["backend"] if compiled else None, s.get("vocab"))
+            rows[f"{method}/adamw{'/compiled' if compiled else ''}"] = profile_step(step, device)
+            step = None  # the model, freed before the next one is built
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            progress(rows)
+    return rows
+
+
+def profile_step(step, device, steps=PROFILE_STEPS, top=PROFILE_TOP):
+    """{ms, device_ms, kernels, top: [[name, ms, calls], ...]} per step of step(), under torch.profiler."""
+    for _ in range(2):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        ms = 1e3 * (time.perf_counter() - t0) / steps
+    if device.type == "cuda":  # the kernels (and copies), each event on the device
+        timed = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:  # the operators' own time
+        timed = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    timed = sorted(((name, us / 1e3 / steps, count // steps) for name, us, count in timed if us > 0),
+                   key=lambda row: -row[1])
+    return dict(ms=ms, device_ms=sum(row[1] for row in timed), kernels=len(timed), top=[list(r) for r in timed[:top]])
 
 
 def suite_amp(s, device, dtype, progress=lambda partial: None):
@@ -600,7 +650,8 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
                model=lambda p: suite_model(s, device, dtype, False, p),
                optimizer=lambda p: suite_optimizer(s, device, dtype, p), amp=lambda p: suite_amp(s, device, dtype, p),
                program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
-               model_compiled=lambda p: suite_model(s, device, dtype, True, p), inference=inference,
+               model_compiled=lambda p: suite_model(s, device, dtype, True, p),
+               profile=lambda p: suite_profile(s, device, dtype, p), inference=inference,
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
     if not sections and not data_dir:  # all of them, but this one: said, not left out in silence
@@ -720,6 +771,15 @@ def report_program(r):
         print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
 
 
+def report_profile(r):
+    P = r["profile"]
+    for name, row in P.items():
+        print(f"profile {name}: {row['ms']:.1f} ms a step under the profiler, {row['device_ms']:.1f} ms of "
+              f"{row['kernels']} kernels (by name; on CPU operators), the heaviest:")
+        for kernel, ms, calls in row["top"]:
+            print(f"  {ms:9.3f} ms {calls:5d}x  {kernel[:100]}")
+
+
 def report_suite_optimizer(r):
     O = r["optimizer"]
     print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
@@ -735,7 +795,7 @@ def report_suite_optimizer(r):
 # each suite section's table, printed as the section ends and again, from the JSON alone, by report_suite
 SUITE_REPORTS = dict(memory=report_memory, layer=report_layer, model=report_model, optimizer=report_suite_optimizer,
                      amp=report_amp, program=report_program, inference=report_inference,
-                     model_compiled=lambda r: report_model(r, "model_compiled"),
+                     model_compiled=lambda r: report_model(r, "model_compiled"), profile=report_profile,
                      memory_galore=lambda r: report_memory(r, "memory_galore"))
 
 

@@ -23,7 +23,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     out = str(tmp_path / "tiny.json")
     r = suite.run_suite("tiny", torch.device("cpu"), out=out)
     s = suite.SUITES["tiny"]
-    sections = ["memory", "layer", "model", "optimizer", "amp", "model_compiled", "inference", "memory_galore"]
+    sections = ["memory", "layer", "model", "optimizer", "amp", "model_compiled", "profile", "inference",
+                "memory_galore"]
     assert list(r["seconds"]) == sections and "errors" not in r
     assert "program: skipped, it trains on C4 shards: pass --data_dir" in capsys.readouterr().out  # said, not silent
     assert [L["shape"] for L in r["layer"]] == ["64x64", "176x64", "64x176"]  # d×d, up/gate ffn×d, down d×ffn
@@ -43,6 +44,10 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         # eager, the host's time for each step, timed on a few tokens; compiled, not (another shape, another graph)
         assert all(x["host_ms"] > 0 and x["host_share"] == x["host_ms"] / x["ms"] if key == "model" else
                    "host_ms" not in x for x in v.values()), v
+    assert list(r["profile"]) == ["full/adamw", "sltrain/adamw", "full/adamw/compiled", "sltrain/adamw/compiled"]
+    for row in r["profile"].values():  # each step's heaviest operators (kernels on a GPU), by name
+        times = [ms for _, ms, _ in row["top"]]
+        assert row["ms"] > 0 and 0 < sum(times) <= row["device_ms"] * (1 + 1e-9) and times == sorted(times)[::-1]
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
                                     "sltrain/adam8bit/per_layer"}
@@ -77,6 +82,20 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     assert all(k in on_disk for k in sections) and list(on_disk["seconds"]) == sections
     suite.report_suite(on_disk)  # the tables print from the JSON alone
     assert "memory_galore tiny, batch 1: galore 8-bit per-layer vs full AdamW -" in capsys.readouterr().out
+
+
+def test_a_profile_names_the_heaviest_operators_of_a_step_with_their_calls_per_step(capsys):
+    a = torch.randn(384, 384)
+
+    def step():  # three products, whose time is aten::mm's, and cheap additions
+        for _ in range(3):
+            (a @ a).add_(1)
+    row = suite.profile_step(step, torch.device("cpu"), steps=2, top=4)
+    (name, ms, calls), *rest = row["top"]
+    assert name == "aten::mm" and calls == 3 and ms > 0 and len(rest) == 3 and row["kernels"] > 4
+    assert ms <= row["device_ms"] <= 2 * row["ms"]  # per step; the profiler's own time is not an operator's
+    suite.report_profile({"profile": {"step": row}})
+    assert "aten::mm" in capsys.readouterr().out
 
 
 def test_a_failing_section_is_recorded_and_the_others_run(monkeypatch, tmp_path, capsys):
@@ -360,10 +379,12 @@ def test_the_layer_is_also_timed_from_cuda_graphs_and_a_failed_capture_costs_onl
     assert all("graph_error" not in L for L in suite.suite_layer(tiny, cpu, torch.float32))  # on CPU: not tried
 
 
-def test_each_eager_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, capsys):
-    """On CUDA the model section also captures each eager train step as a CUDA graph and times its replays, one
-    variant at a time, each freed before the next: the GPU's time for the step alone, and its ratio to full AdamW's.
-    Here (CPU) the capture is faked as the step itself, and fails for one variant, which says so; the rest stand."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, capsys, compiled):
+    """On CUDA the model sections also capture each train step, eager and compiled, as a CUDA graph and time its
+    replays, one variant at a time, each freed before the next: the GPU's time for the step alone, and its ratio to
+    full AdamW's (compiled: whether a compiled step is bound by the host). Here (CPU) the capture is faked as the step
+    itself, and fails for one variant, which says so; the rest stand."""
     tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
     captured = []
 
@@ -373,7 +394,7 @@ def test_each_eager_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypat
             raise RuntimeError("operation not permitted when stream is capturing")
         return fn
     monkeypatch.setattr(suite, "cuda_graphed", capture)
-    r = suite.suite_model(tiny, cpu, torch.float32, False, graphs=True)
+    r = suite.suite_model(tiny, cpu, torch.float32, compiled, graphs=True)
     v = r["variants"]
     failed = list(v)[2]
     assert v[failed]["graph_error"] == "RuntimeError: operation not permitted when stream is capturing"
@@ -385,8 +406,9 @@ def test_each_eager_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypat
     suite.report_model({"model": r})
     out = capsys.readouterr().out
     assert len(re.findall(r"\| CUDA graph \d", out)) == len(v) - 1 and "CUDA graph capture failed: RuntimeError" in out
-    assert not any("graphed_ms" in row for row in suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
-                   .values())  # on CPU: not tried
+    if not compiled:
+        assert not any("graphed_ms" in row for row in suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
+                       .values())  # on CPU: not tried
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
