@@ -396,9 +396,11 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
                           fused=False):
     """The 8-bit updates of several tensors as one: their parameters, gradients and states laid end to end, each
     padded to whole blocks (no block mixes two tensors; the padding is zeros and stays zero), one update of the
-    whole, the results copied back. Element by element the same arithmetic as one update per tensor, to the bit,
-    in a fixed number of operations: a GPU's host issues them once per run of tensors instead of once per tensor.
-    compile: the update of the whole through torch.compile (the copies around it stay eager); fused: the one-kernel
+    whole, the parameters copied back. The states stay end to end: each tensor's becomes its view of the run's (the
+    first update's cat), so that later updates of the same run copy them neither in nor out (_end_to_end); a
+    checkpoint saves each such storage once. Element by element the same arithmetic as one update per tensor, to the
+    bit, in a fixed number of operations: a GPU's host issues them once per run of tensors instead of once per
+    tensor. compile: the update of the whole through torch.compile (the copies around it stay eager); fused: the one-kernel
     step, one launch for the run."""
     sizes = [state["exp_avg_codes"].numel() for state in states]  # each tensor's entries, padded to whole blocks
     device, n = params[0].device, sum(sizes)
@@ -410,15 +412,29 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     torch._foreach_copy_(param_parts, flat_params)
     torch._foreach_copy_(unpadded(grad), [p.grad.reshape(-1) for p in params])
     keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
-    whole = [torch.cat([state[key] for state in states]) for key in keys]
+    whole, new = zip(*(_end_to_end([state[key] for state in states]) for key in keys))
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
     hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, states[0]["step"])
     update = adam8bit_kernel.adam8bit_ if fused else _adam8bit_compiled() if compile else _adam8bit_
     update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
     torch._foreach_copy_(flat_params, param_parts)
-    for key, flat in zip(keys, whole):
-        per_tensor = [size // (1 if key.endswith("codes") else block_size) for size in sizes]
-        torch._foreach_copy_([state[key] for state in states], list(flat.split(per_tensor)))
+    for key, flat, cat in zip(keys, whole, new):
+        if cat:  # the states now live in it, end to end, as views: the next update of this run copies none of them
+            per_tensor = [size // (1 if key.endswith("codes") else block_size) for size in sizes]
+            for state, part in zip(states, flat.split(per_tensor)):
+                state[key] = part
+
+
+def _end_to_end(tensors):
+    """(flat, new): flat tensors laid end to end as one. Where they already lie so, in one storage (the views an
+    earlier update of the same run left), a view of them (new False); else their cat (new True)."""
+    first = tensors[0]
+    storage, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != end:
+            return torch.cat(tensors), True
+        end += t.numel()
+    return first.as_strided((end - first.storage_offset(),), (1,)), False
 
 
 def _step_scalars(lr, beta1, beta2, eps, weight_decay, step):

@@ -621,6 +621,47 @@ def test_adam8bit_small_tensors_together_match_one_by_one(monkeypatch, per_layer
         assert syncs == "none", f"the runs' copies made the host wait: {syncs}"
 
 
+def test_a_runs_states_stay_end_to_end_so_later_updates_copy_none_of_them(monkeypatch, tmp_path):
+    """After a run's first update (off CPU, forced here) each tensor's 8-bit state is its view of the run's, end to
+    end, one storage per kind: later updates neither cat the states nor copy them back (on a GPU, 4 copies in and 4
+    out per run and update, of ~2 bytes an entry). A checkpoint of such views loads and goes on to the bit as the
+    optimizer that was never saved."""
+    import optim
+    from bench import ops_by_name
+    monkeypatch.setattr(optim, "CHUNKED_DEVICES", set())
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7000, 10000, 3000)]  # 7000: the last block padded
+    make = lambda: Adam8bit(params, lr=1e-2, weight_decay=0.1, min_8bit_size=256)  # noqa: E731
+    opt = make()
+
+    def step(seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    step(0)
+    for key in ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax"):
+        parts = [opt.state[p][key] for p in params]
+        assert len({t.untyped_storage().data_ptr() for t in parts}) == 1, key
+        ends = [t.storage_offset() + t.numel() for t in parts]
+        assert [t.storage_offset() for t in parts] == [0] + ends[:-1], key
+    ops = ops_by_name(lambda: step(1))
+    assert ops["cat"] == 0 and ops["_foreach_copy_"] == 3, ops  # parameters and gradients in, parameters out
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    saved = [p.detach().clone() for p in params]
+    step(2)
+    straight = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, q in zip(params, saved):
+            p.copy_(q)
+    opt = make()
+    opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    step(2)
+    assert all(torch.equal(p, q) for p, q in zip(params, straight))
+    state_bytes = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert os.path.getsize(tmp_path / "opt.pt") < 1.2 * state_bytes  # each storage once, not once per view
+
+
 # -----------------------------------------------------------------------------
 # Per-layer updates
 
