@@ -400,8 +400,8 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     first update's cat), so that later updates of the same run copy them neither in nor out (_end_to_end); a
     checkpoint saves each such storage once. Element by element the same arithmetic as one update per tensor, to the
     bit, in a fixed number of operations: a GPU's host issues them once per run of tensors instead of once per
-    tensor. compile: the update of the whole through torch.compile (the copies around it stay eager); fused: the one-kernel
-    step, one launch for the run."""
+    tensor. compile: the update of the whole through torch.compile (the copies around it stay eager); fused: the
+    one-kernel step, one launch for the run."""
     sizes = [state["exp_avg_codes"].numel() for state in states]  # each tensor's entries, padded to whole blocks
     device, n = params[0].device, sum(sizes)
     # the gradients in float32, as _finite takes them; the kernel reads them in their own dtype (half the copy)
