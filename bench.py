@@ -70,6 +70,11 @@ from sllinear import SLLinear
 
 # ----------------------------------------------------------------------------- timing
 
+def synchronizer(device):
+    """A call that waits until the device has run what was issued to it (CUDA); on CPU, which runs it at once, none."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None
+
+
 def timed(fn, device, issued=None):
     """Seconds of one call of fn. On CUDA, issued (a list) gets the seconds the host took to issue its work: when
     they are most of the device's, the GPU was waiting for the host's launches (launch-bound), not computing."""
@@ -380,7 +385,7 @@ def count_ops(fn):
 def _host_step_time(model, make, idx, rounds, ops):
     """(best seconds, aten operations if ops else None) of a training step of model with per-layer updates by make
     (none if make is None)."""
-    sync = (lambda: torch.cuda.synchronize(idx.device)) if idx.device.type == "cuda" else lambda: None
+    sync = synchronizer(idx.device)
     per_layer = optim.attach_per_layer(model, make) if make else None
 
     def step():

@@ -32,10 +32,12 @@ CHUNK = 131072  # elements per chunk of the 8-bit step: its temporaries stay in 
 CHUNKED_DEVICES = {"cpu"}
 PIECE = 1 << 20
 # The one-kernel 8-bit step (adam8bit_kernel.py) takes consecutive tensors of up to KERNEL_RUN entries in all end to
-# end, one launch for them, for a dozen aten copies: on the H200's host a per-layer update of 350m SLTrain with one
-# launch per 8-bit tensor (506) took 3.2 times full's (170) for 1.6 times the aten operations (BENCHMARKS.md), which
-# points at the launches. (suite.py's host_us_per_call measures a launch against an operation.) Larger tensors, whose
-# launch is small beside their work, take their own. 0: one launch per tensor.
+# end, one launch for them, for a few aten copies (parameters and gradients; the states stay end to end): on the
+# H200's host a per-layer update of 350m SLTrain with one launch per 8-bit tensor (506) took 3.2 times full's (170)
+# for 1.6 times the aten operations, which points at the launches; on an H100 a launch cost the host 33 µs, an aten
+# operation 7 µs, and the runs (then still copying the states) gave 0.765 of full AdamW's throughput against 0.730
+# with a launch per tensor (BENCHMARKS.md). Larger tensors, whose launch is small beside their work, take their own.
+# 0: one launch per tensor.
 KERNEL_RUN = 1 << 22
 
 

@@ -52,7 +52,8 @@ import torch.nn as nn
 import adam8bit_kernel
 import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, cuda_graphed, finish, interleave, per_layer_host_time,
-                   pick_device, ratio, ratio_text, record_error, report_inference, start, summary, write_json)
+                   pick_device, ratio, ratio_text, record_error, report_inference, start, summary, synchronizer,
+                   write_json)
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from sllinear import SLLinear, scaled_mm
@@ -291,8 +292,8 @@ def profile_step(step, device, steps=PROFILE_STEPS, top=PROFILE_TOP):
     """{ms, device_ms, kernels, top: [[name, ms, calls], ...]} per step of step(), under torch.profiler."""
     for _ in range(2):
         step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
-    sync(device)
+    sync = synchronizer(device)
+    sync()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -300,7 +301,7 @@ def profile_step(step, device, steps=PROFILE_STEPS, top=PROFILE_TOP):
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        sync(device)
+        sync()
         ms = 1e3 * (time.perf_counter() - t0) / steps
     if device.type == "cuda":  # the kernels (and copies), each event on the device
         timed = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
@@ -469,7 +470,7 @@ def host_us_per_call(device, dtype, calls=200):
                                0.0, fused=True)
     calls_of = {"aten op (add_)": lambda: p.grad.add_(1.0), "kernel launch": update,
                 "Adam8bit.step, one tensor": step.step}
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None
+    sync = synchronizer(device)
     result = {}
     for name, call in calls_of.items():
         best = float("inf")
