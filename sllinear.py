@@ -91,17 +91,26 @@ def _product(x, group, scale, dtype):
     return [x @ W.t() for W in _rows(_weights(group, scale, dtype), group)]  # (..., in) @ (in, out) -> (..., out)
 
 
-@torch.library.custom_op("sltrain::product", mutates_args=())
-def _opaque_product(x: torch.Tensor, Bs: list[torch.Tensor], As: list[torch.Tensor], values: list[torch.Tensor],
-                    indices: list[torch.Tensor], bases: list[torch.Tensor | None], scale: float,
-                    dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """_product as one operator the compiler cannot see into. Seeing the casts of B, A and V in forward and the
-    same casts in backward, it would merge them and keep the bf16 copies for backward (2 bytes per parameter)."""
-    return _product(x, list(zip(Bs, As, values, indices, bases)), scale, dtype)
+# Compiled, the group's forward and backward are each one operator the compiler cannot see into (SLLinearFunction).
+# They are defined on the dispatcher directly, each calling its Python function with no layer between: an operator
+# made with torch.library.custom_op passes through its Python wrappers on every call, which cost about as much host
+# time again as the arithmetic inside (BENCHMARKS.md), and compiled SLTrain's step waits on its host.
+_LIBRARY = torch.library.Library("sltrain", "DEF")
+_LIBRARY.define("product(Tensor x, Tensor[] Bs, Tensor[] As, Tensor[] values, Tensor[] indices, Tensor?[] bases, "
+                "float scale, ScalarType? dtype) -> Tensor[]")
+_LIBRARY.define("gradients(Tensor x, Tensor?[] gs, Tensor[] Bs, Tensor[] As, Tensor[] values, Tensor[] indices, "
+                "Tensor?[] bases, float scale, bool need_x, bool[] needs) -> Tensor[]")
 
 
-@_opaque_product.register_fake
-def _(x, Bs, As, values, indices, bases, scale, dtype):
+def _opaque_product(x, Bs, As, values, indices, bases, scale, dtype):
+    """_product as one operator. Seeing the casts of B, A and V in forward and the same casts in backward, the
+    compiler would merge them and keep the bf16 copies for backward (2 bytes per parameter). Not differentiable
+    (SLLinearFunction is its autograd), so it records no graph when called where gradients are on."""
+    with torch.no_grad():
+        return _product(x, list(zip(Bs, As, values, indices, bases)), scale, dtype)
+
+
+def _fake_product(x, Bs, As, values, indices, bases, scale, dtype):
     return [x.new_empty(*x.shape[:-1], B.shape[0], dtype=x.dtype) for B in Bs]
 
 
@@ -138,21 +147,23 @@ def _gradients(x, gs, group, scale, need_x, needs):
     return got
 
 
-@torch.library.custom_op("sltrain::gradients", mutates_args=())
-def _opaque_gradients(x: torch.Tensor, gs: list[torch.Tensor | None], Bs: list[torch.Tensor],
-                      As: list[torch.Tensor], values: list[torch.Tensor], indices: list[torch.Tensor],
-                      bases: list[torch.Tensor | None], scale: float, need_x: bool,
-                      needs: list[bool]) -> list[torch.Tensor]:
+def _opaque_gradients(x, gs, Bs, As, values, indices, bases, scale, need_x, needs):
     """_gradients as one operator, for compiled backward (see SLLinearFunction.backward)."""
-    return _gradients(x, gs, list(zip(Bs, As, values, indices, bases)), scale, need_x, needs)
+    with torch.no_grad():
+        return _gradients(x, gs, list(zip(Bs, As, values, indices, bases)), scale, need_x, needs)
 
 
-@_opaque_gradients.register_fake
-def _(x, gs, Bs, As, values, indices, bases, scale, need_x, needs):
+def _fake_gradients(x, gs, Bs, As, values, indices, bases, scale, need_x, needs):
     like = [x] if need_x else []
     for i, layer in enumerate(zip(Bs, As, values)):
         like += [t for t, need in zip(layer, needs[3 * i:3 * i + 3]) if need]
     return [t.new_empty(t.shape) for t in like]
+
+
+for _name, _kernel, _fake in (("product", _opaque_product, _fake_product),
+                              ("gradients", _opaque_gradients, _fake_gradients)):
+    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"sltrain::{_name}", _fake, lib=_LIBRARY)
 
 
 class SLLinearFunction(torch.autograd.Function):
@@ -167,7 +178,7 @@ class SLLinearFunction(torch.autograd.Function):
         x_dtype, x = x.dtype, x if dtype is None else x.to(dtype)
         group = [layers[i:i + 5] for i in range(0, len(layers), 5)]
         if torch.compiler.is_compiling():
-            ys = _opaque_product(x, *map(list, zip(*group)), scale, dtype)
+            ys = torch.ops.sltrain.product(x, *map(list, zip(*group)), scale, dtype)
         else:
             ys = _product(x, group, scale, dtype)
         # saved: the inputs only; W dies in product and is rebuilt in backward for one more (out, r, in) GEMM
@@ -192,7 +203,7 @@ class SLLinearFunction(torch.autograd.Function):
         # B, A and V are already in the compute dtype. Compiled, backward too is one operator the compiler cannot see
         # into: traced, its in-place writes into one matrix's rows became copies of the whole matrix
         if torch.compiler.is_compiling():
-            got = _opaque_gradients(x, gs, *map(list, zip(*group)), ctx.scale, need_x, needs)
+            got = torch.ops.sltrain.gradients(x, gs, *map(list, zip(*group)), ctx.scale, need_x, needs)
         else:
             got = _gradients(x, gs, group, ctx.scale, need_x, needs)
         got = iter(got)

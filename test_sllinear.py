@@ -6,6 +6,8 @@ Gradient checks of the SLTrain layer and checks of the compact LLaMA built from 
 
 import dataclasses
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import ops_by_name
 from model import LLaMA, SIZES, KVCache, RMSNorm, config_for
+import sllinear
 from sllinear import SLLinear, projections, sl_linear, sl_linear_group, uniform_support
 
 
@@ -615,6 +618,39 @@ def test_compiled_backward_is_one_opaque_operator(outs, need_x):
     assert not [op for op in ops if any(w in op for w in ("mm", "scatter", "index"))], ops
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("op", ["product", "gradients"])
+def test_compiled_operators_call_their_function_with_no_python_between(op):
+    """torch.ops.sltrain.product and .gradients (compiled SLTrain's forward and backward) go from torch's operator
+    call straight to sllinear's function: made with torch.library.custom_op, each call passed through its Python
+    wrappers, about 30 µs more host time a call on this CPU, 192 calls a step at 350m. Called with gradients on, as
+    here, it still runs (no graph inside), and its results are the eager functions'."""
+    torch.manual_seed(0)
+    layers = [SLLinear(16, out, rank=2, delta=0.1, alpha=4) for out in (8, 8)]
+    group = [layer.factors() for layer in layers]
+    Bs, As, values, indices, bases = map(list, zip(*group))
+    x = torch.randn(3, 16, requires_grad=True)
+    gs = [torch.randn(3, 8), torch.randn(3, 8)]
+    args = dict(product=(x, Bs, As, values, indices, bases, 0.5, None),
+                gradients=(x, gs, Bs, As, values, indices, bases, 0.5, True, [True] * 6))[op]
+    eager = dict(product=lambda: sllinear._product(x, group, 0.5, None),
+                 gradients=lambda: sllinear._gradients(x, gs, group, 0.5, True, [True] * 6))[op]
+    callers = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == f"_opaque_{op}":
+            callers.append(frame.f_back.f_code.co_filename)
+    operator = getattr(torch.ops.sltrain, op).default
+    sys.setprofile(watch)
+    try:
+        got = operator(*args)
+    finally:
+        sys.setprofile(None)
+    assert len(callers) == 1 and callers[0].endswith(os.path.join("torch", "_ops.py")), callers
+    with torch.no_grad():
+        want = eager()
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # ----------------------------------------------------------------------------- the model
