@@ -162,12 +162,13 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
 
 
 def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None,
-               amp=False, fused=None, fuse=True):
+               amp=False, fused=None, fuse=True, mode=None):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
     step after it, optionally compiled as train.py --compile does it: each block (LLaMA.compile_blocks), and the
     8-bit step (fused: Adam8bit's, the one-kernel step where it can run by default). fuse=False: each SLTrain
-    projection its own call (LLaMA.fuse_projections)."""
+    projection its own call (LLaMA.fuse_projections). mode: torch.compile's, for the blocks ("reduce-overhead": each
+    block's forward and backward replayed from CUDA graphs, torch's CUDA graph trees, a new step marked each call)."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
     model.fuse_projections(fuse)
@@ -181,10 +182,12 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     else:
         opt = make(model.parameters(), **hyper)
     if backend:
-        model.compile_blocks(backend=backend)
+        model.compile_blocks(backend=backend, **({"mode": mode} if mode else {}))
     idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
 
     def step(idx=idx):  # another idx: the same step on other tokens (suite_model's host time, on a few)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
         loss.backward()
         if opt is not None:
@@ -243,7 +246,29 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     if device.type == "cuda" if graphs is None else graphs:
         graphed_steps(result, variants, s["rounds"], device)
         progress(result)
+        if compiled:
+            variants = None  # their memory, before the graph trees' pool takes its own
+            result["graph_trees"] = graph_trees(s, make, device)
+            progress(result)
     return result
+
+
+GRAPH_TREE_VARIANTS = (("full", "adamw", False), ("sltrain", "adamw", False), ("full", "adam8bit", True),
+                       ("sltrain", "adam8bit", True))
+
+
+def graph_trees(s, make, device):
+    """The compiled steps with each block compiled in torch.compile's mode "reduce-overhead" (CUDA graph trees: each
+    block's forward and backward replayed from a CUDA graph; the embedding, the head, the loss and the optimizer
+    eager), side by side, ÷ full AdamW in the same mode: what a compiled step makes of CUDA graphs where only the
+    blocks are graphed, beside graphed_steps' whole step captured."""
+    variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl, mode="reduce-overhead")
+                for m, o, pl in GRAPH_TREE_VARIANTS}
+    times = interleave(variants, s["rounds"], device, warmup=3)  # warm-up, then recording, then replays
+    v = summary(times, "full/adamw", invert=True)
+    for row in v.values():
+        row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
+    return dict(rounds=len(times["full/adamw"]), variants=v)
 
 
 def graphed_steps(result, variants, rounds, device):
@@ -735,6 +760,10 @@ def report_model(r, key="model"):
         if "graph_error" in row:
             host += f" | CUDA graph capture failed: {row['graph_error']}"
         print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}{host}")
+    if "graph_trees" in M:
+        print("  blocks compiled with mode reduce-overhead (CUDA graph trees), ratio to full/adamw so compiled:")
+        for name, row in M["graph_trees"]["variants"].items():
+            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
 
 
 def report_amp(r):

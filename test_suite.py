@@ -384,7 +384,9 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     """On CUDA the model sections also capture each train step, eager and compiled, as a CUDA graph and time its
     replays, one variant at a time, each freed before the next: the GPU's time for the step alone, and its ratio to
     full AdamW's (compiled: whether a compiled step is bound by the host). Here (CPU) the capture is faked as the step
-    itself, and fails for one variant, which says so; the rest stand."""
+    itself, and fails for one variant, which says so; the rest stand. Compiled, the steps are then also timed with the
+    blocks compiled in mode reduce-overhead (torch's CUDA graph trees; on CPU the mode reaches torch.compile and does
+    nothing), ÷ full AdamW so compiled."""
     tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
     captured = []
 
@@ -394,6 +396,10 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
             raise RuntimeError("operation not permitted when stream is capturing")
         return fn
     monkeypatch.setattr(suite, "cuda_graphed", capture)
+    modes = []
+    compile_blocks = suite.LLaMA.compile_blocks
+    monkeypatch.setattr(suite.LLaMA, "compile_blocks",
+                        lambda self, **options: modes.append(options.get("mode")) or compile_blocks(self, **options))
     r = suite.suite_model(tiny, cpu, torch.float32, compiled, graphs=True)
     v = r["variants"]
     failed = list(v)[2]
@@ -406,7 +412,15 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     suite.report_model({"model": r})
     out = capsys.readouterr().out
     assert len(re.findall(r"\| CUDA graph \d", out)) == len(v) - 1 and "CUDA graph capture failed: RuntimeError" in out
-    if not compiled:
+    if compiled:  # then the blocks compiled as CUDA graph trees, side by side, each ÷ full AdamW so compiled
+        trees = r["graph_trees"]["variants"]
+        assert list(trees) == ["full/adamw", "sltrain/adamw", "full/adam8bit/per_layer", "sltrain/adam8bit/per_layer"]
+        assert modes == [None] * len(v) + ["reduce-overhead"] * len(trees) and trees["full/adamw"]["ratio"] == 1.0
+        assert all(row["tok_s"] > 0 for row in trees.values()) and r["graph_trees"]["rounds"] == tiny["rounds"]
+        tail = out.split("mode reduce-overhead (CUDA graph trees)")[1].splitlines()[1:]
+        assert [line.split()[0] for line in tail] == list(trees) and all(" tok/s x" in line for line in tail)
+    else:
+        assert "graph_trees" not in r and not modes
         assert not any("graphed_ms" in row for row in suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
                        .values())  # on CPU: not tried
 
