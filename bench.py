@@ -95,24 +95,6 @@ def timed(fn, device, issued=None):
     return time.perf_counter() - t0
 
 
-def cuda_graphed(fn, device, warmup=3):
-    """A call that replays fn's GPU work, captured once as a CUDA graph: one launch for all of fn's kernels, so that
-    timing it gives the GPU's time for fn without the host's time to issue it (its Python, its launches). fn must
-    work the same on every call, without a host sync, as a training step does between log steps; its outputs are
-    overwritten by each replay. Warmed up first on a side stream, as CUDA graph capture needs (cuBLAS's workspace,
-    the allocator's blocks)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 MAX_CALLS = 10_000  # calls per block at most: no torch call takes under 1 µs, so only a timer that read 0 s reaches it
 
 

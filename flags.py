@@ -99,8 +99,13 @@ def make_parser(description=None):
     a("--compile", action="store_true", help="torch.compile each transformer block (model.compile_blocks: one "
       "graph for all, per-layer memory kept) and 8-bit Adam's step where its one-kernel GPU step does not run "
       "(adam8bit_kernel.py; on a CPU inductor's code for the step is slower than eager)")
+    a("--cuda_graph", action="store_true", help="capture each micro-batch's forward and backward once as a CUDA "
+      "graph and replay it (cudagraph.py): the host issues one launch where it issued thousands, so a step bound by "
+      "the host runs at the GPU's pace; the optimizer stays eager and the gradients stay allocated between updates. "
+      "One CUDA GPU, without --per_layer")
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
-      "should be none; hostsync.py; under --compile not the first update, which compiles) and print them at the end")
+      "should be none; hostsync.py; under --compile or --cuda_graph not the first update, which compiles or "
+      "captures) and print them at the end")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
@@ -202,6 +207,12 @@ def get_args(argv=None, description=None):
     if args.per_layer and args.grad_clipping:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
+    if args.cuda_graph and args.per_layer:
+        p.error("--cuda_graph replays a captured backward, and --per_layer updates inside backward at each update's "
+                "learning rate, which a replay cannot change: drop one of them")
+    if args.cuda_graph and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        p.error("--cuda_graph is for one process: DDP's all-reduce inside a captured backward is not supported "
+                "here; drop --cuda_graph under torchrun")
     if args.grad_clipping is None:  # the authors clip at 7b alone (their 7b script; the others do not)
         args.grad_clipping = 1.0 if args.size == "7b" and not args.per_layer else 0.0
     starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint
@@ -310,6 +321,8 @@ def resolve_device_and_batch(p, args):
     if device.type == "cuda":
         device = cuda_device(p, args, device, local_rank)
     check_bf16_decay(p, args, device)
+    if args.cuda_graph and device.type != "cuda":
+        p.error(f"--cuda_graph needs a CUDA GPU; --device is {device}: drop --cuda_graph")
     micro = RECIPES[args.size][3] if device.type == "cuda" else CPU_MICRO  # the size's usual micro-batch
     if args.eval_only:  # the validation tokens are the same at any batch size (data.validation_batches)
         args.batch_size = micro if args.batch_size is None else args.batch_size

@@ -51,9 +51,9 @@ import torch.nn as nn
 
 import adam8bit_kernel
 import optim
-from bench import (INFERENCE_BATCH, bench_inference, check_out, cuda_graphed, finish, interleave, per_layer_host_time,
-                   pick_device, ratio, ratio_text, record_error, report_inference, start, summary, synchronizer,
-                   write_json)
+from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
+                   ratio, ratio_text, record_error, report_inference, start, summary, synchronizer, write_json)
+from cudagraph import MicroBatchGraph, cuda_graphed
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from sllinear import SLLinear, scaled_mm
@@ -162,13 +162,15 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
 
 
 def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None,
-               amp=False, fused=None, fuse=True, mode=None):
+               amp=False, fused=None, fuse=True, mode=None, cuda_graph=False):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
     step after it, optionally compiled as train.py --compile does it: each block (LLaMA.compile_blocks), and the
     8-bit step (fused: Adam8bit's, the one-kernel step where it can run by default). fuse=False: each SLTrain
     projection its own call (LLaMA.fuse_projections). mode: torch.compile's, for the blocks ("reduce-overhead": each
-    block's forward and backward replayed from CUDA graphs, torch's CUDA graph trees, a new step marked each call)."""
+    block's forward and backward replayed from CUDA graphs, torch's CUDA graph trees, a new step marked each call).
+    cuda_graph: as train.py --cuda_graph, forward and backward replayed from one CUDA graph of our own
+    (cudagraph.MicroBatchGraph), the optimizer eager; its step takes the one shape it was captured with."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
     model.fuse_projections(fuse)
@@ -184,6 +186,14 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     if backend:
         model.compile_blocks(backend=backend, **({"mode": mode} if mode else {}))
     idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
+    if cuda_graph:  # (cuda_graphed looked up at the capture: the tests replace it)
+        graph, weight = MicroBatchGraph(model, model.parameters(), lambda fn, d: cuda_graphed(fn, d)), idx.new_ones(())
+
+        def step(idx=idx):
+            graph(idx[:, :-1], idx[:, 1:], weight)
+            opt.step()
+            graph.zero_grads()
+        return step
 
     def step(idx=idx):  # another idx: the same step on other tokens (suite_model's host time, on a few)
         if mode == "reduce-overhead":
@@ -212,7 +222,11 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     host. Then (graphs: by default on CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one
     variant at a time (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA
     graphs would make of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after
-    another, not interleaved); a capture that fails is said in the variant's graph_error."""
+    another, not interleaved); a capture that fails is said in the variant's graph_error. Then, with graphs, full
+    and sltrain AdamW side by side plain and as train.py --cuda_graph runs them ("cuda_graph": forward and backward
+    replayed from a CUDA graph, the optimizer eager, what the graphed figures promise made real), four variants
+    alone: each graph holds its step's activations for good (about 19 GB at 350m, batch 64, where all the variants
+    at once ran out of an H100's memory)."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     make = lambda m, o, pl, **kw: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
@@ -220,6 +234,7 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
     variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
+    graphs = device.type == "cuda" if graphs is None else graphs
     if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})
@@ -243,32 +258,39 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
             row["host_ms"] = 1e3 * statistics.median(host[name])
             row["host_share"] = row["host_ms"] / row["ms"]
         progress(result)
-    if device.type == "cuda" if graphs is None else graphs:
+    if graphs:
         graphed_steps(result, variants, s["rounds"], device)
         progress(result)
-        if compiled:
-            variants = None  # their memory, before the graph trees' pool takes its own
-            result["graph_trees"] = graph_trees(s, make, device)
+        variants = None  # their memory, before the graphs below hold their own
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["cuda_graph"] = side_by_side(s, {f"{m}/adamw{'/cuda_graph' * g}": make(m, "adamw", False, cuda_graph=g)
+                                                for m in ("full", "sltrain") for g in (False, True)}, device)
+        progress(result)
+        if compiled:  # (after the group above: the trees' pool stays)
+            result["graph_trees"] = side_by_side(s, {f"{m}/{o}{'/per_layer' if pl else ''}": make(
+                m, o, pl, mode="reduce-overhead") for m, o, pl in GRAPH_TREE_VARIANTS}, device)
             progress(result)
     return result
 
 
+# suite_model's compiled steps with each block compiled in torch.compile's mode "reduce-overhead" (CUDA graph trees:
+# each block's forward and backward replayed from a CUDA graph; the embedding, the head, the loss and the optimizer
+# eager), ÷ full AdamW in the same mode: what a compiled step makes of CUDA graphs where only the blocks are graphed
 GRAPH_TREE_VARIANTS = (("full", "adamw", False), ("sltrain", "adamw", False), ("full", "adam8bit", True),
                        ("sltrain", "adam8bit", True))
 
 
-def graph_trees(s, make, device):
-    """The compiled steps with each block compiled in torch.compile's mode "reduce-overhead" (CUDA graph trees: each
-    block's forward and backward replayed from a CUDA graph; the embedding, the head, the loss and the optimizer
-    eager), side by side, ÷ full AdamW in the same mode: what a compiled step makes of CUDA graphs where only the
-    blocks are graphed, beside graphed_steps' whole step captured."""
-    variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl, mode="reduce-overhead")
-                for m, o, pl in GRAPH_TREE_VARIANTS}
-    times = interleave(variants, s["rounds"], device, warmup=3)  # warm-up, then recording, then replays
-    v = summary(times, "full/adamw", invert=True)
+def side_by_side(s, variants, device):
+    """A group of suite_model's steps timed on their own, interleaved, ÷ the first: {rounds, variants: {name:
+    {ms, ratio, range, tok_s}}}. Three warm-up calls each (a CUDA graph tree: warm-up, recording, replay)."""
+    times = interleave(variants, s["rounds"], device, warmup=3)
+    base = next(iter(variants))
+    v = summary(times, base, invert=True)
     for row in v.values():
         row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
-    return dict(rounds=len(times["full/adamw"]), variants=v)
+    return dict(rounds=len(times[base]), variants=v)
 
 
 def graphed_steps(result, variants, rounds, device):
@@ -760,10 +782,14 @@ def report_model(r, key="model"):
         if "graph_error" in row:
             host += f" | CUDA graph capture failed: {row['graph_error']}"
         print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}{host}")
-    if "graph_trees" in M:
-        print("  blocks compiled with mode reduce-overhead (CUDA graph trees), ratio to full/adamw so compiled:")
-        for name, row in M["graph_trees"]["variants"].items():
-            print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
+    for key, title in (("cuda_graph", "as train.py --cuda_graph (forward and backward replayed), alone, ratio to "
+                                      "full/adamw there:"),
+                       ("graph_trees", "blocks compiled with mode reduce-overhead (CUDA graph trees), ratio to "
+                                       "full/adamw so compiled:")):
+        if key in M:
+            print(f"  {title}")
+            for name, row in M[key]["variants"].items():
+                print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
 
 
 def report_amp(r):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import bench
+import cudagraph
 import optim
 import suite
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
@@ -386,11 +386,16 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     full AdamW's (compiled: whether a compiled step is bound by the host). Here (CPU) the capture is faked as the step
     itself, and fails for one variant, which says so; the rest stand. Compiled, the steps are then also timed with the
     blocks compiled in mode reduce-overhead (torch's CUDA graph trees; on CPU the mode reaches torch.compile and does
-    nothing), ÷ full AdamW so compiled."""
+    nothing), ÷ full AdamW so compiled. Eager and compiled, full and SLTrain AdamW then run plain and as train.py
+    --cuda_graph, the four alone (each graph holds its activations): each graph variant captures its forward and
+    backward once (cudagraph.MicroBatchGraph), and is not captured as a whole step."""
     tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
-    captured = []
+    captured, micro_batches = [], []
 
     def capture(fn, device):
+        if isinstance(getattr(fn, "__self__", None), cudagraph.MicroBatchGraph):
+            micro_batches.append(fn)
+            return fn
         captured.append(fn)
         if len(captured) == 3:
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -402,6 +407,11 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
                         lambda self, **options: modes.append(options.get("mode")) or compile_blocks(self, **options))
     r = suite.suite_model(tiny, cpu, torch.float32, compiled, graphs=True)
     v = r["variants"]
+    assert not any(name.endswith("/cuda_graph") for name in v)
+    replayed = r["cuda_graph"]["variants"]
+    assert list(replayed) == ["full/adamw", "full/adamw/cuda_graph", "sltrain/adamw", "sltrain/adamw/cuda_graph"]
+    assert len(micro_batches) == 2 and replayed["full/adamw"]["ratio"] == 1.0
+    assert all(row["tok_s"] > 0 for row in replayed.values()) and r["cuda_graph"]["rounds"] == tiny["rounds"]
     failed = list(v)[2]
     assert v[failed]["graph_error"] == "RuntimeError: operation not permitted when stream is capturing"
     assert "graphed_ms" not in v[failed] and len(captured) == len(v)
@@ -411,25 +421,29 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
             assert row["graphed_ms"] > 0 and row["graphed_ratio"] == v["full/adamw"]["graphed_ms"] / row["graphed_ms"]
     suite.report_model({"model": r})
     out = capsys.readouterr().out
-    assert len(re.findall(r"\| CUDA graph \d", out)) == len(v) - 1 and "CUDA graph capture failed: RuntimeError" in out
+    assert len(re.findall(r"\| CUDA graph \d", out)) == len(v) - 1
+    assert "CUDA graph capture failed: RuntimeError" in out
+    tail = out.split("as train.py --cuda_graph (forward and backward replayed)")[1].splitlines()[1:5]
+    assert [line.split()[0] for line in tail] == list(replayed) and all(" tok/s x" in line for line in tail)
     if compiled:  # then the blocks compiled as CUDA graph trees, side by side, each ÷ full AdamW so compiled
         trees = r["graph_trees"]["variants"]
         assert list(trees) == ["full/adamw", "sltrain/adamw", "full/adam8bit/per_layer", "sltrain/adam8bit/per_layer"]
-        assert modes == [None] * len(v) + ["reduce-overhead"] * len(trees) and trees["full/adamw"]["ratio"] == 1.0
+        assert modes == [None] * (len(v) + len(replayed)) + ["reduce-overhead"] * len(trees)
+        assert trees["full/adamw"]["ratio"] == 1.0
         assert all(row["tok_s"] > 0 for row in trees.values()) and r["graph_trees"]["rounds"] == tiny["rounds"]
         tail = out.split("mode reduce-overhead (CUDA graph trees)")[1].splitlines()[1:]
         assert [line.split()[0] for line in tail] == list(trees) and all(" tok/s x" in line for line in tail)
     else:
         assert "graph_trees" not in r and not modes
-        assert not any("graphed_ms" in row for row in suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
-                       .values())  # on CPU: not tried
+        plain = suite.suite_model(tiny, cpu, torch.float32, False)  # on CPU: neither tried
+        assert "cuda_graph" not in plain and not any("graphed_ms" in row for row in plain["variants"].values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_a_cuda_graph_replays_the_calls_work():
     device = torch.device("cuda")
     x = torch.zeros(1, device=device)
-    replay = bench.cuda_graphed(lambda: x.add_(1), device, warmup=2)  # warm-up runs it, capture does not
+    replay = cudagraph.cuda_graphed(lambda: x.add_(1), device, warmup=2)  # warm-up runs it, capture does not
     torch.cuda.synchronize()
     assert x.item() == 2
     replay()

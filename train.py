@@ -56,6 +56,7 @@ import adam8bit_kernel
 from analyze import prepare_for_training
 import checkpoint
 import flags
+from cudagraph import MicroBatchGraph
 from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
                   validation_batches)
 from flags import resume_path, same_file
@@ -145,8 +146,9 @@ RESUME_MUST_MATCH = ("size",) + MODEL_FIELDS + ("optimizer", "per_layer", "total
                                                 "block_size")
 EVAL_MUST_MATCH = ("size",) + MODEL_FIELDS + ("tokenizer_sha256",)
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
-                  "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile", "amp",
-                  "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device", "adam8bit_kernel")
+                  "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
+                  "cuda_graph", "amp", "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device",
+                  "adam8bit_kernel")
 
 
 def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
@@ -443,6 +445,7 @@ class Run:
     device: torch.device
     rank: int
     world: int
+    graph: MicroBatchGraph | None = None  # --cuda_graph: each micro-batch's forward and backward, replayed
 
     @property
     def optimizers(self):
@@ -488,7 +491,8 @@ def build(args, config, device, dtype, ddp, ckpt):
     else:
         per_layer, optimizer = None, make_optimizer(list(raw_model.parameters()))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(args))
-    run = Run(model, raw_model, optimizer, scheduler, per_layer, config, device, rank, world)
+    graph = MicroBatchGraph(model, raw_model.parameters()) if args.cuda_graph else None
+    run = Run(model, raw_model, optimizer, scheduler, per_layer, config, device, rank, world, graph)
     if ckpt:
         (per_layer or optimizer).load_state_dict(ckpt["optimizer"])
         if scheduler:
@@ -669,7 +673,8 @@ def train(args, run, ckpt, val, loader, stop):
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != loop.total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
-        quiet = quiet and not (args.compile and done == loop.start + 1)  # compiling: on a GPU autotuning syncs
+        # compiling (on a GPU autotuning syncs) and capturing a CUDA graph: the first update
+        quiet = quiet and not ((args.compile or args.cuda_graph) and done == loop.start + 1)
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -872,16 +877,19 @@ def train_step(args, run, micro_batches, stop=None):
             if per_layer:
                 per_layer.reset()
             else:
-                run.optimizer.zero_grad(set_to_none=True)
+                zero_grad(run)
             return None
         last = i == accum - 1
         sync = model.no_sync() if ddp and not last else nullcontext()
         hold = per_layer.accumulating() if per_layer and not last else nullcontext()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with sync, hold:
-            loss = model(x, y)[1]  # not the logits: held here, they would stay alive through backward
-            weight = torch.full_like(n_total, counts[i]) / n_total
-            (loss * (weight * world)).backward()  # DDP averages over ranks; * world makes it a sum
+        weight = torch.full_like(n_total, counts[i]) / n_total
+        if run.graph:  # x and y go from the host into the graph's buffers
+            loss = run.graph(x, y, weight)
+        else:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with sync, hold:
+                loss = model(x, y)[1]  # not the logits: held here, they would stay alive through backward
+                (loss * (weight * world)).backward()  # DDP averages over ranks; * world makes it a sum
         step_loss += loss.detach().double() * weight
     if per_layer:
         return step_loss, per_layer.grad_norm(), n_total
@@ -889,8 +897,16 @@ def train_step(args, run, micro_batches, stop=None):
     norm = clip_grad_norm32(run.raw_model.parameters(), max_norm)
     run.optimizer.step()
     run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    zero_grad(run)
     return step_loss, norm, n_total
+
+
+def zero_grad(run):
+    """The gradients dropped for the next update; under --cuda_graph zeroed in place, where the graph adds to them."""
+    if run.graph:
+        run.graph.zero_grads()
+    else:
+        run.optimizer.zero_grad(set_to_none=True)
 
 
 class Unbroken:
