@@ -65,6 +65,7 @@ from checkpoint import atomic_file
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection
+from per_layer import attach_per_layer
 from sllinear import SLLinear
 
 
@@ -368,7 +369,7 @@ def _host_step_time(model, make, idx, rounds, ops):
     """(best seconds, aten operations if ops else None) of a training step of model with per-layer updates by make
     (none if make is None)."""
     sync = synchronizer(idx.device)
-    per_layer = optim.attach_per_layer(model, make) if make else None
+    per_layer = attach_per_layer(model, make) if make else None
 
     def step():
         model(idx[:, :-1], idx[:, 1:])[1].backward()

@@ -47,6 +47,7 @@ import optim
 from devices import device_from_flag
 from model import (LLaMA, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values, frozen_base_to,
                    is_projection)
+from per_layer import attach_per_layer
 from sllinear import SLLinear
 
 ALL_METHODS = ("full", "lowrank", "relora", "galore", "sltrain")  # the paper's table
@@ -506,7 +507,7 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
 
     for p in params:
         p.register_post_accumulate_grad_hook(track_grads)
-    per = optim.attach_per_layer(model, make) if per_layer else None
+    per = attach_per_layer(model, make) if per_layer else None
     opt = None if per_layer else make(params)
     whole = None
     if activation_checkpointing:  # one forward without, before the steps: what a block saves when recomputed

@@ -56,6 +56,7 @@ from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interlea
 from cudagraph import MicroBatchGraph, cuda_graphed
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
+from per_layer import attach_per_layer
 from sllinear import SLLinear, scaled_mm
 
 # gpu: every figure of the paper's GPU claims in one command (never run yet; BENCHMARKS.md splits it with --only);
@@ -180,7 +181,7 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
                                                                                           fused=fused)
     opt = None
     if per_layer:
-        optim.attach_per_layer(model, lambda ps: make(ps, **hyper))
+        attach_per_layer(model, lambda ps: make(ps, **hyper))
     else:
         opt = make(model.parameters(), **hyper)
     if backend:

@@ -13,7 +13,7 @@ import torch
 import train
 from model import LLaMA, config_for
 from galore import GaLore, galore_param_groups
-from optim import attach_per_layer
+from per_layer import attach_per_layer
 from test_optim import step_beside_a_twin_without_non_finite
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
 

@@ -14,7 +14,8 @@ import torch
 import train
 from model import LLaMA, ReLoRALinear, config_for, relora_merge
 from galore import GaLore, galore_param_groups
-from optim import AdamW, Adam8bit, attach_per_layer, dequantize_blockwise, prune_state_
+from optim import AdamW, Adam8bit, dequantize_blockwise, prune_state_
+from per_layer import attach_per_layer
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
 
 

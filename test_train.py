@@ -1724,7 +1724,7 @@ def test_compiled_blocks_share_one_graph_and_keep_per_layer_updates():
         model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96, n_layers=3))
         if compiled:
             model.compile_blocks(backend="aot_eager")  # AOTAutograd as inductor uses it, without code generation
-        optim.attach_per_layer(model, lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=65))
+        train.attach_per_layer(model, lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=65))
         idx = torch.randint(96, (4, 2, 17), generator=torch.Generator().manual_seed(0))
         losses[compiled] = []
         for x in idx:

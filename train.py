@@ -64,7 +64,8 @@ from hostsync import HostSyncs
 from keeper import Keeper, any_rank, diverged, lock_out_dir, refuse_overwrite
 from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
-from optim import AdamW, Adam8bit, attach_per_layer, clip_grad_norm32, prune_state_
+from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
+from per_layer import attach_per_layer
 
 MODEL_FIELDS = ("method", "rank", "alpha", "delta")
 # a checkpoint write longer than this is said once: schedulers commonly allow 30 s between SIGTERM and SIGKILL
@@ -440,7 +441,7 @@ class Run:
     raw_model: LLaMA  # the same weights, plain: checkpoints and evaluation
     optimizer: torch.optim.Optimizer | None  # None with per-layer updates (or --eval_only)
     scheduler: torch.optim.lr_scheduler.LambdaLR | None
-    per_layer: object  # optim.PerLayer: the updates made inside backward, each layer's optimizer and schedule
+    per_layer: object  # per_layer.PerLayer: the updates made inside backward, each layer's optimizer and schedule
     config: LLaMAConfig
     device: torch.device
     rank: int
