@@ -20,7 +20,8 @@ with --data_dir):
                     per-layer updates
     amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
-                    --compile, --sync_debug, torchrun (each run killed at a timeout, with every process below it)
+                    --compile, --sync_debug, torchrun, --cuda_graph beside the same AdamW run plain (on CUDA)
+                    (each run killed at a timeout, with every process below it)
     model_compiled  the model section compiled as train.py --compile, for full, lowrank and sltrain
     profile         where the time of full's and SLTrain's AdamW steps goes, eager and compiled: torch.profiler's
                     kernels (on CPU its operators), the heaviest by name
@@ -584,7 +585,8 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
     # the suite's scratch folders, anew
-    for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun"):
+    for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun", "graph_off",
+                "graph_on"):
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # whatever the working folder
     base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
@@ -593,8 +595,8 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
             "--workers", "1"]
     rows = lambda run: [json.loads(line) for line in open(os.path.join(out_dir, run, "metrics.jsonl"))]
 
-    def train(run, *extra, launcher=()):
-        cmd = [*launcher, *base[1 if launcher else 0:], "--out_dir", os.path.join(out_dir, run), *extra]
+    def train(run, *extra, launcher=(), common=base):
+        cmd = [*launcher, *common[1 if launcher else 0:], "--out_dir", os.path.join(out_dir, run), *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         with deadline(proc, p["timeout"]) as fired:
             out, err = proc.communicate()
@@ -657,9 +659,22 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         return dict(ok=True, tail=train("torchrun", "--num_training_steps", short, launcher=launcher).splitlines()[-1])
 
+    def cuda_graph():  # the same short run of two micro-batches an update, AdamW (a replay cannot update per layer)
+        if not torch.cuda.is_available():  # said in its row, not left out
+            return dict(skipped="train.py --cuda_graph needs a CUDA GPU")
+        adamw = ["adamw" if arg == "adam8bit" else arg for arg in base if arg != "--per_layer"]
+        said = {run: train(run, "--num_training_steps", short, *halves, *extra, common=adamw)
+                for run, extra in (("graph_off", ()), ("graph_on", ("--cuda_graph", "--sync_debug")))}
+        losses = {run: [r["loss"] for r in rows(run) if "loss" in r] for run in said}
+        evals = {run: rows(run)[-1].get("val_loss") for run in said}
+        return dict(last_loss=evals["graph_on"], last_loss_off=evals["graph_off"],
+                    max_loss_diff=max(abs(a - b) for a, b in zip(*losses.values(), strict=True)),
+                    tail=said["graph_on"].splitlines()[-2], tail_off=said["graph_off"].splitlines()[-1],
+                    sync_debug=said["graph_on"].splitlines()[-1])
+
     runs = dict(straight=straight, sigterm_resume=sigterm_resume, compile=compiled if p["compile"] else None,
                 sync_debug=lambda: dict(line=train("eager_sync", *sync).splitlines()[-1]),  # every op, and CUDA's check
-                kernel=kernel, torchrun=torchrun)
+                kernel=kernel, torchrun=torchrun, cuda_graph=cuda_graph)
     result = {}
     for name, run in runs.items():
         if run is None:
