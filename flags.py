@@ -210,9 +210,6 @@ def get_args(argv=None, description=None):
     if args.cuda_graph and args.per_layer:
         p.error("--cuda_graph replays a captured backward, and --per_layer updates inside backward at each update's "
                 "learning rate, which a replay cannot change: drop one of them")
-    if args.cuda_graph and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        p.error("--cuda_graph is for one process: DDP's all-reduce inside a captured backward is not supported "
-                "here; drop --cuda_graph under torchrun")
     if args.grad_clipping is None:  # the authors clip at 7b alone (their 7b script; the others do not)
         args.grad_clipping = 1.0 if args.size == "7b" and not args.per_layer else 0.0
     starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint
@@ -315,6 +312,9 @@ def check_adam8bit_kernel(p, args):
 def resolve_device_and_batch(p, args):
     """The device, then the batch arithmetic (total = batch_size x accumulation x world, exactly), then memory."""
     local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.cuda_graph and world > 1:
+        p.error("--cuda_graph is for one process: DDP's all-reduce inside a captured backward is not supported "
+                "here; drop --cuda_graph under torchrun")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = device_from_flag(p.error, args.device, "auto, cpu, cuda or cuda:N")

@@ -231,12 +231,12 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     at once ran out of an H100's memory)."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
+    graphs = device.type == "cuda" if graphs is None else graphs
     make = lambda m, o, pl, **kw: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
                                              s["max_length"], device, dtype, backend, s.get("vocab"), **kw)
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
     variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
-    graphs = device.type == "cuda" if graphs is None else graphs
     if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})
@@ -244,11 +244,9 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
             optim, "KERNEL_RUN", 0, make("sltrain", "adam8bit", True))
 
     def figures(times):
-        v = summary(times, "full/adamw", invert=True)
-        for row in v.values():
-            row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
         return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], compiled=compiled,
-                    rounds=len(times["full/adamw"]), variants=v)
+                    rounds=len(times["full/adamw"]), variants=with_tokens_per_second(s, summary(times, "full/adamw",
+                                                                                                invert=True)))
     times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1,  # compiling is warm-up
                        after_round=lambda times: progress(figures(times)))
     result = figures(times)
@@ -289,10 +287,14 @@ def side_by_side(s, variants, device):
     {ms, ratio, range, tok_s}}}. Three warm-up calls each (a CUDA graph tree: warm-up, recording, replay)."""
     times = interleave(variants, s["rounds"], device, warmup=3)
     base = next(iter(variants))
-    v = summary(times, base, invert=True)
-    for row in v.values():
+    return dict(rounds=len(times[base]), variants=with_tokens_per_second(s, summary(times, base, invert=True)))
+
+
+def with_tokens_per_second(s, rows):
+    """rows (summary's) with each step's tokens/s at the model sections' batch, as tok_s."""
+    for row in rows.values():
         row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
-    return dict(rounds=len(times[base]), variants=v)
+    return rows
 
 
 def graphed_steps(result, variants, rounds, device):
@@ -375,7 +377,7 @@ def suite_amp(s, device, dtype, progress=lambda partial: None):
     for m, o, pl in (("full", "adamw", False), ("sltrain", "adam8bit", True)):
         name = f"{m}/{o}{'/per_layer' if pl else ''}"
         times = interleave({"bf16": make(m, o, pl, False), "amp": make(m, o, pl, True)}, s["rounds"], device)
-        v = summary(times, "bf16", invert=True)
+        v = with_tokens_per_second(s, summary(times, "bf16", invert=True))
         gc.collect()
         for amp in (False, True):  # alone, so that the peak is this setting's
             if device.type == "cuda":
@@ -386,7 +388,6 @@ def suite_amp(s, device, dtype, progress=lambda partial: None):
             for _ in range(2):
                 step()
             key = "amp" if amp else "bf16"
-            v[key]["tok_s"] = s["model_batch"] * s["max_length"] / (v[key]["ms"] / 1e3)
             est = estimate(s["model_size"], m, None, None, "int32", o, pl, s["model_batch"], s["max_length"],
                            dtype=None if amp else str(dtype).removeprefix("torch."), amp=amp,
                            vocab_size=s.get("vocab"))["train_gb"]

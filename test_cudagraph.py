@@ -43,11 +43,11 @@ def runs(method, capture=None, grad_clipping=0.0, updates=3, accum=2):
     run = train.Run(model, model, optimizer, scheduler, None, model.config, torch.device("cpu"), 0, 1, graph)
     generator, losses = torch.Generator().manual_seed(1), []
     for _ in range(updates):
-        micro_batches = [(torch.randint(96, (2, 16), generator=generator), torch.randint(96, (2, 16),
-                                                                                        generator=generator), 30 + i)
-                         for i in range(accum)]
-        for x, y, _ in micro_batches:
-            y[0, -2:] = -1  # padding: targets not counted
+        micro_batches = []
+        for i in range(accum):
+            x, y = torch.randint(96, (2, 16), generator=generator), torch.randint(96, (2, 16), generator=generator)
+            y[0, -2 - i:] = -1  # padding: targets not counted, so the micro-batches weigh differently
+            micro_batches.append(train.on_host(x, y, torch.device("cpu")))
         loss, norm, n = train.train_step(SimpleNamespace(grad_clipping=grad_clipping), run, micro_batches)
         losses.append((loss.item(), norm.item(), n.item()))
     return losses, [p.detach().clone() for p in model.parameters()], run
