@@ -61,7 +61,12 @@ if triton is not None:
                          m_map_ptr, m_first_ptr, m_threshold_ptr, v_map_ptr, v_first_ptr, v_threshold_ptr,
                          n, blocks, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, decay,
                          sqrt_bias_correction2, HAS_DECAY: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
-                         ROWS: tl.constexpr):
+                         ROWS: tl.constexpr, ON_DEVICE: tl.constexpr):
+        if ON_DEVICE:  # step_size, decay and sqrt_bias_correction2 point at this update's values (a CUDA graph's)
+            step_size = tl.load(step_size)
+            sqrt_bias_correction2 = tl.load(sqrt_bias_correction2)
+            if HAS_DECAY:
+                decay = tl.load(decay)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         index = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK) into the padded flat state
         row_in = rows < blocks
@@ -107,7 +112,9 @@ if triton is not None:
 def adam8bit_(param, grad, m, v, tables, block_size, hyper):
     """optim._adam8bit_'s update, in place, as one kernel launch: param (n,) and grad (n,) flat and contiguous; m
     and v the (codes (nb·bs,), absmax (nb,)) of m and √v; tables the (map, first, threshold) of the signed and
-    unsigned maps (optim._lookup_tables); hyper = optim._step_scalars(...). block_size: a power of two."""
+    unsigned maps (optim._lookup_tables); hyper = optim._step_scalars(...), or optim._hyper's with the step size,
+    decay and bias correction as 0-dim float32 tensors on the device, which the kernel reads there (a CUDA graph's
+    replays read each update's). block_size: a power of two."""
     (m_codes, m_absmax), (v_codes, v_absmax), (signed, unsigned) = m, v, tables
     step_size, one_minus_beta1, beta2, one_minus_beta2, eps, decay, sqrt_bias_correction2 = hyper
     blocks = m_absmax.numel()
@@ -115,8 +122,8 @@ def adam8bit_(param, grad, m, v, tables, block_size, hyper):
         _adam8bit_kernel[(triton.cdiv(blocks, ROWS),)](
             param, grad, m_codes, m_absmax, v_codes, v_absmax, *signed, *unsigned,
             param.numel(), blocks, step_size, one_minus_beta1, beta2, one_minus_beta2, eps,
-            1.0 if decay is None else decay, sqrt_bias_correction2,
-            HAS_DECAY=decay is not None, BF16=param.dtype == torch.bfloat16, BLOCK=block_size, ROWS=ROWS)
+            1.0 if decay is None else decay, sqrt_bias_correction2, HAS_DECAY=decay is not None,
+            BF16=param.dtype == torch.bfloat16, BLOCK=block_size, ROWS=ROWS, ON_DEVICE=torch.is_tensor(step_size))
 
 
 def on_its_device(tensor):

@@ -20,7 +20,7 @@ Run the tests:   python -m pytest -q test_galore.py
 import torch
 
 from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_fused, _check_hyperparameters,
-                   _evaluate, _finite, _fused, _keep_state_dtypes)
+                   _evaluate, _finite, _fused, _keep_state_dtypes, _step_scalars)
 
 
 def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fused=None):
@@ -34,17 +34,17 @@ def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fus
             state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
         state["step"] += 1
         eps = group["eps"] / (1 - beta2 ** state["step"]) ** 0.5  # GaLore's AdamW adds ε to √v: to √v̂ this is ε'
-        _adamw_([target], [target.grad], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], lr, beta1, beta2,
-                eps, weight_decay)
+        _adamw_([target], [target.grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+                _step_scalars(lr, beta1, beta2, eps, weight_decay, state["step"]))
         return
     if "step" not in state:
         Adam8bit._init_state(target, state, group)
     state["step"] += 1
-    hyper = (lr, beta1, beta2, group["eps"], weight_decay)
+    hyper = _step_scalars(lr, beta1, beta2, group["eps"], weight_decay, state["step"])
     if "exp_avg" in state:  # below min_8bit_size: float32 moments, as Adam8bit
-        _adamw_([target], [_finite(target.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
+        _adamw_([target], [_finite(target.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], hyper)
     else:
-        Adam8bit._update_8bit(target, state, group["block_size"], *hyper, compile=compile,
+        Adam8bit._update_8bit(target, state, group["block_size"], hyper, compile=compile,
                               fused=_fused(fused, target, group["block_size"]))
 
 

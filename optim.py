@@ -57,22 +57,58 @@ def _evaluate(closure):
         return closure()
 
 
+def _step_scalars(lr, beta1, beta2, eps, weight_decay, step):
+    """The numbers an Adam update uses (_adamw_, _adam8bit_ and its kernel), each computed here once, in Python: the
+    compiled 8-bit update takes them as graph inputs, and torch 2.11's compiler recompiles for every new value of a
+    float it has to do arithmetic on (every step's bias correction, every lr of a schedule). Eagerly the same values
+    as computing them in place."""
+    decay = 1 - lr * weight_decay if weight_decay != 0 else None
+    return -(lr / (1 - beta1**step)), 1 - beta1, beta2, 1 - beta2, eps, decay, (1 - beta2**step) ** 0.5
+
+
+def _hyper(optimizer, group, state):
+    """_step_scalars for the tensors of a param group whose step count is state's. Under a CUDA graph
+    (optimizer.device_scalars set, cudagraph.DeviceScalars) the ones that change from update to update, the step
+    size, the decay and the bias correction, come as 0-dim tensors on the device instead: a replay reads each
+    update's there, where a number would stay the one of the capture."""
+    beta1, beta2 = group["betas"]
+    hyper = _step_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"])
+    scalars = optimizer.device_scalars
+    return hyper if scalars is None else scalars.on_device(group, state, hyper)
+
+
 # -----------------------------------------------------------------------------
 # AdamW
 
-def _adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay):
+def _adamw_(params, grads, exp_avgs, exp_avg_sqs, hyper):
     """One AdamW update of tensors that share a step count, in the order of operations of torch.optim.AdamW's
-    multi-tensor path, so that the two agree step for step."""
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)  # decoupled: shrink the weight, not the gradient
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m = β1·m + (1-β1)·g
+    multi-tensor path, so that the two agree step for step. hyper: _hyper()'s numbers for their step."""
+    step_size, one_minus_beta1, beta2, one_minus_beta2, eps, decay, sqrt_bias_correction2 = hyper
+    if decay is not None:
+        _scale_(params, decay)  # decoupled: shrink the weight, not the gradient
+    torch._foreach_lerp_(exp_avgs, grads, one_minus_beta1)  # m = β1·m + (1-β1)·g
     torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)  # v = β2·v + (1-β2)·g²
-    bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, one_minus_beta2)  # v = β2·v + (1-β2)·g²
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2**0.5)
+    _scale_(denom, sqrt_bias_correction2, divide=True)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, -(lr / bias_correction1))  # p -= lr·m̂ / (√v̂ + ε)
+    if not torch.is_tensor(step_size):
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)  # p -= lr·m̂ / (√v̂ + ε)
+        return
+    for p, m, d in zip(params, exp_avgs, denom):  # addcdiv's arithmetic, (step·m) / d, with the step on the device
+        p.add_(m.float().mul(step_size).div_(d))
+
+
+def _scale_(tensors, factor, divide=False):
+    """Each tensor multiplied (or divided) in place by factor: a number, or a 0-dim float32 tensor (under a CUDA
+    graph, this update's value on the device). A tensor factor is applied in float32 and the result rounded once,
+    as a number is: a kernel that cast the factor to a bf16 tensor's own dtype would round 1 - lr·decay to 1."""
+    if not torch.is_tensor(factor):
+        (torch._foreach_div_ if divide else torch._foreach_mul_)(tensors, factor)
+        return
+    for t in tensors:
+        scaled = t.float().div(factor) if divide else t.float().mul(factor)
+        t.copy_(scaled)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -80,6 +116,8 @@ class AdamW(torch.optim.Optimizer):
 
     foreach=None or True updates a group's tensors with one multi-tensor call per (device, dtype, step); False goes
     one tensor at a time, which bounds the temporaries (the √v̂ + ε denominator) to one tensor's size."""
+
+    device_scalars = None  # a cudagraph.DeviceScalars while its updates are captured in a CUDA graph (_hyper)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -90,7 +128,6 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _evaluate(closure)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             lists = defaultdict(list)  # tensors that can share one multi-tensor call
             for p in group["params"]:
                 if p.grad is None:
@@ -104,12 +141,11 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 lists[(p.device, p.dtype, state["step"])].append(p)
-            for (_, _, step), params in lists.items():
+            for params in lists.values():
                 for chunk in [params] if group["foreach"] else [[p] for p in params]:
                     states = [self.state[p] for p in chunk]
                     _adamw_(chunk, [p.grad for p in chunk], [s["exp_avg"] for s in states],
-                            [s["exp_avg_sq"] for s in states], step, group["lr"], beta1, beta2, group["eps"],
-                            group["weight_decay"])
+                            [s["exp_avg_sq"] for s in states], _hyper(self, group, states[0]))
         return loss
 
     def load_state_dict(self, state_dict):
@@ -265,6 +301,8 @@ class Adam8bit(torch.optim.Optimizer):
     update through torch.compile, a few fused kernels. Both the kernel's and the compiled results agree with the
     eager step to float32 rounding, not bit for bit; the state format is the same."""
 
+    device_scalars = None  # a cudagraph.DeviceScalars while its updates are captured in a CUDA graph (_hyper)
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
                  min_8bit_size=4096, compile=False, fused=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -281,8 +319,6 @@ class Adam8bit(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _evaluate(closure)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             eight_bit = {True: [], False: []}  # by whether the one kernel updates them
             for p in group["params"]:
                 if p.grad is None:
@@ -292,17 +328,19 @@ class Adam8bit(torch.optim.Optimizer):
                     self._init_state(p, state, group)
                 state["step"] += 1
                 if "exp_avg" in state:  # a small tensor: float32 moments and the AdamW math
-                    _adamw_([p], [_finite(p.grad)], [state["exp_avg"]], [state["exp_avg_sq"]], state["step"], *hyper)
+                    _adamw_([p], [_finite(p.grad)], [state["exp_avg"]], [state["exp_avg_sq"]],
+                            _hyper(self, group, state))
                 else:
                     eight_bit[_fused(self.fused, p, group["block_size"])].append(p)
             for fused, limit in ((True, KERNEL_RUN), (False, PIECE)):
                 for run in self._runs(eight_bit[fused], limit):
                     states = [self.state[p] for p in run]
+                    hyper = _hyper(self, group, states[0])
                     if len(run) > 1:
-                        _update_8bit_together(run, states, group["block_size"], *hyper, compile=self.compile,
+                        _update_8bit_together(run, states, group["block_size"], hyper, compile=self.compile,
                                               fused=fused)
                     else:
-                        self._update_8bit(run[0], states[0], group["block_size"], *hyper, compile=self.compile,
+                        self._update_8bit(run[0], states[0], group["block_size"], hyper, compile=self.compile,
                                           fused=fused)
         return loss
 
@@ -348,9 +386,8 @@ class Adam8bit(torch.optim.Optimizer):
             state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
 
     @staticmethod
-    def _update_8bit(p, state, block_size, lr, beta1, beta2, eps, weight_decay, compile=False, fused=False):
+    def _update_8bit(p, state, block_size, hyper, compile=False, fused=False):
         tables = _lookup_tables(True, p.device), _lookup_tables(False, p.device)
-        hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, state["step"])
         m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
         v_codes, v_absmax = state["sqrt_exp_avg_sq_codes"], state["sqrt_exp_avg_sq_absmax"]
         param, grad = p.view(-1), p.grad.reshape(-1)
@@ -389,8 +426,7 @@ def _check_fused(fused, optimizer):
     return fused
 
 
-def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, weight_decay, compile=False,
-                          fused=False):
+def _update_8bit_together(params, states, block_size, hyper, compile=False, fused=False):
     """The 8-bit updates of several tensors as one: their parameters, gradients and states laid end to end, each
     padded to whole blocks (no block mixes two tensors; the padding is zeros and stays zero), one update of the
     whole, the parameters copied back. The states stay end to end: each tensor's becomes its view of the run's (the
@@ -411,7 +447,6 @@ def _update_8bit_together(params, states, block_size, lr, beta1, beta2, eps, wei
     keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
     whole, new = zip(*(_end_to_end([state[key] for state in states]) for key in keys))
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
-    hyper = _step_scalars(lr, beta1, beta2, eps, weight_decay, states[0]["step"])
     update = adam8bit_kernel.adam8bit_ if fused else _adam8bit_compiled() if compile else _adam8bit_
     update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
     torch._foreach_copy_(flat_params, param_parts)
@@ -434,14 +469,6 @@ def _end_to_end(tensors):
     return first.as_strided((end - first.storage_offset(),), (1,)), False
 
 
-def _step_scalars(lr, beta1, beta2, eps, weight_decay, step):
-    """The numbers _adam8bit_ uses, each computed here once, in Python: the compiled update takes them as graph
-    inputs, and torch 2.11's compiler recompiles for every new value of a float it has to do arithmetic on (every
-    step's bias correction, every lr of a schedule). Eagerly the same values as computing them in place."""
-    decay = 1 - lr * weight_decay if weight_decay != 0 else None
-    return -(lr / (1 - beta1**step)), 1 - beta1, beta2, 1 - beta2, eps, decay, (1 - beta2**step) ** 0.5
-
-
 def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
     """One 8-bit Adam update of a run of whole blocks, in place: param (n,) and grad (n,) flat; m and v the
     (codes (nb·bs,), absmax (nb,)) of m and √v; the lookup tables of the signed and unsigned maps; hyper =
@@ -454,7 +481,9 @@ def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
     m_, v_ = m.view(-1)[: param.numel()], v.view(-1)[: param.numel()]  # without the padding of the last block
     m_.lerp_(g, one_minus_beta1)  # m = β1·m + (1-β1)·g
     v_.mul_(beta2).addcmul_(g, g, value=one_minus_beta2)  # v = β2·v + (1-β2)·g²
-    if decay is not None:
+    if torch.is_tensor(decay):
+        _scale_([param], decay)
+    elif decay is not None:
         param.mul_(decay)  # 1 - lr·weight decay
     # the parameter moves with this step's float32 moments; only what is carried to the next step is rounded
     # √v: what is stored, and the denominator's. A finite |g| past ~1e19 overflows v to inf; AdamW then freezes that
@@ -462,8 +491,10 @@ def _adam8bit_(param, grad, m, v, tables, block_size, hyper):
     # (they still stall: coded against the largest float32, none of their √v decodes below ~1e32)
     v.sqrt_().clamp_(max=torch.finfo(torch.float32).max)
     denom = v_.div(sqrt_bias_correction2).add_(eps)
-    if torch.compiler.is_compiling():  # the same arithmetic (bit for bit in eager) with the step size as a tensor
-        param.add_(m_ * step_size / denom)  # operand: a Python-number argument would recompile for every lr
+    # the same arithmetic (bit for bit in eager) with the step size as a tensor operand: compiled, where a Python
+    # number would recompile for every lr, or read from the device under a CUDA graph (_hyper)
+    if torch.compiler.is_compiling() or torch.is_tensor(step_size):
+        param.add_(m_ * step_size / denom)
     else:
         param.addcdiv_(m_, denom, value=step_size)  # step_size = -lr / (1 - β1^t)
     _quantize_(m, m_absmax, m_codes, signed)

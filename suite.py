@@ -516,8 +516,8 @@ def host_us_per_call(device, dtype, calls=200):
     p.grad = torch.randn_like(p)
     step = optim.Adam8bit([p], lr=1e-3, min_8bit_size=1, fused=True)
     step.step()  # the state, and the kernel compiled
-    update = functools.partial(optim.Adam8bit._update_8bit, p, step.state[p], BLOCK_SIZE, 1e-3, 0.9, 0.999, 1e-8,
-                               0.0, fused=True)
+    update = functools.partial(optim.Adam8bit._update_8bit, p, step.state[p], BLOCK_SIZE,
+                               optim._step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, step.state[p]["step"]), fused=True)
     calls_of = {"aten op (add_)": lambda: p.grad.add_(1.0), "kernel launch": update,
                 "Adam8bit.step, one tensor": step.step}
     sync = synchronizer(device)

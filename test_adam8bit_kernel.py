@@ -300,26 +300,50 @@ def test_the_kernel_makes_the_eager_steps_update_at_every_rows():
     interpreted(same_updates_at_every_rows)
 
 
+def same_updates_with_scalars_on_device(kernel):
+    """The step size, decay and bias correction given as 0-dim tensors (where a CUDA graph's replays read each
+    update's) and as numbers: the same parameter and state, to the bit, with a changing lr and step."""
+    tables = optim._lookup_tables(True, "cpu"), optim._lookup_tables(False, "cpu")
+    for dtype, n, block_size, beta1, weight_decay in CASES:
+        numbers_p = torch.randn(n).to(dtype)
+        tensors_p, numbers, tensors = numbers_p.clone(), state(n, block_size), state(n, block_size)
+        for step, g in enumerate(gradients(n, dtype, 3, slice(block_size, 2 * block_size)), start=1):
+            hyper = optim._step_scalars(1e-2 / step, beta1, 0.999, 1e-8, weight_decay, step)
+            on_device = tuple(torch.tensor(x) if i in (0, 5, 6) and x is not None else x for i, x in enumerate(hyper))
+            kernel.adam8bit_(numbers_p, g, *numbers, tables, block_size, hyper)
+            kernel.adam8bit_(tensors_p, g, *tensors, tables, block_size, on_device)
+            assert torch.equal(tensors_p, numbers_p), (dtype, n, step)
+            assert all(torch.equal(a, b) for x, y in zip(tensors, numbers) for a, b in zip(x, y)), (dtype, n, step)
+
+
+@needs_triton
+def test_the_kernel_reads_the_scalars_from_the_device_as_it_takes_numbers():
+    interpreted(same_updates_with_scalars_on_device)
+
+
 @needs_triton
 def test_adam8bit_and_galore_take_the_kernel_where_it_can_run():
     interpreted(optimizers_take_it_where_it_can_run)
 
 
 @needs_triton
+@pytest.mark.parametrize("on_device", [False, True], ids=["numbers", "on_device"])
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("param", ["*bf16", "*fp32"])
-def test_the_kernel_compiles_to_gpu_machine_code(arch, param):
+def test_the_kernel_compiles_to_gpu_machine_code(arch, param, on_device):
     """The kernel built for a GPU as it would be at its first call there (Triton's compiler down to a cubin, with
-    ptxas), and with the arithmetic it is meant to have: IEEE division and square root, not the approximate ones."""
+    ptxas), and with the arithmetic it is meant to have: IEEE division and square root, not the approximate ones.
+    on_device: the step size, decay and bias correction read through pointers, as under a CUDA graph."""
     import triton
     from triton.backends.compiler import GPUTarget
     pointers = dict(param_ptr=param, grad_ptr=param, m_codes_ptr="*u8", m_absmax_ptr="*fp32", v_codes_ptr="*u8",
                     v_absmax_ptr="*fp32", m_map_ptr="*fp32", m_first_ptr="*u8", m_threshold_ptr="*fp32",
                     v_map_ptr="*fp32", v_first_ptr="*u8", v_threshold_ptr="*fp32")
-    scalars = dict(n="i32", blocks="i32", **{k: "fp32" for k in ("step_size", "one_minus_beta1", "beta2",
-                                                                  "one_minus_beta2", "eps", "decay",
-                                                                  "sqrt_bias_correction2")})
-    constants = dict(HAS_DECAY=True, BF16=param == "*bf16", BLOCK=256, ROWS=adam8bit_kernel.ROWS)
+    varying = "*fp32" if on_device else "fp32"
+    scalars = dict(n="i32", blocks="i32", step_size=varying, one_minus_beta1="fp32", beta2="fp32",
+                   one_minus_beta2="fp32", eps="fp32", decay=varying, sqrt_bias_correction2=varying)
+    constants = dict(HAS_DECAY=True, BF16=param == "*bf16", BLOCK=256, ROWS=adam8bit_kernel.ROWS,
+                     ON_DEVICE=on_device)
     source = triton.compiler.ASTSource(fn=adam8bit_kernel._adam8bit_kernel, constexprs=constants,
                                        signature={**pointers, **scalars, **{k: "constexpr" for k in constants}})
     built = triton.compile(source, target=GPUTarget("cuda", arch, 32))
