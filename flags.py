@@ -101,11 +101,11 @@ def make_parser(description=None):
       "(adam8bit_kernel.py; on a CPU inductor's code for the step is slower than eager)")
     a("--cuda_graph", action="store_true", help="capture each micro-batch's forward and backward once as a CUDA "
       "graph and replay it (cudagraph.py): the host issues one launch where it issued thousands, so a step bound by "
-      "the host runs at the GPU's pace; the optimizer stays eager and the gradients stay allocated between updates. "
-      "One CUDA GPU, without --per_layer")
+      "the host runs at the GPU's pace; the optimizer stays eager and the gradients stay allocated between updates; "
+      "with --per_layer the last micro-batch's updates are replayed too, from the second update on. One CUDA GPU")
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
       "should be none; hostsync.py; under --compile or --cuda_graph not the first update, which compiles or "
-      "captures) and print them at the end")
+      "captures, and under --cuda_graph --per_layer not the first two) and print them at the end")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
@@ -207,9 +207,9 @@ def get_args(argv=None, description=None):
     if args.per_layer and args.grad_clipping:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
                 "drop --grad_clipping or drop --per_layer")
-    if args.cuda_graph and args.per_layer:
-        p.error("--cuda_graph replays a captured backward, and --per_layer updates inside backward at each update's "
-                "learning rate, which a replay cannot change: drop one of them")
+    if args.cuda_graph and args.per_layer and args.optimizer.startswith("galore"):
+        p.error("--cuda_graph --per_layer replays each update, and GaLore's projector is remade on the host every "
+                "--galore_update_gap updates: drop --cuda_graph, or use --optimizer adamw or adam8bit")
     if args.grad_clipping is None:  # the authors clip at 7b alone (their 7b script; the others do not)
         args.grad_clipping = 1.0 if args.size == "7b" and not args.per_layer else 0.0
     starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint

@@ -555,6 +555,33 @@ def same_state(a, b):
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make,rows", [
+    (lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1), 1),  # one multi-tensor update of both
+    (lambda ps: Adam8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=64, block_size=32), 2)],  # each its own
+    ids=["adamw", "adam8bit"])
+def test_step_sizes_read_from_the_device_update_as_numbers_do(make, rows, dtype):
+    """With device_scalars set (cudagraph.DeviceScalars, under a CUDA graph), the step size, decay and bias
+    correction come as 0-dim tensors: the same update as with numbers, to the bit, float32 and bf16 parameters.
+    Small (float32 moments) and 8-bit tensors both."""
+    from cudagraph import DeviceScalars
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in ((8,), (16, 12))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    numbers, tensors = make(params), make(twins)
+    tensors.device_scalars = DeviceScalars(torch.device("cpu"))
+    for step in range(1, 4):
+        for a, b in zip(params, twins):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        for opt in (numbers, tensors):
+            opt.param_groups[0]["lr"] = 1e-2 / step
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, twins)), step
+    assert same_state(numbers.state_dict(), tensors.state_dict())
+    assert len(tensors.device_scalars.groups) == rows  # one row of numbers on the device per update call
+
+
 @pytest.mark.parametrize("per_layer,compile,dtype,kernel", [(True, False, torch.bfloat16, False),
                                                             (False, False, torch.bfloat16, False),
                                                             (True, True, torch.float32, False),

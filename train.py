@@ -56,7 +56,7 @@ import adam8bit_kernel
 from analyze import prepare_for_training
 import checkpoint
 import flags
-from cudagraph import MicroBatchGraph
+from cudagraph import MicroBatchGraph, PerLayerGraph
 from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
                   validation_batches)
 from flags import resume_path, same_file
@@ -446,7 +446,7 @@ class Run:
     device: torch.device
     rank: int
     world: int
-    graph: MicroBatchGraph | None = None  # --cuda_graph: each micro-batch's forward and backward, replayed
+    graph: MicroBatchGraph | None = None  # --cuda_graph: micro-batches' forward and backward (updates), replayed
 
     @property
     def optimizers(self):
@@ -492,7 +492,8 @@ def build(args, config, device, dtype, ddp, ckpt):
     else:
         per_layer, optimizer = None, make_optimizer(list(raw_model.parameters()))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(args))
-    graph = MicroBatchGraph(model, raw_model.parameters()) if args.cuda_graph else None
+    graph = None if not args.cuda_graph else PerLayerGraph(model, per_layer) if per_layer else \
+        MicroBatchGraph(model, raw_model.parameters())
     run = Run(model, raw_model, optimizer, scheduler, per_layer, config, device, rank, world, graph)
     if ckpt:
         (per_layer or optimizer).load_state_dict(ckpt["optimizer"])
@@ -674,8 +675,10 @@ def train(args, run, ckpt, val, loader, stop):
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
         quiet = done != loop.total and all(done % every for every in (args.log_every, args.eval_every, args.save_every))
-        # compiling (on a GPU autotuning syncs) and capturing a CUDA graph: the first update
-        quiet = quiet and not ((args.compile or args.cuda_graph) and done == loop.start + 1)
+        # compiling (on a GPU autotuning syncs) and capturing a CUDA graph: the first update, or with per-layer
+        # updates the first two (the second captures, after the first ran eagerly)
+        first = 2 if args.cuda_graph and args.per_layer else 1 if args.compile or args.cuda_graph else 0
+        quiet = quiet and done > loop.start + first
         return syncs.watch(ops=not args.compile) if syncs and quiet else nullcontext()
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -877,7 +880,7 @@ def train_step(args, run, micro_batches, stop=None):
         if i and stop and stopping(stop, world):
             if per_layer:
                 per_layer.reset()
-            else:
+            if run.graph or not per_layer:
                 zero_grad(run)
             return None
         last = i == accum - 1
@@ -885,7 +888,7 @@ def train_step(args, run, micro_batches, stop=None):
         hold = per_layer.accumulating() if per_layer and not last else nullcontext()
         weight = torch.full_like(n_total, counts[i]) / n_total
         if run.graph:  # x and y go from the host into the graph's buffers
-            loss = run.graph(x, y, weight)
+            loss = run.graph(x, y, weight, last)
         else:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with sync, hold:
