@@ -20,7 +20,8 @@ with --data_dir):
                     per-layer updates
     amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
-                    --compile, --sync_debug, torchrun, --cuda_graph beside the same AdamW run plain (on CUDA)
+                    --compile, --sync_debug, torchrun, --cuda_graph (AdamW; 8-bit per-layer) beside the same
+                    run plain (on CUDA)
                     (each run killed at a timeout, with every process below it)
     model_compiled  the model section compiled as train.py --compile, for full, lowrank and sltrain
     profile         where the time of full's and SLTrain's AdamW steps goes, eager and compiled: torch.profiler's
@@ -54,7 +55,7 @@ import adam8bit_kernel
 import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio, ratio_text, record_error, report_inference, start, summary, synchronizer, write_json)
-from cudagraph import MicroBatchGraph, cuda_graphed
+from cudagraph import MicroBatchGraph, PerLayerGraph, cuda_graphed
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from per_layer import attach_per_layer
@@ -172,7 +173,8 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     projection its own call (LLaMA.fuse_projections). mode: torch.compile's, for the blocks ("reduce-overhead": each
     block's forward and backward replayed from CUDA graphs, torch's CUDA graph trees, a new step marked each call).
     cuda_graph: as train.py --cuda_graph, forward and backward replayed from one CUDA graph of our own
-    (cudagraph.MicroBatchGraph), the optimizer eager; its step takes the one shape it was captured with."""
+    (cudagraph.MicroBatchGraph), the optimizer eager, or with per-layer updates, these too (cudagraph.PerLayerGraph:
+    the first call eager, the second captures); its step takes the one shape it was captured with."""
     torch.manual_seed(0)
     model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
     model.fuse_projections(fuse)
@@ -182,19 +184,22 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
                                                                                           fused=fused)
     opt = None
     if per_layer:
-        attach_per_layer(model, lambda ps: make(ps, **hyper))
+        per_layer = attach_per_layer(model, lambda ps: make(ps, **hyper))
     else:
         opt = make(model.parameters(), **hyper)
     if backend:
         model.compile_blocks(backend=backend, **({"mode": mode} if mode else {}))
     idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
     if cuda_graph:  # (cuda_graphed looked up at the capture: the tests replace it)
-        graph, weight = MicroBatchGraph(model, model.parameters(), lambda fn, d: cuda_graphed(fn, d)), idx.new_ones(())
+        capture, weight = lambda fn, d, **kw: cuda_graphed(fn, d, **kw), idx.new_ones(())
+        graph = PerLayerGraph(model, per_layer, capture) if per_layer else \
+            MicroBatchGraph(model, model.parameters(), capture)
 
         def step(idx=idx):
             graph(idx[:, :-1], idx[:, 1:], weight)
-            opt.step()
-            graph.zero_grads()
+            if opt is not None:
+                opt.step()
+                graph.zero_grads()
         return step
 
     def step(idx=idx):  # another idx: the same step on other tokens (suite_model's host time, on a few)
@@ -228,7 +233,8 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     and sltrain AdamW side by side plain and as train.py --cuda_graph runs them ("cuda_graph": forward and backward
     replayed from a CUDA graph, the optimizer eager, what the graphed figures promise made real), four variants
     alone: each graph holds its step's activations for good (about 19 GB at 350m, batch 64, where all the variants
-    at once ran out of an H100's memory)."""
+    at once ran out of an H100's memory). And ("cuda_graph_per_layer") sltrain 8-bit per-layer plain and as
+    train.py --cuda_graph --per_layer runs it (its per-layer updates replayed too) beside full AdamW, alone."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     graphs = device.type == "cuda" if graphs is None else graphs
@@ -267,6 +273,14 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
             torch.cuda.empty_cache()
         result["cuda_graph"] = side_by_side(s, {f"{m}/adamw{'/cuda_graph' * g}": make(m, "adamw", False, cuda_graph=g)
                                                 for m in ("full", "sltrain") for g in (False, True)}, device)
+        progress(result)
+        gc.collect()  # the group's graphs and their pools, before the next group's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["cuda_graph_per_layer"] = side_by_side(s, {
+            "full/adamw": make("full", "adamw", False),
+            **{f"sltrain/adam8bit/per_layer{'/cuda_graph' * g}": make("sltrain", "adam8bit", True, cuda_graph=g)
+               for g in (False, True)}}, device)
         progress(result)
         if compiled:  # (after the group above: the trees' pool stays)
             result["graph_trees"] = side_by_side(s, {f"{m}/{o}{'/per_layer' if pl else ''}": make(
@@ -582,12 +596,13 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     straight run), --compile, a short run with the default 8-bit step (on a GPU the one-kernel step) against the same
     run with --adam8bit_kernel off (how close their losses stay), and torchrun's NCCL (or gloo) path. Each run
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
-    raises at the end, naming the runs that failed."""
+    raises at the end, naming the runs that failed. On CUDA, --cuda_graph beside the same short run without it, two
+    micro-batches an update: AdamW, and 8-bit per-layer (--cuda_graph --per_layer)."""
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
     # the suite's scratch folders, anew
     for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun", "graph_off",
-                "graph_on"):
+                "graph_on", "per_layer_graph_off", "per_layer_graph_on"):
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # whatever the working folder
     base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
@@ -660,22 +675,23 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         return dict(ok=True, tail=train("torchrun", "--num_training_steps", short, launcher=launcher).splitlines()[-1])
 
-    def cuda_graph():  # the same short run of two micro-batches an update, AdamW (a replay cannot update per layer)
+    def cuda_graph(common, off, on):  # the same short run of two micro-batches an update, without and with
         if not torch.cuda.is_available():  # said in its row, not left out
             return dict(skipped="train.py --cuda_graph needs a CUDA GPU")
-        adamw = ["adamw" if arg == "adam8bit" else arg for arg in base if arg != "--per_layer"]
-        said = {run: train(run, "--num_training_steps", short, *halves, *extra, common=adamw)
-                for run, extra in (("graph_off", ()), ("graph_on", ("--cuda_graph", "--sync_debug")))}
+        said = {run: train(run, "--num_training_steps", short, *halves, *extra, common=common)
+                for run, extra in ((off, ()), (on, ("--cuda_graph", "--sync_debug")))}
         losses = {run: [r["loss"] for r in rows(run) if "loss" in r] for run in said}
         evals = {run: rows(run)[-1].get("val_loss") for run in said}
-        return dict(last_loss=evals["graph_on"], last_loss_off=evals["graph_off"],
+        return dict(last_loss=evals[on], last_loss_off=evals[off],
                     max_loss_diff=max(abs(a - b) for a, b in zip(*losses.values(), strict=True)),
-                    tail=said["graph_on"].splitlines()[-2], tail_off=said["graph_off"].splitlines()[-1],
-                    sync_debug=said["graph_on"].splitlines()[-1])
+                    tail=said[on].splitlines()[-2], tail_off=said[off].splitlines()[-1],
+                    sync_debug=said[on].splitlines()[-1])
 
+    adamw = ["adamw" if arg == "adam8bit" else arg for arg in base if arg != "--per_layer"]
     runs = dict(straight=straight, sigterm_resume=sigterm_resume, compile=compiled if p["compile"] else None,
                 sync_debug=lambda: dict(line=train("eager_sync", *sync).splitlines()[-1]),  # every op, and CUDA's check
-                kernel=kernel, torchrun=torchrun, cuda_graph=cuda_graph)
+                kernel=kernel, torchrun=torchrun, cuda_graph=lambda: cuda_graph(adamw, "graph_off", "graph_on"),
+                cuda_graph_per_layer=lambda: cuda_graph(base, "per_layer_graph_off", "per_layer_graph_on"))
     result = {}
     for name, run in runs.items():
         if run is None:
@@ -801,6 +817,8 @@ def report_model(r, key="model"):
         print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}{host}")
     for key, title in (("cuda_graph", "as train.py --cuda_graph (forward and backward replayed), alone, ratio to "
                                       "full/adamw there:"),
+                       ("cuda_graph_per_layer", "as train.py --cuda_graph --per_layer (the per-layer updates "
+                                                "replayed too), alone, ratio to full/adamw there:"),
                        ("graph_trees", "blocks compiled with mode reduce-overhead (CUDA graph trees), ratio to "
                                        "full/adamw so compiled:")):
         if key in M:

@@ -16,6 +16,7 @@ import torch
 import cudagraph
 import optim
 import suite
+from test_cudagraph import recorded_capture
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
@@ -289,7 +290,8 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     assert r["kernel"]["step"].startswith("8-bit step: eager (no kernel: ") and \
         r["kernel"]["step_off"] == "8-bit step: eager (no kernel: --adam8bit_kernel off)", r["kernel"]
     assert r["kernel"]["max_loss_diff"] == 0.0 and r["kernel"]["val_loss_diff"] == 0.0, r["kernel"]
-    assert r["cuda_graph"] == {"skipped": "train.py --cuda_graph needs a CUDA GPU"}  # said in its row
+    for name in ("cuda_graph", "cuda_graph_per_layer"):  # said in their rows
+        assert r[name] == {"skipped": "train.py --cuda_graph needs a CUDA GPU"}
     print(r["compile"])
     suite.report_suite({"program": r})
 
@@ -302,7 +304,7 @@ def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
     runs = ["straight", "sigterm_resume", "compile", "sync_debug", "kernel", "torchrun"]
     with pytest.raises(RuntimeError, match=f"train.py runs failed: {', '.join(runs)} \\(their"):
         suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
-    runs.append("cuda_graph")  # on CPU said skipped in its row, not failed
+    runs += ["cuda_graph", "cuda_graph_per_layer"]  # on CPU said skipped in their rows, not failed
     assert [list(r) for r in saved] == [runs[:n] for n in range(1, len(runs) + 1)]
     assert "invalid choice: 'nosuch'" in saved[-1]["torchrun"]["error"]
 
@@ -330,7 +332,7 @@ def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa:
     with pytest.raises(RuntimeError, match="train.py runs failed: straight, sigterm_resume, compile, sync_debug, "
                                            "kernel, torchrun"):
         suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
-    assert all("killed after 0.3 s" in row["error"] for name, row in saved[-1].items() if name != "cuda_graph")
+    assert all("killed after 0.3 s" in row["error"] for name, row in saved[-1].items() if "cuda_graph" not in name)
     assert time.perf_counter() - t0 < 60
 
 
@@ -390,11 +392,16 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     blocks compiled in mode reduce-overhead (torch's CUDA graph trees; on CPU the mode reaches torch.compile and does
     nothing), ÷ full AdamW so compiled. Eager and compiled, full and SLTrain AdamW then run plain and as train.py
     --cuda_graph, the four alone (each graph holds its activations): each graph variant captures its forward and
-    backward once (cudagraph.MicroBatchGraph), and is not captured as a whole step."""
+    backward once (cudagraph.MicroBatchGraph), and is not captured as a whole step. And SLTrain 8-bit per-layer
+    plain and as --cuda_graph --per_layer (cudagraph.PerLayerGraph: its last micro-batch's forward, backward and
+    updates captured once, here recorded and replayed as test_cudagraph does) beside full AdamW, alone."""
     tiny, cpu = suite.SUITES["tiny"], torch.device("cpu")
-    captured, micro_batches = [], []
+    captured, micro_batches, per_layer_graphs = [], [], []
 
-    def capture(fn, device):
+    def capture(fn, device, **options):
+        if isinstance(getattr(fn, "__self__", None), cudagraph.PerLayerGraph):
+            per_layer_graphs.append(fn)
+            return recorded_capture()(fn, device, **options)
         if isinstance(getattr(fn, "__self__", None), cudagraph.MicroBatchGraph):
             micro_batches.append(fn)
             return fn
@@ -414,6 +421,10 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     assert list(replayed) == ["full/adamw", "full/adamw/cuda_graph", "sltrain/adamw", "sltrain/adamw/cuda_graph"]
     assert len(micro_batches) == 2 and replayed["full/adamw"]["ratio"] == 1.0
     assert all(row["tok_s"] > 0 for row in replayed.values()) and r["cuda_graph"]["rounds"] == tiny["rounds"]
+    per_layer = r["cuda_graph_per_layer"]["variants"]
+    assert list(per_layer) == ["full/adamw", "sltrain/adam8bit/per_layer", "sltrain/adam8bit/per_layer/cuda_graph"]
+    assert len(per_layer_graphs) == 1 and per_layer["full/adamw"]["ratio"] == 1.0
+    assert all(row["tok_s"] > 0 for row in per_layer.values())
     failed = list(v)[2]
     assert v[failed]["graph_error"] == "RuntimeError: operation not permitted when stream is capturing"
     assert "graphed_ms" not in v[failed] and len(captured) == len(v)
@@ -427,10 +438,12 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     assert "CUDA graph capture failed: RuntimeError" in out
     tail = out.split("as train.py --cuda_graph (forward and backward replayed)")[1].splitlines()[1:5]
     assert [line.split()[0] for line in tail] == list(replayed) and all(" tok/s x" in line for line in tail)
+    tail = out.split("as train.py --cuda_graph --per_layer (the per-layer updates replayed")[1].splitlines()[1:4]
+    assert [line.split()[0] for line in tail] == list(per_layer) and all(" tok/s x" in line for line in tail)
     if compiled:  # then the blocks compiled as CUDA graph trees, side by side, each ÷ full AdamW so compiled
         trees = r["graph_trees"]["variants"]
         assert list(trees) == ["full/adamw", "sltrain/adamw", "full/adam8bit/per_layer", "sltrain/adam8bit/per_layer"]
-        assert modes == [None] * (len(v) + len(replayed)) + ["reduce-overhead"] * len(trees)
+        assert modes == [None] * (len(v) + len(replayed) + len(per_layer)) + ["reduce-overhead"] * len(trees)
         assert trees["full/adamw"]["ratio"] == 1.0
         assert all(row["tok_s"] > 0 for row in trees.values()) and r["graph_trees"]["rounds"] == tiny["rounds"]
         tail = out.split("mode reduce-overhead (CUDA graph trees)")[1].splitlines()[1:]
