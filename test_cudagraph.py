@@ -211,23 +211,31 @@ OPTIMIZERS = {"adamw": lambda ps: train.AdamW(ps, lr=1e-2, weight_decay=0.1),
 
 
 def per_layer_runs(method, optimizer, capture=None, updates=4, accum=2, dtype=torch.float32, clip=None,
-                   device="cpu"):
+                   device="cpu", resume=None):
     """(losses, the model's state, the PerLayer's state_dict, run) of `updates` train.py updates with per-layer
-    updates, plain or with a PerLayerGraph of the given capture; the lr changes at every update."""
+    updates, plain or with a PerLayerGraph of the given capture; the lr changes at every update. resume: (updates
+    done, model state, PerLayer state) to go on from, as train.py --resume does."""
     torch.manual_seed(0)
     device = torch.device(device)
     model = LLaMA(config_for("tiny", method=method, vocab_size=96), device=device).to(dtype)
     per_layer = attach_per_layer(model, OPTIMIZERS[optimizer], lr_lambda=lambda k: 1.0 / (k + 1),
                                  max_grad_norm_per_param=clip)
+    done = 0
+    if resume:
+        done, model_state, per_layer_state = resume
+        model.load_state_dict(model_state)
+        per_layer.load_state_dict(per_layer_state)
     graph = PerLayerGraph(model, per_layer, capture) if capture else None
     run = train.Run(model, model, None, None, per_layer, model.config, device, 0, 1, graph)
     generator, losses = torch.Generator().manual_seed(1), []
-    for _ in range(updates):
+    for update in range(done + updates):
         micro_batches = []
         for i in range(accum):
             x, y = torch.randint(96, (2, 16), generator=generator), torch.randint(96, (2, 16), generator=generator)
             y[0, -2 - i:] = -1
             micro_batches.append(train.on_host(x, y, device))
+        if update < done:  # the batches of the updates made before the checkpoint
+            continue
         loss, norm, n = train.train_step(SimpleNamespace(grad_clipping=0.0), run, micro_batches)
         losses.append((loss.item(), norm.item(), n.item(), per_layer.get_last_lr()[0]))
     return losses, copy.deepcopy(model.state_dict()), copy.deepcopy(per_layer.state_dict()), run
@@ -286,6 +294,18 @@ def test_device_scalars_rewrite_a_row_the_first_update_asks_for_again():
     again = scalars.on_device(group, state, optim._step_scalars(5e-3, 0.9, 0.999, 1e-8, 0.1, 1))
     assert again[0].item() == pytest.approx(-5e-3 / 0.1) and first[0].item() == again[0].item()
     assert again[5].item() == pytest.approx(1 - 5e-4) and len(scalars.groups) == 1
+
+
+def test_a_replayed_run_saves_and_resumes_as_a_plain_one():
+    """Three updates replayed (one eager, one captured, one replayed), their state saved and resumed in a new model,
+    three more replayed: the same losses, parameters and optimizer state as six plain per-layer updates, to the bit.
+    What the graph leaves in a checkpoint is what an eager run leaves, step counts and schedule included."""
+    plain = per_layer_runs("sltrain", "adam8bit", updates=6)
+    first = per_layer_runs("sltrain", "adam8bit", recorded_capture(), updates=3)
+    rest = per_layer_runs("sltrain", "adam8bit", recorded_capture(), updates=3, resume=(3, first[1], first[2]))
+    assert first[0] + rest[0] == plain[0]
+    assert same_state(rest[1], plain[1]) and same_state(rest[2], plain[2])
+    assert rest[3].per_layer.steps == 6
 
 
 def test_a_stop_within_a_replayed_update_drops_it():
