@@ -23,6 +23,7 @@ import cudagraph
 import optim
 import train
 from cudagraph import MicroBatchGraph, PerLayerGraph
+from hostsync import HostSyncs
 from per_layer import attach_per_layer
 from model import LLaMA, config_for
 from test_optim import same_state
@@ -306,6 +307,19 @@ def test_a_replayed_run_saves_and_resumes_as_a_plain_one():
     assert first[0] + rest[0] == plain[0]
     assert same_state(rest[1], plain[1]) and same_state(rest[2], plain[2])
     assert rest[3].per_layer.steps == 6
+
+
+def test_a_replayed_update_makes_the_host_wait_for_nothing():
+    """What the host does around a replay (the batch into the graph's buffers, this update's numbers to the
+    device, the counts moved on, the gradients zeroed) reads no value of the device: hostsync.HostSyncs, which on a
+    CPU counts every value read as a GPU run would wait on it, finds none in two replayed updates."""
+    _, _, _, run = per_layer_runs("sltrain", "adam8bit", recorded_capture(), updates=2)
+    syncs = HostSyncs()
+    for _ in range(2):
+        micro_batches = [(torch.randint(96, (2, 16)), torch.randint(96, (2, 16)), 32) for _ in range(2)]
+        with syncs.watch():
+            train.train_step(SimpleNamespace(grad_clipping=0.0), run, micro_batches)
+    assert syncs.summary() == "none" and run.per_layer.steps == 4
 
 
 def test_a_stop_within_a_replayed_update_drops_it():
