@@ -471,10 +471,13 @@ def test_adam8bit_whole_tensor_path_has_bounded_ops_and_matches_chunks(monkeypat
         assert torch.equal(torch.as_tensor(s_whole[key]), torch.as_tensor(s_chunk[key])), f"state {key} differs"
 
 
-def test_adam8bit_compiled_step_agrees_with_eager_and_compiles_once():
+@pytest.mark.parametrize("on_device", [False, True], ids=["numbers", "on_device"])
+def test_adam8bit_compiled_step_agrees_with_eager_and_compiles_once(on_device):
     """compile=True, the fused step meant for GPUs, run here by inductor on CPU: the same state format, the same
     parameters up to float32 rounding (and the few codes that rounding sends the other way), and one graph for
-    every size (of a number of dimensions), learning rate and step count, so a schedule never recompiles."""
+    every size (of a number of dimensions), learning rate and step count, so a schedule never recompiles. The same
+    with the step sizes read from the device (on_device: as under train.py --cuda_graph --per_layer --compile)."""
+    from cudagraph import DeviceScalars
     torch._dynamo.reset()  # compiled anew here, whatever other tests compiled
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
@@ -483,6 +486,8 @@ def test_adam8bit_compiled_step_agrees_with_eager_and_compiles_once():
         p0 = torch.randn(shape) * 0.05
         params = [torch.nn.Parameter(p0.clone()) for _ in range(2)]
         eager, compiled = [Adam8bit([p], lr=lr, weight_decay=0.1, compile=c) for p, c in zip(params, (False, True))]
+        if on_device:
+            eager.device_scalars, compiled.device_scalars = (DeviceScalars(torch.device("cpu")) for _ in range(2))
         for step in range(steps):
             g = torch.randn(shape) * 1e-3
             for p, opt in zip(params, (eager, compiled)):
