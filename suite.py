@@ -678,7 +678,9 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     def cuda_graph(common, off, on):  # the same short run of two micro-batches an update, without and with
         if not torch.cuda.is_available():  # said in its row, not left out
             return dict(skipped="train.py --cuda_graph needs a CUDA GPU")
-        said = {run: train(run, "--num_training_steps", short, *halves, *extra, common=common)
+        # logged every quarter of the run: --sync_debug watches the replays between log steps (a log step syncs)
+        logs = ["--log_every", str(max(1, p["short"] // 4))]
+        said = {run: train(run, "--num_training_steps", short, *halves, *logs, *extra, common=common)
                 for run, extra in ((off, ()), (on, ("--cuda_graph", "--sync_debug")))}
         losses = {run: [r["loss"] for r in rows(run) if "loss" in r] for run in said}
         evals = {run: rows(run)[-1].get("val_loss") for run in said}

@@ -324,6 +324,38 @@ def test_the_program_runs_the_suites_own_train_py_from_any_folder(corpus, tmp_pa
     assert scripts == {os.path.join(os.path.dirname(os.path.abspath(suite.__file__)), "train.py")}, scripts
 
 
+def test_on_cuda_the_program_runs_cuda_graph_beside_the_same_run_plain(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """On CUDA (here pretended: the processes are not started) the program section runs train.py --cuda_graph beside
+    the same run without it, AdamW and 8-bit per-layer, two micro-batches an update, logged every quarter of the
+    run so that --sync_debug watches the replays between log steps."""
+    import subprocess
+    started = []
+
+    class Done:  # a train.py that exits at once, having written nothing
+        returncode, pid, stdout = 0, os.getpid(), iter(())
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+        def communicate(self):
+            return "", ""
+    monkeypatch.setattr(subprocess, "Popen", Done)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    s = dict(suite.SUITES["tiny"], program=dict(suite.SUITES["tiny"]["program"], short=8))
+    saved = []
+    with pytest.raises(RuntimeError, match="train.py runs failed"):  # no metrics.jsonl to read
+        suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
+    graph = {os.path.basename(cmd[cmd.index("--out_dir") + 1]): cmd for cmd in started
+             if "graph" in cmd[cmd.index("--out_dir") + 1]}
+    assert sorted(graph) == ["graph_off", "graph_on", "per_layer_graph_off", "per_layer_graph_on"]
+    for name, cmd in graph.items():
+        flags = " ".join(cmd[2:])
+        assert ("--cuda_graph --sync_debug" in flags) == name.endswith("_on"), flags
+        assert ("--per_layer" in flags and "--optimizer adam8bit" in flags) == name.startswith("per_layer"), flags
+        assert "--log_every 2" in flags and "--batch_size 1" in flags and "--total_batch_size 2" in flags, flags
+        assert flags.index("--log_every 2") > flags.index("--log_every 1"), flags  # the later one holds
+
+
 def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa: F811
     """A run that outlives the section's timeout (here 0.3 s: not even torch's import fits) is killed with its
     process group, and its error says so; the others still run."""
