@@ -12,6 +12,7 @@ GPU. The real capture runs where CUDA is (skipped otherwise).
 """
 
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +28,8 @@ from hostsync import HostSyncs
 from per_layer import attach_per_layer
 from model import LLaMA, config_for
 from test_optim import same_state
-from test_train import base_args, corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
+from test_train import base_args, final_state, metrics
+from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
 def fake_capture(warmup=2):
@@ -369,6 +371,41 @@ def test_the_recorded_capture_undoes_its_writes_and_replays_them():
     assert torch.equal(x, torch.full((3,), 8.0))
     replay()
     assert torch.equal(x, torch.full((3,), 64.0))
+
+
+def as_if_on_a_gpu(monkeypatch):
+    """train.main with --cuda_graph on this CPU: the flag set after the checks that refuse it off CUDA, and the
+    per-layer graph's capture recorded and replayed as a CUDA graph's (recorded_capture). Returns the captures."""
+    get_args, captures = train.get_args, []
+
+    def with_graph(argv=None):
+        args = get_args([arg for arg in argv if arg != "--cuda_graph"])
+        args.cuda_graph = "--cuda_graph" in argv
+        return args
+    monkeypatch.setattr(train, "get_args", with_graph)
+    monkeypatch.setattr(train, "PerLayerGraph", functools.partial(PerLayerGraph, capture=recorded_capture(captures)))
+    return captures
+
+
+def test_train_py_with_replayed_per_layer_updates_stops_resumes_and_ends_as_without(corpus, tmp_path, monkeypatch):
+    """train.py --optimizer adam8bit --per_layer --cuda_graph, two micro-batches an update, a warm-up then a cosine
+    lr: stopped after three updates (--stop_after) and resumed to six, it logs the same losses, learning rates and
+    gradient norms, evaluates the same, and ends with the same checkpoint (model and optimizer) as the same run
+    without --cuda_graph, to the bit."""
+    common = ("--optimizer", "adam8bit", "--per_layer", "--lr", "1e-2", "--warmup_steps", "2")
+    train.main(base_args(corpus, tmp_path / "plain", 6, *common))
+    captures = as_if_on_a_gpu(monkeypatch)
+    graphed = base_args(corpus, tmp_path / "graph", 6, *common, "--cuda_graph")
+    train.main([*graphed, "--stop_after", "3"])
+    train.main([*graphed, "--resume"])
+    keep = lambda rows: [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows]  # noqa: E731
+    plain, graph = metrics(tmp_path / "plain"), metrics(tmp_path / "graph")
+    assert keep(graph[0]) == keep(plain[0]) and len(graph[0]) == 6
+    assert [r["val_loss"] for r in graph[1]] == [r["val_loss"] for r in plain[1]]
+    ours, theirs = final_state(tmp_path / "graph"), final_state(tmp_path / "plain")
+    assert ours["args"]["cuda_graph"] and not theirs["args"]["cuda_graph"]
+    assert same_state(ours["model"], theirs["model"]) and same_state(ours["optimizer"], theirs["optimizer"])
+    assert len(captures) == 4  # each run: its second update's two micro-batch graphs; its third update replayed
 
 
 @pytest.mark.parametrize("extra,env,message", [
