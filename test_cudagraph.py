@@ -383,16 +383,21 @@ def as_if_on_a_gpu(monkeypatch):
         args.cuda_graph = "--cuda_graph" in argv
         return args
     monkeypatch.setattr(train, "get_args", with_graph)
-    monkeypatch.setattr(train, "PerLayerGraph", functools.partial(PerLayerGraph, capture=recorded_capture(captures)))
+    for graph in (MicroBatchGraph, PerLayerGraph):
+        monkeypatch.setattr(train, graph.__name__, functools.partial(graph, capture=recorded_capture(captures)))
     return captures
 
 
-def test_train_py_with_replayed_per_layer_updates_stops_resumes_and_ends_as_without(corpus, tmp_path, monkeypatch):
-    """train.py --optimizer adam8bit --per_layer --cuda_graph, two micro-batches an update, a warm-up then a cosine
-    lr: stopped after three updates (--stop_after) and resumed to six, it logs the same losses, learning rates and
-    gradient norms, evaluates the same, and ends with the same checkpoint (model and optimizer) as the same run
-    without --cuda_graph, to the bit."""
-    common = ("--optimizer", "adam8bit", "--per_layer", "--lr", "1e-2", "--warmup_steps", "2")
+@pytest.mark.parametrize("optimizer,captured", [(("adam8bit", "--per_layer"), 4), (("adamw",), 2)],
+                         ids=["adam8bit_per_layer", "adamw"])
+def test_train_py_with_cuda_graph_stops_resumes_and_ends_as_without(corpus, tmp_path, monkeypatch, optimizer,
+                                                                      captured):
+    """train.py --cuda_graph, two micro-batches an update, a warm-up then a cosine lr: stopped after three updates
+    (--stop_after) and resumed to six, it logs the same losses, learning rates and gradient norms, evaluates the
+    same, and ends with the same checkpoint (model and optimizer) as the same run without --cuda_graph, to the bit.
+    8-bit per-layer (each run: its first update eager, its second captured as two graphs, the rest replayed) and
+    AdamW (each run: one graph of a micro-batch, captured at the first)."""
+    common = ("--optimizer", *optimizer, "--lr", "1e-2", "--warmup_steps", "2")
     train.main(base_args(corpus, tmp_path / "plain", 6, *common))
     captures = as_if_on_a_gpu(monkeypatch)
     graphed = base_args(corpus, tmp_path / "graph", 6, *common, "--cuda_graph")
@@ -405,7 +410,7 @@ def test_train_py_with_replayed_per_layer_updates_stops_resumes_and_ends_as_with
     ours, theirs = final_state(tmp_path / "graph"), final_state(tmp_path / "plain")
     assert ours["args"]["cuda_graph"] and not theirs["args"]["cuda_graph"]
     assert same_state(ours["model"], theirs["model"]) and same_state(ours["optimizer"], theirs["optimizer"])
-    assert len(captures) == 4  # each run: its second update's two micro-batch graphs; its third update replayed
+    assert len(captures) == captured
 
 
 @pytest.mark.parametrize("extra,env,message", [
