@@ -388,15 +388,17 @@ def as_if_on_a_gpu(monkeypatch):
     return captures
 
 
-@pytest.mark.parametrize("optimizer,captured", [(("adam8bit", "--per_layer"), 4), (("adamw",), 2)],
-                         ids=["adam8bit_per_layer", "adamw"])
+@pytest.mark.parametrize("optimizer,captured", [
+    (("adam8bit", "--per_layer"), 4), (("adam8bit", "--per_layer", "--activation_checkpointing", "--amp"), 4),
+    (("adamw",), 2)], ids=["adam8bit_per_layer", "checkpointed_amp", "adamw"])
 def test_train_py_with_cuda_graph_stops_resumes_and_ends_as_without(corpus, tmp_path, monkeypatch, optimizer,
                                                                       captured):
     """train.py --cuda_graph, two micro-batches an update, a warm-up then a cosine lr: stopped after three updates
     (--stop_after) and resumed to six, it logs the same losses, learning rates and gradient norms, evaluates the
     same, and ends with the same checkpoint (model and optimizer) as the same run without --cuda_graph, to the bit.
-    8-bit per-layer (each run: its first update eager, its second captured as two graphs, the rest replayed) and
-    AdamW (each run: one graph of a micro-batch, captured at the first)."""
+    8-bit per-layer (each run: its first update eager, its second captured as two graphs, the rest replayed), also
+    with activation checkpointing (backward recomputes each block's forward inside the graph) and --amp, and AdamW
+    (each run: one graph of a micro-batch, captured at the first)."""
     common = ("--optimizer", *optimizer, "--lr", "1e-2", "--warmup_steps", "2")
     train.main(base_args(corpus, tmp_path / "plain", 6, *common))
     captures = as_if_on_a_gpu(monkeypatch)
