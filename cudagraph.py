@@ -102,6 +102,11 @@ class MicroBatchGraph:
 VARYING = (0, 5, 6)  # of optim._step_scalars's numbers, those an update's lr and step count change
 
 
+def _varying(hyper):
+    """The numbers of hyper that change from update to update, as the device keeps them (no decay: 1)."""
+    return [1.0 if hyper[i] is None else hyper[i] for i in VARYING]
+
+
 class DeviceScalars:
     """The numbers of an optimizer's update that change from update to update, the step size, the decay and the
     bias correction (optim._hyper), kept on the device for each param group and step count: a captured update reads
@@ -118,7 +123,7 @@ class DeviceScalars:
         self.buffer = self.values = None
 
     def on_device(self, group, state, hyper):
-        values = [1.0 if hyper[i] is None else hyper[i] for i in VARYING]  # None: no decay, for the whole run
+        values = _varying(hyper)
         row = self.rows.get((id(group), id(state)))
         if row is None and self.buffer is not None:
             raise RuntimeError("the captured update steps a tensor that the first update did not: under --cuda_graph "
@@ -146,9 +151,8 @@ class DeviceScalars:
         self.values = []
         for group, state in zip(self.groups, self.states):
             beta1, beta2 = group["betas"]
-            hyper = _step_scalars(group["initial_lr"] * factor, beta1, beta2, group["eps"], group["weight_decay"],
-                                  state["step"] + 1)
-            self.values.append([1.0 if hyper[i] is None else hyper[i] for i in VARYING])
+            self.values.append(_varying(_step_scalars(group["initial_lr"] * factor, beta1, beta2, group["eps"],
+                                                      group["weight_decay"], state["step"] + 1)))
         self.buffer.copy_(self._from_host(self.values).view(-1, 3), non_blocking=True)
 
     def _from_host(self, values):
@@ -181,15 +185,14 @@ class PerLayerGraph(MicroBatchGraph):
             opt.device_scalars = self.scalars
         self.pool = torch.cuda.graph_pool_handle() if self.params[0].device.type == "cuda" else None
         self.accumulate = self.update = None  # the replays of the micro-batches before the last, and of the last
-        self.updates = self.accumulated = 0  # updates made; micro-batches of this update so far
+        self.accumulated = 0  # micro-batches of this update so far
         self.accumulating_loss = self.update_loss = self.stepped = self.accumulates = None
 
     def __call__(self, x, y, weight, last=True):
         self._load(x, y, weight)
-        if self.updates == 0:  # eagerly
+        if self.scalars.buffer is None:  # the first update, eagerly: packed once it has made its rows
             with nullcontext() if last else self.per_layer.accumulating():
                 self._forward_backward()
-            self.updates += last
             if last:
                 self.scalars.pack()
             return self.loss
@@ -207,7 +210,7 @@ class PerLayerGraph(MicroBatchGraph):
         if self.update is not None and self.accumulates != (self.accumulated > 0):
             raise ValueError("this update has fewer micro-batches than the captured one: under --cuda_graph every "
                              "update needs as many")
-        factor = 1.0 if self.per_layer.lr_lambda is None else self.per_layer.lr_lambda(self.per_layer.steps)
+        factor = self.per_layer.lr_factor()
         self.scalars.refresh(factor)
         if self.update is None:
             self._capture_update()  # its Python counts the update, as an eager one does
@@ -216,7 +219,7 @@ class PerLayerGraph(MicroBatchGraph):
         self.update()
         if self.accumulated:
             self.zero_grads()  # for the next update's micro-batches
-        self.updates, self.accumulated = self.updates + 1, 0
+        self.accumulated = 0
         return self.update_loss
 
     def _capture_update(self):

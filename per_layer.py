@@ -116,7 +116,7 @@ class PerLayer:
                                f"attach_per_layer returned, then run this batch again")
         if not self._in_update:  # the first gradient of this update: fix its lr, finish it once backward ends
             self._in_update, self._backward, self._updated = True, backward, 0
-            self._factor = 1.0 if self.lr_lambda is None else self.lr_lambda(self.steps)
+            self._factor = self.lr_factor()
             self._norms = []
             alive = _Alive()  # referenced only by the callback: dies with the graph task of this backward
             self._alive = weakref.ref(alive)
@@ -189,8 +189,12 @@ class PerLayer:
     def get_last_lr(self):
         """The learning rates of the next update, one per param group of an optimizer from make_optimizer: what
         LambdaLR.get_last_lr() returns after scheduler.step()."""
-        factor = 1.0 if self.lr_lambda is None else self.lr_lambda(self.steps)
+        factor = self.lr_factor()
         return [group["initial_lr"] * factor for group in next(iter(self.optimizers.values())).param_groups]
+
+    def lr_factor(self):
+        """lr_lambda's factor for the next update (1 without one): its lr is initial_lr times this."""
+        return 1.0 if self.lr_lambda is None else self.lr_lambda(self.steps)
 
     def state_dict(self):
         """{"steps", "optimizers": {parameter name: the state_dict of an optimizer of that parameter alone}}: one

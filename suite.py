@@ -268,15 +268,11 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
         graphed_steps(result, variants, s["rounds"], device)
         progress(result)
         variants = None  # their memory, before the graphs below hold their own
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
         result["cuda_graph"] = side_by_side(s, {f"{m}/adamw{'/cuda_graph' * g}": make(m, "adamw", False, cuda_graph=g)
                                                 for m in ("full", "sltrain") for g in (False, True)}, device)
         progress(result)
-        gc.collect()  # the group's graphs and their pools, before the next group's
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)  # the group's graphs and their pools, before the next group's
         result["cuda_graph_per_layer"] = side_by_side(s, {
             "full/adamw": make("full", "adamw", False),
             **{f"sltrain/adam8bit/per_layer{'/cuda_graph' * g}": make("sltrain", "adam8bit", True, cuda_graph=g)
@@ -294,6 +290,13 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
 # eager), ÷ full AdamW in the same mode: what a compiled step makes of CUDA graphs where only the blocks are graphed
 GRAPH_TREE_VARIANTS = (("full", "adamw", False), ("sltrain", "adamw", False), ("full", "adam8bit", True),
                        ("sltrain", "adam8bit", True))
+
+
+def release(device):
+    """What is garbage now freed, and on CUDA its cached blocks given back (a CUDA graph's pool cannot use them)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def side_by_side(s, variants, device):
@@ -315,9 +318,7 @@ def graphed_steps(result, variants, rounds, device):
     """suite_model's graphed figures: each step captured and replayed alone, its memory freed before the next."""
     rows = result["variants"]
     for name in list(variants):
-        gc.collect()
-        if device.type == "cuda":  # the blocks the eager steps left cached, which a graph's own pool cannot use
-            torch.cuda.empty_cache()
+        release(device)  # the blocks the eager steps left cached, which a graph's own pool cannot use
         try:
             replay = cuda_graphed(variants[name], device)
             rows[name]["graphed_ms"] = 1e3 * statistics.median(interleave({name: replay}, rounds, device)[name])
@@ -346,9 +347,7 @@ def suite_profile(s, device, dtype, progress=lambda partial: None):
                               dtype, s["backend"] if compiled else None, s.get("vocab"))
             rows[f"{method}/adamw{'/compiled' if compiled else ''}"] = profile_step(step, device)
             step = None  # the model, freed before the next one is built
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
             progress(rows)
     return rows
 
@@ -454,9 +453,7 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
         rows[name] = dict(gb=gb, base_gb=base_gb, estimate_gb=est["train_gb"],
                           vs_estimate=None if gb is None else (gb - base_gb) / est["train_gb"] - 1,
                           counted_gb={k: v / 1e9 for k, v in counted.items() if k not in ("peak", "base")})
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
         if galore:
             rows = dict((full or {}).get(size, {}).get("settings", {}), **rows)
         result[size]["reduction"] = _reduction(rows, name if galore else "sltrain/adam8bit/per_layer")
@@ -757,9 +754,7 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
         except Exception as e:  # an OOM or a bug costs this section only; KeyboardInterrupt still stops the run
             record_error(result, k, e)
         result["seconds"][k] = time.perf_counter() - t0
-        gc.collect()  # the failed section's tensors too: its traceback is gone by now
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)  # the failed section's tensors too: its traceback is gone by now
         if out:
             write_json(out, result)
         if k in result:

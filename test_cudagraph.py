@@ -1,12 +1,12 @@
 """
-train.py --cuda_graph (cudagraph.MicroBatchGraph): each micro-batch's forward and backward replayed from one capture.
-A CPU has no CUDA graphs, so here the capture is faked the way a real one behaves: its warm-up calls run the
-function, its capture does not, and each replay runs it; what is tested is everything around the graph (the static
-buffers, the gradients kept and zeroed in place, the eager optimizer), against train.py's plain update to the bit.
-With --per_layer (cudagraph.PerLayerGraph) the captured function does Python of its own between its operations (the
-per-layer updates, their counts), which a replay must not do again: there the capture is recorded and replayed
-operation by operation (recorded_capture), so that a number the host passed at capture stays the capture's, as on a
-GPU. The real capture runs where CUDA is (skipped otherwise).
+train.py --cuda_graph: each micro-batch's forward and backward replayed from one capture (cudagraph.MicroBatchGraph),
+and with --per_layer the last micro-batch's per-layer updates too (cudagraph.PerLayerGraph). A CPU has no CUDA
+graphs, so here the capture is recorded and replayed the way a real one behaves (recorded_capture): its warm-up
+calls run the function; the capture runs its Python and none of its work; each replay runs the recorded work again
+and none of the Python, so that a number the host passed at capture stays the capture's, as on a GPU. What is tested
+is everything around the graph (the static buffers, the gradients kept and zeroed in place, the eager optimizer or
+the step sizes on the device, the counts kept on the host), against train.py's plain update to the bit. The real
+capture runs where CUDA is (skipped otherwise).
 
     python -m pytest -q test_cudagraph.py
 """
@@ -30,19 +30,6 @@ from model import LLaMA, config_for
 from test_optim import same_state
 from test_train import base_args, final_state, metrics
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
-
-
-def fake_capture(warmup=2):
-    """A capture as CUDA's behaves on the host: warm-up calls that run fn (their gradients are the caller's to drop),
-    a capture that runs nothing, and fn itself as the replay."""
-    captures = []
-
-    def capture(fn, device):
-        captures.append(fn)
-        for _ in range(warmup):
-            fn()
-        return fn
-    return capture, captures
 
 
 class Recording(TorchDispatchMode):
@@ -157,8 +144,8 @@ def test_replayed_micro_batches_train_as_the_plain_update_to_the_bit(method, gra
     same losses, gradient norms and parameters as train.py's plain update, bit for bit. One capture for the run; the
     warm-up's gradients dropped; the gradients the same tensors at the end, zeroed, never set to None."""
     plain_losses, plain_params, _ = runs(method, grad_clipping=grad_clipping)
-    capture, captures = fake_capture()
-    losses, params, run = runs(method, capture, grad_clipping=grad_clipping)
+    captures = []
+    losses, params, run = runs(method, recorded_capture(captures), grad_clipping=grad_clipping)
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert len(captures) == 1
@@ -172,8 +159,7 @@ def test_replayed_micro_batches_train_as_the_plain_update_to_the_bit(method, gra
 def test_a_stop_within_an_update_zeroes_the_graphs_gradients_in_place():
     """A signal before the last micro-batch drops the update: nothing changed, and the gradients the graph adds to
     are zeroed where they are (set to None, the graph would write where no optimizer reads)."""
-    capture, _ = fake_capture()
-    _, _, run = runs("sltrain", capture, updates=1)
+    _, _, run = runs("sltrain", recorded_capture(), updates=1)
     grads = [p.grad for p in run.graph.params]
     before = [p.detach().clone() for p in run.raw_model.parameters()]
     micro_batches = [(torch.randint(96, (2, 16)), torch.randint(96, (2, 16)), 32) for _ in range(2)]
@@ -184,9 +170,8 @@ def test_a_stop_within_an_update_zeroes_the_graphs_gradients_in_place():
 
 
 def test_a_micro_batch_of_another_shape_is_refused_in_one_line():
-    capture, _ = fake_capture()
     model = LLaMA(config_for("tiny", vocab_size=96))
-    graph = MicroBatchGraph(model, model.parameters(), capture)
+    graph = MicroBatchGraph(model, model.parameters(), recorded_capture())
     weight = torch.tensor(1.0)
     graph(torch.randint(96, (2, 16)), torch.randint(96, (2, 16)), weight)
     with pytest.raises(ValueError, match=r"replays its first micro-batch's shapes, \(2, 16\); this one is \(2, 12\): "
