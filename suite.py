@@ -42,6 +42,7 @@ import functools
 import gc
 import glob
 import json
+import math
 import os
 import signal
 import statistics
@@ -587,6 +588,17 @@ def deadline(proc, seconds):
         timer.cancel()
 
 
+def losses_apart(rows, other):
+    """Two runs' metrics rows, the losses of the same updates compared: the largest difference, and each logged
+    update's as [step, difference]. Where they part tells a difference of the two steps (from the first update on)
+    from rounding that a run amplified (a spike of the warm-up, many updates on); their largest alone cannot."""
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    diffs = [[r["step"], abs(r["loss"] - losses.pop(r["step"], math.nan))] for r in other if "loss" in r]
+    if losses or not diffs or any(math.isnan(d) for _, d in diffs):
+        raise RuntimeError("the two runs did not log the losses of the same updates")
+    return dict(max_loss_diff=max(d for _, d in diffs), loss_diffs=[[step, float(f"{d:.3g}")] for step, d in diffs])
+
+
 def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
     (two micro-batches per update, so the signal may come within one) and resumed (how close its end is to the
@@ -660,13 +672,12 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     def kernel():  # the same short run with the default 8-bit step and with the eager one, update by update
         said = {run: train(run, "--num_training_steps", short, *extra) for run, extra in
                 (("kernel_auto", ()), ("kernel_off", ("--adam8bit_kernel", "off")))}
-        losses = {run: [r["loss"] for r in rows(run) if "loss" in r] for run in said}
         evals = {run: rows(run)[-1].get("val_loss") for run in said}
         step = {run: next((part.strip() for line in out.splitlines() for part in line.split(" | ")
                            if part.startswith("8-bit step")), None) for run, out in said.items()}
         return dict(step=step["kernel_auto"], step_off=step["kernel_off"], last_loss=evals["kernel_auto"],
                     last_loss_off=evals["kernel_off"], val_loss_diff=abs(evals["kernel_auto"] - evals["kernel_off"]),
-                    max_loss_diff=max(abs(a - b) for a, b in zip(*losses.values(), strict=True)))
+                    **losses_apart(*map(rows, said)))
 
     def torchrun():
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -679,10 +690,8 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         logs = ["--log_every", str(max(1, p["short"] // 4))]
         said = {run: train(run, "--num_training_steps", short, *halves, *logs, *extra, common=common)
                 for run, extra in ((off, ()), (on, ("--cuda_graph", "--sync_debug")))}
-        losses = {run: [r["loss"] for r in rows(run) if "loss" in r] for run in said}
         evals = {run: rows(run)[-1].get("val_loss") for run in said}
-        return dict(last_loss=evals[on], last_loss_off=evals[off],
-                    max_loss_diff=max(abs(a - b) for a, b in zip(*losses.values(), strict=True)),
+        return dict(last_loss=evals[on], last_loss_off=evals[off], **losses_apart(rows(off), rows(on)),
                     tail=said[on].splitlines()[-2], tail_off=said[off].splitlines()[-1],
                     sync_debug=said[on].splitlines()[-1])
 

@@ -290,10 +290,26 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     assert r["kernel"]["step"].startswith("8-bit step: eager (no kernel: ") and \
         r["kernel"]["step_off"] == "8-bit step: eager (no kernel: --adam8bit_kernel off)", r["kernel"]
     assert r["kernel"]["max_loss_diff"] == 0.0 and r["kernel"]["val_loss_diff"] == 0.0, r["kernel"]
+    short = suite.SUITES["tiny"]["program"]["short"]  # every update of the two runs, compared
+    assert r["kernel"]["loss_diffs"] == [[step, 0.0] for step in range(1, short + 1)], r["kernel"]
     for name in ("cuda_graph", "cuda_graph_per_layer"):  # said in their rows
         assert r[name] == {"skipped": "train.py --cuda_graph needs a CUDA GPU"}
     print(r["compile"])
     suite.report_suite({"program": r})
+
+
+def test_two_runs_losses_are_compared_update_by_update():
+    """Where two runs part says more than their largest difference: a difference from the first update on is the
+    steps', one that starts many updates on is rounding amplified. Rows without a loss (evaluations) are not compared;
+    runs that logged other updates are refused, not compared in part."""
+    run = [dict(step=1, loss=10.0), dict(step=2, loss=8.0), dict(step=2, val_loss=7.9), dict(step=3, loss=7.0)]
+    other = [dict(step=1, loss=10.0), dict(step=2, loss=8.0), dict(step=3, loss=7.25), dict(step=3, val_loss=7.1)]
+    assert suite.losses_apart(run, other) == dict(max_loss_diff=0.25, loss_diffs=[[1, 0.0], [2, 0.0], [3, 0.25]])
+    for cut in (run[:-1], run[1:], []):
+        with pytest.raises(RuntimeError, match="did not log the losses of the same updates"):
+            suite.losses_apart(cut, other)
+    with pytest.raises(RuntimeError, match="did not log the losses of the same updates"):
+        suite.losses_apart(run, other[:2])
 
 
 def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
