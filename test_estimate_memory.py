@@ -142,6 +142,20 @@ def test_activations_counted_on_fake_tensors_match_a_real_forward(method, dtype,
     assert em.activation_bytes("tiny", method, None, None, 2, 32, dtype=dtype, amp=amp) == saved.nbytes
 
 
+@pytest.mark.parametrize("method,options", [("full", {}), ("sltrain", dict(activation_checkpointing=True)),
+                                            ("sltrain", dict(dtype="float32", amp=True)), ("relora", {}),
+                                            ("sltrain_ft", dict(freeze="lowrank"))],
+                         ids=["full", "checkpointed", "amp", "relora", "frozen"])
+def test_activations_of_one_and_two_blocks_give_every_blocks(method, options):
+    """activation_bytes counts models of one and two blocks and adds the second's bytes for each further block: the
+    bytes of the whole model's forward (60m: 8 blocks), in every setting that changes what a block saves."""
+    kw = dict(activation_checkpointing=False, dtype="bfloat16", amp=False, freeze=None) | options
+    config = em.config_for("60m", method=method)
+    assert config.n_layers == 8
+    whole = em.saved_bytes(config, 2, 16, *kw.values())
+    assert em.activation_bytes("60m", method, None, None, 2, 16, **options) == whole > 0
+
+
 def test_amp_and_float32_rows():
     """float32 (--dtype float32 and --amp): 4 bytes a parameter, gradient and AdamW moment; 8-bit moments stay 8-bit;
     amp's activations lie between bf16's and float32's (the residual stream is float32, the matmuls bf16)."""
