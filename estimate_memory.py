@@ -10,6 +10,8 @@ on a few real training steps.
         --activation_checkpointing                                         # as train.py --activation_checkpointing
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1 --amp
                                                                            # as train.py --amp: float32 + autocast
+    python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1 \
+        --gradient_accumulation 4                                          # the gradients kept between micro-batches
     python estimate_memory.py --size 7b --method sltrain_ft --optimizer adam8bit --per_layer --batch_size 1
                                                                            # fine-tuning (the paper's appendix)
     python estimate_memory.py --json                                       # machine-readable rows
@@ -38,6 +40,7 @@ import math
 import os
 import tempfile
 import textwrap
+import warnings
 import weakref
 
 import torch
@@ -175,15 +178,32 @@ def loss_backward_bytes(batch_size, max_length, vocab_size, logit_bytes=BF16):
     return n * vocab_size * logit_bytes + min(n, loss_chunk_rows(n, vocab_size)) * vocab_size * 4
 
 
-def at_most(grad, act, start):
+def at_most(grad, act, start, kept=False):
     """The most of gradients and activations alive at once, beside the parameters and optimizer state. Backward
     starts with every activation saved and adds `start`: the largest of the loss's backward (loss_backward_bytes),
     the first layer's gradient (the head's, the largest layer) and, with activation checkpointing, a recomputed
     block (recomputed_block; it comes later, with less saved, so this bounds it). Without per-layer updates backward
     ends with every gradient and few activations left. In between, each block frees its activations as its
     gradients appear, so the larger end bounds it. With per-layer updates grad is one layer's and the first term is
-    the larger. The step's other temporaries come on top (estimate_memory.py --measure)."""
-    return max(act + start, grad)
+    the larger. kept: the gradients outlive a backward (grads_kept), so the next forward saves its activations beside
+    them, and all three add up. The step's other temporaries come on top (estimate_memory.py --measure)."""
+    return grad + act + start if kept else max(act + start, grad)
+
+
+def grads_kept(per_layer, accumulation=1, ddp=False, cuda_graph=False):
+    """Whether a run's gradients, every parameter's, outlive its backward, to be alive beside the next forward's
+    activations: with gradient accumulation (a micro-batch's backward adds into the gradients of those before it, also
+    under per-layer updates, which update after the last), under DDP (its buckets, which hold the gradients, are
+    never freed) and under train.py --cuda_graph (the graph's gradients are allocated once, for good), but with
+    per-layer updates and no accumulation, where the replayed update frees each layer's gradients as it goes."""
+    return accumulation > 1 or ddp or (cuda_graph and not per_layer)
+
+
+def why_kept(r):
+    """Words for what keeps a row's gradients between backwards (grads_kept), or None."""
+    why = [f"{r['accumulation']} micro-batches an update" if r["accumulation"] > 1 else "",
+           "DDP's buckets" if r["ddp"] else "", "--cuda_graph" if r["cuda_graph"] and not r["per_layer"] else ""]
+    return " and ".join(w for w in why if w) or None
 
 
 def check_freeze(freeze, method):
@@ -216,12 +236,15 @@ def check_dtype(dtype, amp):
 
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
              batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None,
-             freeze=None, block_size=BLOCK_SIZE):
+             freeze=None, block_size=BLOCK_SIZE, accumulation=1, ddp=False, cuda_graph=False):
     """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
     gradients and activations of one method at one size. dtype and amp as train.py's --dtype and --amp: the paper's
     bf16 by default; float32 parameters, gradients and state (and under amp, activations as bf16 autocast keeps
     them). vocab_size: another tokenizer's (default: T5's 32000). freeze="lowrank" as train.py's --freeze: only
-    SLTrain's sparse values have gradients and moments. block_size: 8-bit Adam's, train.py's --block_size."""
+    SLTrain's sparse values have gradients and moments. block_size: 8-bit Adam's, train.py's --block_size.
+    accumulation (micro-batches per update), ddp (more than one process) and cuda_graph (train.py --cuda_graph) say
+    whether the gradients are kept between backwards (grads_kept): then they are every parameter's, also with
+    per-layer updates, and alive beside the activations."""
     dtype = check_dtype(dtype, amp)
     check_freeze(freeze, method)
     if method not in METHODS:
@@ -238,9 +261,12 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     if freeze:
         freeze_all_but_values(model)
     n = model.num_params()
+    kept = grads_kept(per_layer, accumulation, ddp, cuda_graph)
     row = dict(size=size, method=method, rank=rank, delta=delta, freeze=freeze, optimizer=optimizer,
                index_dtype=index_dtype, per_layer=per_layer, batch_size=batch_size, max_length=max_length,
-               activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, params_m=n["total"] / 1e6,
+               activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, accumulation=accumulation,
+               ddp=ddp, cuda_graph=cuda_graph, grads_kept=kept,
+               params_m=n["total"] / 1e6,
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
     width = DTYPE_BYTES[dtype]  # bytes of a parameter, a gradient and an AdamW moment
     stored = n["total"]
@@ -249,7 +275,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     optim_bytes = sum(moment_bytes(k, optimizer, width, block_size) for k in trained)
     state_numel = 2 * sum(trained)
     layer_numel = layer_grad_numel(model, lambda p: p.requires_grad)
-    grad_numel = layer_numel if per_layer else sum(trained)
+    grad_numel = layer_numel if per_layer and not kept else sum(trained)
 
     held = param_bytes  # what the model as built holds: the paper's count, but for relora
     if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
@@ -299,7 +325,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         logits = batch_size * max_length * config.vocab_size * logit_bytes
         row["eval_gb"] = (held + (whole - logits) / config.n_layers + adds[1]) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
-    row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"])
+    row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"],
+                                                                 kept and batch_size > 0)
     paper = (optimizer, index_dtype, dtype, vocab_size, freeze) == ("adamw", "int64", "bfloat16", None, None)
     row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
@@ -322,7 +349,8 @@ def print_table(rows):
     acts, kept = bool(r0["batch_size"]), values_dtype(r0)
     print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): {kept} parameters and gradients, {r0['index_dtype']} indices, "
                         + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else f"AdamW (2 {r0['dtype']} moments)")
-                        + (", gradients of one layer (per-layer updates)" if r0["per_layer"] else "")
+                        + (", gradients of one layer (per-layer updates)" if r0["per_layer"] and not r0["grads_kept"]
+                           else f", every gradient kept between backwards ({why_kept(r0)})" if r0["grads_kept"] else "")
                         + (", only the sparse values train (--freeze lowrank)" if r0["freeze"] else "")
                         + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else "")
                         + (" (activation checkpointing)" if acts and r0["activation_checkpointing"] else ""), 118))
@@ -337,13 +365,13 @@ def print_table(rows):
             mark = f"[{len(notes)}]"
         grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
         held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
-        train = held + at_most(grads, act, round(r["start_gb"], 2))  # added as printed, as the paper
+        train = held + at_most(grads, act, round(r["start_gb"], 2), r["grads_kept"] and acts)  # added as printed
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
               f"  {grads:6.2f} {act_cell} {train:6.2f}")
     print("total = param + optim, the paper's Mem column; train adds the most gradients and activations alive at\n"
           "once: grads, or with --batch_size the larger of grads and acts + backward's start (the largest layer's\n"
-          "gradient, or the loss's backward if more)")
+          "gradient, or the loss's backward if more); their sum where the gradients are kept between backwards")
     if any(r["held_gb"] != r["param_gb"] for r in rows):
         print("relora's train counts its model as built: the frozen W0 beside the low-rank model, whose embeddings,\n"
               "norms and head param counts a second time, as the paper does")
@@ -383,8 +411,11 @@ def print_breakdown(r):
              f"and dense parameters ({state}) + {r['projection_m']:.2f}M projection ({r['dtype']})")
     else:
         line("optim", r["optim_gb"], "G", f"{r['state_m']:.2f}M moments, {state}")
-    which = "the largest layer (or projections sharing a call) only (per-layer updates)" if r["per_layer"] else \
-        "every parameter's" if m == "galore" else "every trained parameter's"
+    which = "every parameter's" if m == "galore" else "every trained parameter's"
+    if r["per_layer"] and not r["grads_kept"]:
+        which = "the largest layer (or projections sharing a call) only (per-layer updates)"
+    if r["grads_kept"]:
+        which += f", kept between backwards ({why_kept(r)})"
     line("grads", r["grad_gb"], "G", f"{r['dtype']}, {which}")
     if r["batch_size"]:
         line("activations", r["act_gb"], "G", f"saved for backward by one {kept} forward, counted on fake tensors"
@@ -395,11 +426,14 @@ def print_breakdown(r):
         line("held", r["held_gb"], "G", "the parameters and W0 as our model holds them: the embeddings, norms and "
              "head once, where the paper's param has them twice; train counts these")
     held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
-    train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2))
+    adds_up = r["grads_kept"] and bool(r["batch_size"])
+    train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2), adds_up)
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
                                                                    if r["activation_checkpointing"] else "")
     base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"
-    line("train", train, "G", f"{base} + " + (f"the larger of grads and activations + backward's start (the most of "
+    line("train", train, "G", f"{base} + " + ("grads + activations + backward's start (the gradients kept: the "
+                                              f"most of {start}: at_most)" if adds_up else
+                                              f"the larger of grads and activations + backward's start (the most of "
                                               f"{start}: at_most)" if r["batch_size"] else "grads")
          + "; the step's temporaries come on top")
     if r["footnote"]:
@@ -442,9 +476,11 @@ def cpu_peak(prof):
 
 
 def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-            activation_checkpointing=False, dtype=None, amp=False, freeze=None):
+            activation_checkpointing=False, dtype=None, amp=False, freeze=None, accumulation=1, ddp=False):
     """A few real training steps of our model, in dtype as estimate's (the paper's bf16 by default; float32 under
-    amp, with bf16 autocast; freeze as estimate's). Returns the bytes of
+    amp, with bf16 autocast; freeze as estimate's), each of `accumulation` micro-batches; ddp: the model under
+    DistributedDataParallel as train.py's, in a process group of one made here where there is none. Returns the
+    bytes of
     parameters, gradients (the most alive at once), optimizer state and saved activations (the most of one forward),
     counted; the real peak of the steps (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the
     profiler's memory events); "base", what the process held before the model was built, which the peak includes;
@@ -466,9 +502,18 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
         base = torch.cuda.memory_allocated(device)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
         if device.type == "cpu" else contextlib.nullcontext()
-    with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
-        counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
-                                        steps, device, activation_checkpointing, dtype, amp, freeze)
+    group = ddp and not torch.distributed.is_initialized()
+    if group:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                             store=torch.distributed.HashStore())  # in this process: it is alone
+    try:
+        with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
+            counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
+                                            steps, device, activation_checkpointing, dtype, amp, freeze, accumulation,
+                                            ddp)
+    finally:
+        if group:
+            torch.distributed.destroy_process_group()
     if device.type == "cpu":
         counted["peak"] = cpu_peak(profiler)
     counted["base"] = base
@@ -476,10 +521,10 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
 
 
 def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-             activation_checkpointing, dtype, amp, freeze):
+             activation_checkpointing, dtype, amp, freeze, accumulation=1, ddp=False):
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
-    model = LLaMA(config, device=device).to(getattr(torch, dtype))
+    model = raw = LLaMA(config, device=device).to(getattr(torch, dtype))
     model.autocast = torch.bfloat16 if amp else None
     if amp:
         frozen_base_to(model, torch.bfloat16)  # as train.py --amp
@@ -520,43 +565,54 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
 
     for p in params:
         p.register_post_accumulate_grad_hook(track_grads)
+    if ddp:  # as train.py's (its buckets hold the gradients), in the caller's process group
+        with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers (train.py says why it stays)
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            model = torch.nn.parallel.DistributedDataParallel(raw, broadcast_buffers=False,
+                                                              gradient_as_bucket_view=True)
     per = attach_per_layer(model, make) if per_layer else None
     opt = None if per_layer else make(params)
     whole = None
     if activation_checkpointing:  # one forward without, before the steps: what a block saves when recomputed
-        idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
-        with SavedTensors(model) as saved:
+        idx = torch.randint(config.vocab_size, (batch_size, max_length + 1), device=device)
+        with SavedTensors(raw) as saved:
             model(idx[:, :-1], idx[:, 1:].contiguous())
         whole = saved.nbytes
         del idx, saved
-        model.activation_checkpointing = True
+        raw.activation_checkpointing = True
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     with torch.profiler.record_function(STEPS_RANGE):
         for _ in range(steps):
-            idx = torch.randint(model.config.vocab_size, (batch_size, max_length + 1), device=device)
-            with SavedTensors(model) as saved:
-                loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
-            peak["acts"] = max(peak["acts"], saved.nbytes)
-            loss.backward()  # with per-layer updates each parameter steps here and drops its gradient
+            for micro in range(accumulation):  # the micro-batches of an update, as train.py's
+                idx = torch.randint(config.vocab_size, (batch_size, max_length + 1), device=device)
+                with SavedTensors(raw) as saved:
+                    loss = model(idx[:, :-1], idx[:, 1:].contiguous())[1]
+                peak["acts"] = max(peak["acts"], saved.nbytes)
+                last = micro == accumulation - 1
+                with contextlib.nullcontext() if last or per is None else per.accumulating():
+                    loss.backward()  # with per-layer updates each parameter steps here and drops its gradient
+                del idx, loss
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            del idx, loss
     optimizers = [opt] if opt is not None else per.optimizers.values()
     state = [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
-    counted = dict(param=sum(t.nbytes for t in [*model.parameters(), *model.buffers()]),
+    if ddp:  # its buckets: every gradient, for good (per-layer updates free only the views of them)
+        peak["grads"] = max(peak["grads"], sum(p.nbytes for p in params))
+    counted = dict(param=sum(t.nbytes for t in [*raw.parameters(), *raw.buffers()]),
                    optim=sum(t.nbytes for t in state),
                    grad=peak["grads"], act=peak["acts"])
-    layer_grad = layer_grad_numel(model, lambda p: p.requires_grad) * params[0].element_size()
+    layer_grad = layer_grad_numel(raw, lambda p: p.requires_grad) * params[0].element_size()
     logit_bytes = BF16 if amp else params[0].element_size()
     start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes),
                 0 if whole is None else recomputed_block(whole, peak["acts"], config.n_layers))
-    counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start)
+    kept = grads_kept(per_layer, accumulation, ddp)
+    counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start, kept)
     if device.type == "cuda":
         counted["peak"] = torch.cuda.max_memory_allocated(device)
-    index_dtype = next((str(m.indices.dtype).removeprefix("torch.") for m in model.modules()
+    index_dtype = next((str(m.indices.dtype).removeprefix("torch.") for m in raw.modules()
                         if isinstance(m, SLLinear) and m.indices is not None), "int64")  # int32 below 2³¹ entries
     return counted, index_dtype
 
@@ -565,7 +621,10 @@ def print_measured(results, device, args):
     peak_name = "CUDA max_memory_allocated" if device.type == "cuda" else "CPU peak (profiler)"
     kept = values_dtype(dict(dtype=args.dtype, amp=args.amp))
     print(f"measured on {device}: {args.size}, {kept}, batch {args.batch_size} x {args.max_length}, "
-          f"{args.steps} steps, {args.optimizer}{', per-layer' if args.per_layer else ''}"
+          f"{args.steps} steps"
+          f"{f' of {args.gradient_accumulation} micro-batches' if args.gradient_accumulation > 1 else ''}"
+          f"{', DDP (a process group of one)' if args.ddp else ''}, {args.optimizer}"
+          f"{', per-layer' if args.per_layer else ''}"
           f"{', activation checkpointing' if args.activation_checkpointing else ''} -- estimate / counted; {peak_name}")
     print(f"{'method':<8} " + " ".join(f"{k:^17}" for k in ("param", "optim", "grads", "acts", "train"))
           + "    peak    base  (peak-base)/est")
@@ -583,6 +642,13 @@ def print_measured(results, device, args):
 
 # ----------------------------------------------------------------------------- command line
 
+def estimate_for(args, size, method, index_dtype):
+    """estimate() of one size and method at the command line's settings."""
+    return estimate(size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer, args.batch_size,
+                    args.max_length, args.activation_checkpointing, args.dtype, args.amp, freeze=args.freeze,
+                    accumulation=args.gradient_accumulation, ddp=args.ddp, cuda_graph=args.cuda_graph)
+
+
 def refuse_what_would_not_fit(parser, args, methods, device):
     """--measure builds and trains the model for real: one that would not fit is refused now, in one line, not
     killed part way (on CPU the kernel's out-of-memory killer, which may take other processes with it). What each
@@ -593,9 +659,7 @@ def refuse_what_would_not_fit(parser, args, methods, device):
     available, share, where = there
     width = DTYPE_BYTES[check_dtype(args.dtype, args.amp)]
     for method in methods:
-        row = estimate(args.size, method, args.rank, args.delta, "int32", args.optimizer, args.per_layer,
-                       args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp,
-                       freeze=args.freeze)
+        row = estimate_for(args, args.size, method, "int32")
         need = max(row["train_gb"], row["param_gb"] * (1 + 4 / width if width != 4 else 1)) * GB
         if need > share * available:
             parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "
@@ -618,6 +682,10 @@ def check_args(parser, args):
         if given and not (args.batch_size or args.measure):
             parser.error(f"{flag} changes the activations, which --batch_size 0 (the default) leaves out: pass "
                          "--batch_size")
+    if args.gradient_accumulation < 1:
+        parser.error("--gradient_accumulation must be >= 1")
+    if args.measure and args.cuda_graph:
+        parser.error("--measure runs its steps without CUDA graphs: drop --cuda_graph (the estimate alone counts it)")
     if args.amp and args.dtype == "bfloat16":
         parser.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     args.dtype = args.dtype or ("float32" if args.amp else "bfloat16")
@@ -690,6 +758,15 @@ def main():
                         help="as train.py --amp: float32 parameters and state, activations as bf16 autocast keeps them")
     parser.add_argument("--freeze", choices=["lowrank"],
                         help="as train.py --freeze lowrank (--method sltrain): only the sparse values V train")
+    parser.add_argument("--gradient_accumulation", type=int, default=1,
+                        help="micro-batches per update, as train.py's: from 2 on the gradients are kept between "
+                             "backwards, every parameter's also with --per_layer, beside the activations (default 1)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="under torchrun with more than one process: DDP's buckets keep every gradient, also with "
+                             "--per_layer (--measure: DDP in a process group of one)")
+    parser.add_argument("--cuda_graph", action="store_true",
+                        help="as train.py --cuda_graph: its gradients are allocated for good (but with --per_layer "
+                             "and one micro-batch an update); not with --measure")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--measure", action="store_true",
                         help="run a few training steps of each method; print measured beside estimated")
@@ -708,10 +785,9 @@ def main():
         for method in methods:
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
                                            args.batch_size, args.max_length, args.steps, device,
-                                           args.activation_checkpointing, args.dtype, args.amp, args.freeze)
-            est = estimate(args.size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer,
-                           args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp,
-                           freeze=args.freeze)
+                                           args.activation_checkpointing, args.dtype, args.amp, args.freeze,
+                                           args.gradient_accumulation, args.ddp)
+            est = estimate_for(args, args.size, method, index_dtype)
             results[method] = (est, counted)
         if args.json:
             print(json.dumps([dict(est, measured=counted, device=str(device)) for est, counted in results.values()],
@@ -722,9 +798,7 @@ def main():
 
     sizes = PAPER_SIZES if args.size == "all" else (args.size,)
     methods = ALL_METHODS if args.method == "all" else (args.method,)
-    rows = [estimate(size, method, args.rank, args.delta, args.index_dtype, args.optimizer, args.per_layer,
-                     args.batch_size, args.max_length, args.activation_checkpointing, args.dtype, args.amp,
-                     freeze=args.freeze) for size in sizes for method in methods]
+    rows = [estimate_for(args, size, method, args.index_dtype) for size in sizes for method in methods]
     if args.json:
         print(json.dumps(rows, indent=1))
     elif len(rows) == 1:

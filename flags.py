@@ -399,19 +399,28 @@ def check_memory(p, args, device, world):
     method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
 
     def need(batch, checkpointing=args.activation_checkpointing):  # sllinear's int32 indices (below 2^31 entries)
+        # a smaller micro-batch means more of them an update: from 2 on the gradients are kept between backwards
+        accumulation = 1 if args.eval_only else args.total_batch_size // (batch * world)
         row = estimate(args.size, method, rank, args.delta, index_dtype="int32",
                        optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
                        max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
-                       amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE)
+                       amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE,
+                       accumulation=accumulation, ddp=world > 1, cuda_graph=args.cuda_graph)
         return row["eval_gb" if args.eval_only else "train_gb"] * 1e9  # --eval_only: a forward without gradients
     needed = need(args.batch_size)
     if needed <= share * available:
         return
     divides = lambda b: args.eval_only or args.total_batch_size % (b * world) == 0  # an update's batch must divide
-    fits = next((b for b in range(args.batch_size - 1, 0, -1) if divides(b) and need(b) <= share * available), None)
-    fix = f"pass --batch_size {fits}" if fits else "pick a smaller --size or more memory"
-    if not args.eval_only and not args.activation_checkpointing and need(args.batch_size, True) <= share * available:
-        fix += " or add --activation_checkpointing"
+    smaller = lambda **kw: next((b for b in range(args.batch_size - 1, 0, -1)
+                                 if divides(b) and need(b, **kw) <= share * available), None)
+    fits = smaller()
+    fixes = [f"pass --batch_size {fits}"] if fits else []
+    if not args.eval_only and not args.activation_checkpointing:
+        if need(args.batch_size, True) <= share * available:
+            fixes.append("add --activation_checkpointing")
+        elif not fits and smaller(checkpointing=True):  # neither alone, both together
+            fixes.append(f"pass --batch_size {smaller(checkpointing=True)} with --activation_checkpointing")
+    fix = " or ".join(fixes) or "pick a smaller --size or more memory"
     say = p.error_here if device.type == "cuda" else p.error  # a GPU's free memory is its rank's own to say
     say(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB per process, "
         f"more than {share:.0%} of {where}; {fix}")

@@ -84,6 +84,7 @@ SUITES = {
 MEMORY_SETTINGS = (("full", "adamw", False), ("sltrain", "adam8bit", True), ("full", "adam8bit", True),
                    ("lowrank", "adam8bit", True))
 GALORE_SETTING = ("galore", "adam8bit", True)
+MEMORY_ACCUMULATION = 2  # micro-batches an update of the memory section's last row (Figure 3's setting has one)
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
 # Figure 3 does not give its delta; the appendix's memory count for 7b has 194.28M sparse values, delta 0.03, where
 # 7b trains at 0.05 (§4.1). Where a size's delta differs, the memory section adds an SLTrain row at this one.
@@ -435,18 +436,25 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
     memory section's result, where that has one."""
     result = {size: dict(settings={}, reduction=None, paper_reduction=None if galore else PAPER_REDUCTION.get(size))
               for size in s["memory_sizes"]}
-    # every size's settings first, then the rows at the appendix's delta: a command cut short loses those
-    settings = [(size, *GALORE_SETTING, None) for size in s["memory_sizes"]] if galore else \
-        [(size, *setting, None) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS] + \
-        [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA) for size in s["memory_sizes"]
-         if config_for(size).delta != PAPER_MEMORY_DELTA]
-    for size, method, optimizer, per_layer, delta in settings:
+    # every size's settings first, then the rows at the appendix's delta, then the smallest size's SLTrain run
+    # accumulating micro-batches, whose gradients are kept between backwards (estimate_memory.grads_kept): a command
+    # cut short loses those
+    settings = [(size, *GALORE_SETTING, None, 1) for size in s["memory_sizes"]] if galore else \
+        [(size, *setting, None, 1) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS] + \
+        [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA, 1) for size in s["memory_sizes"]
+         if config_for(size).delta != PAPER_MEMORY_DELTA] + \
+        [(s["memory_sizes"][0], "sltrain", "adam8bit", True, None, MEMORY_ACCUMULATION)]
+    for size, method, optimizer, per_layer, delta, accumulation in settings:
         rows = result[size]["settings"]
-        name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}{'' if delta is None else f'/delta={delta}'}"
-        est = estimate(size, method, None, delta, "int32", optimizer, per_layer, 1, s["max_length"])
+        name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}{'' if delta is None else f'/delta={delta}'}" \
+               f"{'' if accumulation == 1 else f'/accumulation={accumulation}'}"
+        est = estimate(size, method, None, delta, "int32", optimizer, per_layer, 1, s["max_length"],
+                       accumulation=accumulation)
         try:
-            counted, _ = measure(size, method, None, delta, optimizer, per_layer, 1, s["max_length"],
-                                 s["memory_steps"], device)
+            # accumulating, two updates at least: the first makes the optimizer state after its gradients
+            steps = s["memory_steps"] if accumulation == 1 else max(2, s["memory_steps"])
+            counted, _ = measure(size, method, None, delta, optimizer, per_layer, 1, s["max_length"], steps, device,
+                                 accumulation=accumulation)
             gb, base_gb = counted["peak"] / 1e9, counted["base"] / 1e9
         except torch.cuda.OutOfMemoryError:
             counted, gb, base_gb = {}, None, None

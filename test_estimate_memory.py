@@ -156,6 +156,36 @@ def test_activations_of_one_and_two_blocks_give_every_blocks(method, options):
     assert em.activation_bytes("60m", method, None, None, 2, 16, **options) == whole > 0
 
 
+@pytest.mark.parametrize("optimizer,per_layer,accumulation,ddp", [("adam8bit", True, 2, False),
+                                                                  ("adam8bit", True, 1, True),
+                                                                  ("adamw", False, 2, False), ("adamw", False, 1, True)],
+                         ids=["per_layer-accumulating", "per_layer-ddp", "accumulating", "ddp"])
+def test_gradients_kept_between_backwards_are_counted_beside_the_activations(optimizer, per_layer, accumulation, ddp):
+    """A micro-batch's backward adds into the gradients of those before it, and DDP's buckets hold every gradient for
+    good, per-layer updates or not: the next forward saves its activations beside them. The peak of real steps (CPU
+    profiler; DDP in a process group of one) is the estimate that counts them, and 20% and more above the estimate of
+    the same run without accumulation or DDP, which train.py's memory check went by."""
+    args = ("tiny", "sltrain", None, None)
+    counted, _ = em.measure(*args, optimizer, per_layer, 2, 32, 2, torch.device("cpu"), accumulation=accumulation,
+                            ddp=ddp)
+    assert not torch.distributed.is_initialized()  # the group measure made is gone
+    est = em.estimate(*args, "int32", optimizer, per_layer, 2, 32, accumulation=accumulation, ddp=ddp)
+    alone = em.estimate(*args, "int32", optimizer, per_layer, 2, 32)
+    assert est["grads_kept"] and not alone["grads_kept"]
+    assert counted["train"] == pytest.approx(est["train_gb"] * 1e9, rel=1e-3)
+    assert counted["peak"] == pytest.approx(est["train_gb"] * 1e9, rel=0.03), (counted, est)
+    assert counted["peak"] > 1.15 * alone["train_gb"] * 1e9
+    if per_layer:  # every parameter's gradient, not one layer's
+        assert est["grad_gb"] == pytest.approx(em.estimate(*args, "int32", optimizer, False, 2, 32)["grad_gb"])
+
+
+def test_which_runs_keep_their_gradients_between_backwards():
+    kept = em.grads_kept
+    assert not kept(False) and not kept(True) and not kept(True, cuda_graph=True)  # the replay frees them as it goes
+    assert kept(False, cuda_graph=True) and kept(True, accumulation=2) and kept(True, ddp=True)
+    assert kept(True, accumulation=2, cuda_graph=True) and kept(False, accumulation=8)
+
+
 def test_amp_and_float32_rows():
     """float32 (--dtype float32 and --amp): 4 bytes a parameter, gradient and AdamW moment; 8-bit moments stay 8-bit;
     amp's activations lie between bf16's and float32's (the residual stream is float32, the matmuls bf16)."""
@@ -206,6 +236,13 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     assert "float32 (bf16 autocast) parameters and gradients" in out and "AdamW (2 float32 moments)" in out, out
     out = run_main(monkeypatch, capsys, "--size", "1b", "--method", "sltrain", "--dtype", "float32")
     assert "1b sltrain: r=512, delta=0.03, float32, AdamW" in out and "M float32 values + " in out, out
+    out = " ".join(run_main(monkeypatch, capsys, "--size", "7b", "--method", "sltrain", "--optimizer", "adam8bit",
+                            "--per_layer", "--batch_size", "1", "--gradient_accumulation", "4").split())
+    assert "every trained parameter's, kept between backwards (4 micro-batches an update)" in out, out
+    assert "total + grads + activations + backward's start (the gradients kept" in out, out
+    out = " ".join(run_main(monkeypatch, capsys, "--method", "sltrain", "--optimizer", "adam8bit", "--per_layer",
+                            "--batch_size", "1", "--ddp").split())
+    assert "every gradient kept between backwards (DDP's buckets)" in out and "their sum where" in out, out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -220,6 +257,8 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--method", "sltrain", "--freeze", "lowrank", "--delta", "0", "--measure"], "which --delta 0 removes"),
     (["--measure", "--steps", "0"], "--max_length and --steps >= 1"),
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters and computes in bf16 under autocast: drop"),
+    (["--gradient_accumulation", "0"], "--gradient_accumulation must be >= 1"),
+    (["--measure", "--cuda_graph"], "--measure runs its steps without CUDA graphs: drop --cuda_graph"),
     (["--measure", "--device", "tpu"], "expected cpu, cuda or cuda:N, where --measure runs"),
     (["--measure", "--device", "cuda:x"], "expected cpu, cuda or cuda:N, where --measure runs"),
     (["--size", "60m", "--method", "sltrain", "--rank", "600"], "--size 60m: rank must be in [0, min(in, out))"),

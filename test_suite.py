@@ -51,7 +51,11 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         assert row["ms"] > 0 and 0 < sum(times) <= row["device_ms"] * (1 + 1e-9) and times == sorted(times)[::-1]
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
-                                    "sltrain/adam8bit/per_layer"}
+                                    "sltrain/adam8bit/per_layer", "sltrain/adam8bit/per_layer/accumulation=2"}
+    # accumulating two micro-batches an update keeps every gradient between backwards, per-layer updates or not
+    accumulating, sltrain = (mem["settings"][k]["counted_gb"] for k in ("sltrain/adam8bit/per_layer/accumulation=2",
+                                                                        "sltrain/adam8bit/per_layer"))
+    assert accumulating["grad"] > 2 * sltrain["grad"] and accumulating["train"] > sltrain["train"]
     galore = r["memory_galore"]["tiny"]  # GaLore's row in a section of its own, run last, against the same full AdamW
     assert list(galore["settings"]) == ["galore/adam8bit/per_layer"] and galore["paper_reduction"] is None
     assert galore["reduction"] == 1 - galore["settings"]["galore/adam8bit/per_layer"]["gb"] / \
@@ -134,11 +138,11 @@ def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
     """The memory section saves after each setting: a kill during the second leaves the first on disk."""
     out, measure, calls = str(tmp_path / "suite.json"), suite.measure, []
 
-    def killed_on_the_second(*args):
+    def killed_on_the_second(*args, **kwargs):
         calls.append(args)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return measure(*args)
+        return measure(*args, **kwargs)
     monkeypatch.setattr(suite, "measure", killed_on_the_second)
     with pytest.raises(KeyboardInterrupt):
         suite.run_suite("tiny", torch.device("cpu"), ["memory"], out=out)
@@ -184,9 +188,11 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     estimate plus a tenth."""
     calls = []
 
-    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
+    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
+                 accumulation=1):
         calls.append((method, delta))
-        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length)
+        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length,
+                               accumulation=accumulation)
         parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
         return dict(peak=1.1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
     monkeypatch.setattr(suite, "measure", measured)
@@ -194,8 +200,9 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
     rows = mem["settings"]
     assert list(rows) == ["full/adamw", "sltrain/adam8bit/per_layer", "full/adam8bit/per_layer",
-                          "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05"]
-    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 4
+                          "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05",
+                          "sltrain/adam8bit/per_layer/accumulation=2"]
+    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 5
     at, default, full = (rows[k] for k in ("sltrain/adam8bit/per_layer/delta=0.05", "sltrain/adam8bit/per_layer",
                                            "full/adamw"))
     assert at["estimate_gb"] > default["estimate_gb"] and at["vs_estimate"] == pytest.approx(0.1)
@@ -206,7 +213,7 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
         capsys.readouterr().out
     monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra row
     mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
-    assert len(mem["settings"]) == 4 and "reduction_at_paper_delta" not in mem
+    assert len(mem["settings"]) == 5 and "reduction_at_paper_delta" not in mem
     alone = suite.run_suite("tiny", torch.device("cpu"), ["memory_galore"])["memory_galore"]["tiny"]
     assert list(alone["settings"]) == ["galore/adam8bit/per_layer"] and alone["reduction"] is None  # no full row
     assert calls[-1] == ("galore", None)
@@ -264,8 +271,10 @@ def test_the_model_section_also_times_the_kernel_with_a_launch_per_tensor(monkey
 def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
     """--only memory_galore memory runs memory first, as the whole suite does: GaLore's reduction is against the
     memory section's full AdamW, which must be measured by then."""
-    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device):
-        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length)
+    def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
+                 accumulation=1):
+        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length,
+                               accumulation=accumulation)
         parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
         return dict(peak=1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
     monkeypatch.setattr(suite, "measure", measured)

@@ -1021,6 +1021,26 @@ def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, cap
     assert args.batch_size == flags.CPU_MICRO  # not the GPU micro-batch of 128
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_memory_check_counts_gradients_kept_between_micro_batches_and_in_ddp_buckets(monkeypatch, capsys, world):
+    """Per-layer updates free each layer's gradients, but not while an update accumulates micro-batches nor under DDP,
+    whose buckets hold them all. On a machine with room for the one and not the other, a run of one micro-batch an
+    update trains, and the same run is refused before anything is built, naming what it needs, when it accumulates
+    two or runs on two ranks (which share the machine)."""
+    settings = dict(optimizer="adam8bit", per_layer=True, batch_size=8, dtype="float32", index_dtype="int32")
+    freed, kept = (flags.estimate("60m", "sltrain", accumulation=a, **settings)["train_gb"] for a in (1, 2))
+    assert kept > 1.1 * freed and flags.estimate("60m", "sltrain", ddp=True, **settings)["train_gb"] == kept
+    room = world * (freed + kept) / 2 / 0.8 * 1e9  # 80% of the machine is what the ranks may fill
+    pages = {"SC_PHYS_PAGES": int(room // 4096), "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
+    argv = ["--size", "60m", "--device", "cpu", "--optimizer", "adam8bit", "--per_layer", "--batch_size", "8"]
+    assert train.get_args(argv + ["--total_batch_size", "8"]).gradient_accumulation == 1
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit):
+        train.get_args(argv + ["--total_batch_size", "16"])  # two micro-batches an update, or two ranks of one
+    assert f"needs about {kept:.1f} GB per process" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra", [[], ["--amp"], ["--optimizer", "adam8bit", "--per_layer"]])
 def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypatch, capsys, extra):
     """On a GPU with 24 GB free (faked) 1b's micro-batch of 32 does not fit: refused before anything is built, naming a
@@ -1034,14 +1054,22 @@ def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypa
         train.get_args(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     found = re.search(r"--batch_size 32 needs about (\d+\.\d) GB per process, more than 95% of the 24\.0 GB free on "
-                      r"cuda:0; pass --batch_size (\d+)( or add --activation_checkpointing)?$", err)
+                      r"cuda:0; pass --batch_size (\d+)( or add --activation_checkpointing| with "
+                      r"--activation_checkpointing)?$", err)
     assert found, err
     assert float(found[1]) > 0.95 * 24 and (found[3] or extra)  # bf16 1b full at batch 32 fits when checkpointed
-    assert train.get_args(argv + ["--batch_size", found[2]]).batch_size == int(found[2])
-    if found[3]:
+    # --amp: float32 weights, moments and gradients (kept over 512 / 32 micro-batches) leave too little room for
+    # any micro-batch's activations, but checkpointed ones
+    both = found[3] == " with --activation_checkpointing"
+    assert both == (extra == ["--amp"]), err
+    fix = ["--batch_size", found[2]] + (["--activation_checkpointing"] if both else [])
+    assert train.get_args(argv + fix).batch_size == int(found[2])
+    if found[3] == " or add --activation_checkpointing":
         assert train.get_args(argv + ["--activation_checkpointing"]).batch_size == 32
-    with pytest.raises(SystemExit):  # the next batch size up, a divisor of 512, does not fit
-        train.get_args(argv + ["--batch_size", str(2 * int(found[2]))])
+    for too_much in (["--batch_size", str(2 * int(found[2])), *fix[2:]], ["--batch_size", found[2]] if both else []):
+        if too_much:  # the next batch size up, a divisor of 512, does not fit; nor, if both were named, one alone
+            with pytest.raises(SystemExit):
+                train.get_args(argv + too_much)
 
 
 def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
@@ -1064,7 +1092,8 @@ def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
 def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch, capsys):
     """--freeze lowrank trains V alone: a GPU with room for that run but not for the whole model's takes it."""
     argv = ["--size", "1b", "--method", "sltrain", "--device", "cuda", "--batch_size", "1"]  # no smaller one to search
-    rows = [flags.estimate("1b", "sltrain", batch_size=1, index_dtype="int32", freeze=f) for f in ("lowrank", None)]
+    rows = [flags.estimate("1b", "sltrain", batch_size=1, index_dtype="int32", freeze=f, accumulation=512)
+            for f in ("lowrank", None)]  # 512 micro-batches an update, the gradients kept between them
     free = (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9  # between the two needs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -1080,7 +1109,8 @@ def test_eval_only_memory_check_counts_a_forward_without_gradients(monkeypatch, 
     """--eval_only needs the parameters and a forward's activations, not training's gradients and moments: on a GPU
     too small to train 7b SLTrain it evaluates; with less room it names a smaller batch, which need not divide an
     update (there is none)."""
-    rows = {b: flags.estimate("7b", "sltrain", batch_size=b, index_dtype="int32") for b in (7, 8)}
+    rows = {b: flags.estimate("7b", "sltrain", batch_size=b, index_dtype="int32", accumulation=512 // b)
+            for b in (7, 8)}  # training accumulates the rest of 512 sequences; evaluation has no gradients
     assert rows[8]["eval_gb"] < rows[8]["param_gb"] + 1 < rows[8]["train_gb"] / 2
     free = [(rows[8]["eval_gb"] + rows[8]["train_gb"]) / 2 / 0.95 * 1e9]  # room to evaluate, not to train
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
