@@ -42,7 +42,6 @@ import functools
 import gc
 import glob
 import json
-import math
 import os
 import signal
 import statistics
@@ -600,10 +599,10 @@ def losses_apart(rows, other):
     """Two runs' metrics rows, the losses of the same updates compared: the largest difference, and each logged
     update's as [step, difference]. Where they part tells a difference of the two steps (from the first update on)
     from rounding that a run amplified (a spike of the warm-up, many updates on); their largest alone cannot."""
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    diffs = [[r["step"], abs(r["loss"] - losses.pop(r["step"], math.nan))] for r in other if "loss" in r]
-    if losses or not diffs or any(math.isnan(d) for _, d in diffs):
+    losses, others = ({r["step"]: r["loss"] for r in run if "loss" in r} for run in (rows, other))
+    if not losses or set(losses) != set(others):
         raise RuntimeError("the two runs did not log the losses of the same updates")
+    diffs = [[step, abs(others[step] - loss)] for step, loss in sorted(losses.items())]
     return dict(max_loss_diff=max(d for _, d in diffs), loss_diffs=[[step, float(f"{d:.3g}")] for step, d in diffs])
 
 
