@@ -191,19 +191,20 @@ def at_most(grad, act, start, kept=False):
 
 
 def grads_kept(per_layer, accumulation=1, ddp=False, cuda_graph=False):
-    """Whether a run's gradients, every parameter's, outlive its backward, to be alive beside the next forward's
-    activations: with gradient accumulation (a micro-batch's backward adds into the gradients of those before it, also
-    under per-layer updates, which update after the last), under DDP (its buckets, which hold the gradients, are
-    never freed) and under train.py --cuda_graph (the graph's gradients are allocated once, for good), but with
-    per-layer updates and no accumulation, where the replayed update frees each layer's gradients as it goes."""
-    return accumulation > 1 or ddp or (cuda_graph and not per_layer)
+    """What keeps a run's gradients, every parameter's, after its backward, to be alive beside the next forward's
+    activations, in words; None where nothing does. Gradient accumulation (a micro-batch's backward adds into the
+    gradients of those before it, also under per-layer updates, which update after the last), DDP (its buckets, which
+    hold the gradients, are never freed) and train.py --cuda_graph (the graph's gradients are allocated once, for
+    good), but with per-layer updates and no accumulation, where the replayed update frees each layer's as it goes."""
+    why = [f"{accumulation} micro-batches an update"] * (accumulation > 1) + ["DDP's buckets"] * ddp + \
+        ["--cuda_graph"] * (cuda_graph and not per_layer)
+    return " and ".join(why) or None
 
 
-def why_kept(r):
-    """Words for what keeps a row's gradients between backwards (grads_kept), or None."""
-    why = [f"{r['accumulation']} micro-batches an update" if r["accumulation"] > 1 else "",
-           "DDP's buckets" if r["ddp"] else "", "--cuda_graph" if r["cuda_graph"] and not r["per_layer"] else ""]
-    return " and ".join(w for w in why if w) or None
+def adds_up(row):
+    """Whether an estimate row's gradients, activations and backward's start add up (at_most's kept): its gradients
+    are kept between backwards, and it counts activations."""
+    return bool(row["grads_kept"]) and row["batch_size"] > 0
 
 
 def check_freeze(freeze, method):
@@ -326,7 +327,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         row["eval_gb"] = (held + (whole - logits) / config.n_layers + adds[1]) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"],
-                                                                 kept and batch_size > 0)
+                                                                 adds_up(row))
     paper = (optimizer, index_dtype, dtype, vocab_size, freeze) == ("adamw", "int64", "bfloat16", None, None)
     row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
@@ -350,7 +351,8 @@ def print_table(rows):
     print(textwrap.fill(f"Memory in G (1G = 1e9 bytes): {kept} parameters and gradients, {r0['index_dtype']} indices, "
                         + ("8-bit Adam" if r0["optimizer"] == "adam8bit" else f"AdamW (2 {r0['dtype']} moments)")
                         + (", gradients of one layer (per-layer updates)" if r0["per_layer"] and not r0["grads_kept"]
-                           else f", every gradient kept between backwards ({why_kept(r0)})" if r0["grads_kept"] else "")
+                           else f", every gradient kept between backwards ({r0['grads_kept']})" if r0["grads_kept"]
+                           else "")
                         + (", only the sparse values train (--freeze lowrank)" if r0["freeze"] else "")
                         + (f", activations of {r0['batch_size']} x {r0['max_length']} tokens" if acts else "")
                         + (" (activation checkpointing)" if acts and r0["activation_checkpointing"] else ""), 118))
@@ -365,7 +367,7 @@ def print_table(rows):
             mark = f"[{len(notes)}]"
         grads, act = round(r["grad_gb"], 2), round(r["act_gb"], 2)
         held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
-        train = held + at_most(grads, act, round(r["start_gb"], 2), r["grads_kept"] and acts)  # added as printed
+        train = held + at_most(grads, act, round(r["start_gb"], 2), adds_up(r))  # added as printed, as the paper
         act_cell = f"{act:6.2f}" if acts else "     -"
         print(f"{r['size']:>5} {r['method']:<8} {r['params_m']:8.2f}M   {param:>5} + {optim:>5} = {total:>5}{mark:<4} "
               f"  {grads:6.2f} {act_cell} {train:6.2f}")
@@ -415,7 +417,7 @@ def print_breakdown(r):
     if r["per_layer"] and not r["grads_kept"]:
         which = "the largest layer (or projections sharing a call) only (per-layer updates)"
     if r["grads_kept"]:
-        which += f", kept between backwards ({why_kept(r)})"
+        which += f", kept between backwards ({r['grads_kept']})"
     line("grads", r["grad_gb"], "G", f"{r['dtype']}, {which}")
     if r["batch_size"]:
         line("activations", r["act_gb"], "G", f"saved for backward by one {kept} forward, counted on fake tensors"
@@ -426,13 +428,12 @@ def print_breakdown(r):
         line("held", r["held_gb"], "G", "the parameters and W0 as our model holds them: the embeddings, norms and "
              "head once, where the paper's param has them twice; train counts these")
     held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
-    adds_up = r["grads_kept"] and bool(r["batch_size"])
-    train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2), adds_up)
+    train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2), adds_up(r))
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
                                                                    if r["activation_checkpointing"] else "")
     base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"
     line("train", train, "G", f"{base} + " + ("grads + activations + backward's start (the gradients kept: the "
-                                              f"most of {start}: at_most)" if adds_up else
+                                              f"most of {start}: at_most)" if adds_up(r) else
                                               f"the larger of grads and activations + backward's start (the most of "
                                               f"{start}: at_most)" if r["batch_size"] else "grads")
          + "; the step's temporaries come on top")
