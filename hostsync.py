@@ -67,6 +67,13 @@ def from_pageable(func, args, kwargs):
     return False
 
 
+def value_dependent(func, kwargs):
+    """Whether the op's result needs a value: repeat_interleave's size is the sum of its counts unless given."""
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    return func in VALUE_DEPENDENT
+
+
 def masked(func, args):
     return func in INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
 
@@ -84,10 +91,10 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in VALUE_DEPENDENT and self.on_host_is_free and all(
+        if value_dependent(func, kwargs) and self.on_host_is_free and all(
                 _is_host(a.device) for a in args if isinstance(a, torch.Tensor)):
             pass  # a value the host holds already
-        elif func in VALUE_DEPENDENT or to_host(func, args, kwargs) or masked(func, args):
+        elif value_dependent(func, kwargs) or to_host(func, args, kwargs) or masked(func, args):
             self.counts[func.name()] += 1
         elif from_pageable(func, args, kwargs):
             self.counts[func.name() + " from pageable memory"] += 1

@@ -41,6 +41,7 @@ class LLaMAConfig:
     rank: int = 128         # r of B (out, r) and A (r, in)
     alpha: float = 32.0     # low-rank scale s = alpha / r
     delta: float = 0.03     # sltrain(_ft): fraction of each weight's entries on the sparse support
+    packed_support: bool = False  # sltrain(_ft): each support packed, ~1.1 bytes a position where int32 takes 4
 
 
 # name -> (dim, ffn_dim, n_heads, n_layers, rank, alpha, delta): the paper's Table 1 and §4.1 defaults
@@ -86,7 +87,8 @@ def make_linear(in_features, out_features, config, device):
         return ReLoRALinear(in_features, out_features, config.rank, config.alpha, device=device)
     delta = config.delta if config.method in SPARSE else 0.0
     base = config.method == "sltrain_ft"  # <-- SLTrain-FT: a frozen pretrained W0 under the factors
-    return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device, base=base)
+    return SLLinear(in_features, out_features, config.rank, delta, config.alpha, device=device, base=base,
+                    packed=config.packed_support)
 
 
 class ReLoRALinear(nn.Module):

@@ -18,7 +18,8 @@ and g = ∂L/∂z:
     ∂L/∂V  = G_I                 G gathered at the support
 
 Between forward and backward only x, B, A, V and I (and W0, itself a weight) are kept: no tensor of the size
-of W, which is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks).
+of W, which is the paper's memory claim (test_sllinear.py checks it with saved_tensors_hooks). I is kept as int32
+positions, or packed in about a byte a position and unpacked at each use (pack_support, train.py --packed_support).
 
 Layers of one input (q, k and v; gate and up) can share a call, a group: one autograd call forms their weights into
 the rows of one matrix and gives each layer its own output z_i = x W_iᵀ, the same formulas per layer, each layer's
@@ -42,6 +43,38 @@ def scaled_mm(a, b, scale):
     return a.new_empty(a.shape[0], b.shape[1]).addmm_(a, b, beta=0, alpha=scale)
 
 
+# A support is kept as flat positions (int32, or int64 for a layer of 2³¹ entries or more), or packed (uint8): the
+# sorted positions cut into blocks of PACK_BLOCK consecutive entries of the flat (out·in,) weight, each block's
+# count of positions in one byte, then each position's offset in its block in one byte. That is nnz + out·in/255
+# bytes, 1 + 1/(255·δ) a position (1.13 at δ = 0.03), where int32 takes 4: at 7b the supports are most of what
+# SLTrain keeps beyond the method's own parameters and moments (estimate_memory.py). Each use unpacks its layer's
+# positions into a temporary of nnz int32, a few small kernels more per layer per pass (SLLinear(packed=True)).
+PACK_BLOCK = 255  # a count (0 to 255) and an offset (0 to 254) each fit a byte
+
+
+def pack_support(positions, n):
+    """Sorted distinct flat positions out of n as one packed uint8 tensor: the count of each block, then the
+    offsets. The order is kept, so each value stays with its position."""
+    positions = positions.long()
+    if positions.numel() and not ((positions[1:] > positions[:-1]).all() and positions[0] >= 0 and positions[-1] < n):
+        raise ValueError(f"a packed support takes sorted distinct positions in [0, {n}); sort the positions "
+                         "(and their values with them)")
+    counts = torch.bincount(positions // PACK_BLOCK, minlength=-(-n // PACK_BLOCK))
+    return torch.cat([counts.to(torch.uint8), (positions % PACK_BLOCK).to(torch.uint8)])
+
+
+def support_positions(indices, n):
+    """The flat positions of a support out of n entries, as stored: int32 or int64 ones as they are, packed ones
+    (uint8) unpacked, in int32 below 2³¹ entries. Issues no host sync (the count of positions is the tensor's)."""
+    if indices.dtype != torch.uint8:
+        return indices
+    blocks = -(-n // PACK_BLOCK)
+    counts, offsets = indices[:blocks], indices[blocks:]
+    dtype = torch.int32 if n < 2**31 else torch.int64
+    block = torch.repeat_interleave(counts.to(dtype), output_size=offsets.numel())  # (nnz,): each one's block
+    return offsets.add(block, alpha=PACK_BLOCK)  # (nnz,): block · 255 + offset
+
+
 def merge_into(W, B, A, values, indices, scale, base=None):
     """s·BA ⊕_I V, or W0 + s·BA ⊕_I V with base W0 (fine-tuning), written over W (out, in): a fresh matrix, whose
     content is never read, or a block of rows of a larger one (a group's, below). A zero-rank B (out, 0), A (0, in)
@@ -49,7 +82,7 @@ def merge_into(W, B, A, values, indices, scale, base=None):
     W.addmm_(B, A, beta=0, alpha=scale)  # (out, r) @ (r, in) -> (out, in), scaled by the GEMM (see scaled_mm)
     if base is not None:  # in place, in W's dtype (train.py --amp keeps W0 in bf16: model.frozen_base_to)
         W += base
-    W.view(-1).index_add_(0, indices, values)  # W ⊕_I V, in place
+    W.view(-1).index_add_(0, support_positions(indices, W.numel()), values)  # W ⊕_I V, in place
     return W
 
 
@@ -143,7 +176,7 @@ def _gradients(x, gs, group, scale, need_x, needs):
         if need_A:  # ∂L/∂A = s · Bᵀ G
             got.append(scaled_mm(B.t(), G, scale))  # (r, out) @ (out, in) -> (r, in)
         if need_V:  # ∂L/∂V = G gathered at the support I
-            got.append(G.view(-1).index_select(0, indices))  # (out·in,)[I] -> (nnz,)
+            got.append(G.view(-1).index_select(0, support_positions(indices, G.numel())))  # (out·in,)[I] -> (nnz,)
     return got
 
 
@@ -264,14 +297,16 @@ class SLLinear(nn.Module):
 
     rank=0 gives a sparse-only layer (no A, B); delta=0 a low-rank-only layer, which never forms W:
     (x Aᵀ) Bᵀ costs N·r·(in+out) instead of N·in·out. The support is stored as int32 when in·out < 2³¹,
-    4 bytes per entry where the paper counts int64's 8; larger layers fall back to int64.
+    4 bytes per entry where the paper counts int64's 8; larger layers fall back to int64. packed=True stores it
+    packed (pack_support: about 1.1 bytes an entry), unpacked at each use; support() gives the positions either way.
 
     base=True gives SLTrain-FT (the paper's appendix): W = W0 + s·BA ⊕_I V with W0 (out, in) a frozen buffer, the
     pretrained weight, and B = 0, V = 0 at the start, so that the layer starts as W0; with delta=0 it is LoRA
     (W0 x + s·B(A x), the paper's fine-tuning baseline), which never forms W either.
     """
 
-    def __init__(self, in_features, out_features, rank, delta, alpha, device=None, dtype=None, base=False):
+    def __init__(self, in_features, out_features, rank, delta, alpha, device=None, dtype=None, base=False,
+                 packed=False):
         super().__init__()
         if not 0 <= delta < 1:
             raise ValueError(f"delta must be in [0, 1), got {delta}")
@@ -294,8 +329,10 @@ class SLLinear(nn.Module):
             self.register_parameter("B", None)
         if nnz > 0:
             index_dtype = torch.int32 if in_features * out_features < 2**31 else torch.int64
+            if packed:  # each block's count, then each position's offset (pack_support)
+                index_dtype, size = torch.uint8, nnz + -(-in_features * out_features // PACK_BLOCK)
             self.values = nn.Parameter(torch.empty(nnz, **kw))
-            self.register_buffer("indices", torch.empty(nnz, device=device, dtype=index_dtype))
+            self.register_buffer("indices", torch.empty(size if packed else nnz, device=device, dtype=index_dtype))
         else:
             self.register_parameter("values", None)
             self.register_buffer("indices", None)
@@ -320,11 +357,35 @@ class SLLinear(nn.Module):
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.values, -bound, bound)
             n = self.in_features * self.out_features
-            self.indices.copy_(uniform_support(n, self.values.numel(), device=self.indices.device))
+            self.set_support(uniform_support(n, self.values.numel(), device=self.indices.device))
         if self.W0 is not None:  # <-- SLTrain-FT: W = W0 at the start
             nn.init.normal_(self.W0, mean=0.0, std=0.02)
             if self.values is not None:
                 nn.init.zeros_(self.values)
+
+    @property
+    def packed(self):
+        return self.indices is not None and self.indices.dtype == torch.uint8
+
+    def support(self):
+        """The support's flat positions in the (out·in,) weight, sorted (int32, or int64 from 2³¹ entries)."""
+        return support_positions(self.indices, self.in_features * self.out_features)
+
+    @torch.no_grad()
+    def set_support(self, positions):
+        """Take these sorted distinct flat positions as the support, stored in the layer's own format."""
+        n = self.in_features * self.out_features
+        self.indices.copy_(pack_support(positions, n) if self.packed else positions)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a support saved in the other format (packed or flat positions) is converted to this layer's: the format
+        # is storage, not model, so a run may resume with or without train.py --packed_support
+        key = prefix + "indices"
+        saved = state_dict.get(key)
+        if saved is not None and self.indices is not None and (saved.dtype == torch.uint8) != self.packed:
+            n = self.in_features * self.out_features
+            state_dict[key] = pack_support(saved, n) if self.packed else support_positions(saved, n)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _factors(self, like):
         """B and A, or zero-size stand-ins of the right shape for a sparse-only layer."""
@@ -367,8 +428,9 @@ class SLLinear(nn.Module):
     def extra_repr(self):
         nnz = 0 if self.values is None else self.values.numel()
         base = ", W0 frozen" if self.W0 is not None else ""
+        packed = ", support packed" if self.packed else ""
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, nnz={nnz}, "
-                f"scale={self.scale:g}{base}")
+                f"scale={self.scale:g}{base}{packed}")
 
 
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -28,6 +28,19 @@ def test_value_reads_and_data_dependent_sizes_are_counted():
     assert syncs.blocks == 1
 
 
+def test_repeat_interleave_counts_only_when_its_size_is_not_given():
+    """Its output's size is the sum of its counts, which the host must read, unless the caller gives it (as
+    sllinear.support_positions does, unpacking a packed support)."""
+    counts = torch.tensor([2, 0, 3])
+    syncs = HostSyncs()
+    with syncs.watch():
+        torch.repeat_interleave(counts, output_size=5)
+    assert syncs.summary() == "none"
+    with syncs.watch():
+        torch.repeat_interleave(counts)
+    assert syncs.counts == {"aten::repeat_interleave.Tensor": 1}, syncs.counts
+
+
 def test_device_work_alone_is_none():
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,7 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench import ops_by_name
 from model import LLaMA, SIZES, KVCache, RMSNorm, config_for
 import sllinear
-from sllinear import SLLinear, projections, sl_linear, sl_linear_group, uniform_support
+from sllinear import (PACK_BLOCK, SLLinear, pack_support, projections, sl_linear, sl_linear_group,
+                      support_positions, uniform_support)
+
+SUPPORT_FORMATS = [torch.int32, torch.int64, "packed"]  # a support's flat positions, or packed (pack_support)
 
 
 def random_factors(out_f, in_f, rank, nnz, dtype=torch.float64, index_dtype=torch.int64, seed=0):
@@ -24,14 +27,16 @@ def random_factors(out_f, in_f, rank, nnz, dtype=torch.float64, index_dtype=torc
     B = torch.randn(out_f, rank, generator=g, dtype=dtype, requires_grad=True)
     A = torch.randn(rank, in_f, generator=g, dtype=dtype, requires_grad=True)
     values = torch.randn(nnz, generator=g, dtype=dtype, requires_grad=True)
-    indices = torch.randperm(out_f * in_f, generator=g)[:nnz].sort().values.to(index_dtype)
+    positions = torch.randperm(out_f * in_f, generator=g)[:nnz].sort().values
+    indices = pack_support(positions, out_f * in_f) if index_dtype == "packed" else positions.to(index_dtype)
     return B, A, values, indices
 
 
 def dense_reference(B, A, values, indices, scale):
     """W = s·BA ⊕_I V with differentiable dense ops, for autograd to differentiate."""
     out_f, in_f = B.shape[0], A.shape[1]
-    S = torch.zeros(out_f * in_f, dtype=values.dtype).index_add(0, indices.long(), values).view(out_f, in_f)
+    positions = support_positions(indices, out_f * in_f).long()
+    S = torch.zeros(out_f * in_f, dtype=values.dtype).index_add(0, positions, values).view(out_f, in_f)
     return scale * (B @ A) + S
 
 
@@ -42,7 +47,7 @@ def max_diff(a, b):
 # ----------------------------------------------------------------------------- the autograd function
 
 @pytest.mark.parametrize("x_shape", [(7, 12), (3, 5, 12)], ids=["2d", "3d"])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("index_dtype", SUPPORT_FORMATS)
 @pytest.mark.parametrize("rank,nnz", [(3, 20), (3, 0), (0, 20)], ids=["sl", "rank-only", "sparse-only"])
 def test_gradcheck(x_shape, index_dtype, rank, nnz):
     B, A, values, indices = random_factors(10, 12, rank, nnz, index_dtype=index_dtype)
@@ -51,7 +56,7 @@ def test_gradcheck(x_shape, index_dtype, rank, nnz):
     assert torch.autograd.gradcheck(sl_linear, inputs, eps=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("index_dtype", SUPPORT_FORMATS)
 def test_forward_and_gradients_match_dense_reference(index_dtype):
     B, A, values, indices = random_factors(24, 40, 5, 90, index_dtype=index_dtype)
     x = torch.randn(2, 9, 40, dtype=torch.float64, requires_grad=True)
@@ -107,10 +112,10 @@ def test_layer_matches_merged_weight():
 
 
 def random_group(in_f, outs, ranks, nnzs, base=False, dtype=torch.float64):
-    """A group of layers sharing an input, each (B, A, values, indices, W0 or None), int32 and int64 supports mixed."""
+    """A group of layers sharing an input, each (B, A, values, indices, W0 or None), the support formats mixed."""
     group = []
     for i, (out_f, rank, nnz) in enumerate(zip(outs, ranks, nnzs)):
-        B, A, values, indices = random_factors(out_f, in_f, rank, nnz, dtype, (torch.int32, torch.int64)[i % 2], i)
+        B, A, values, indices = random_factors(out_f, in_f, rank, nnz, dtype, SUPPORT_FORMATS[i % 3], i)
         W0 = torch.randn(out_f, in_f, dtype=dtype) if base else None
         group.append((B, A, values, indices, W0))
     return group
@@ -446,6 +451,131 @@ def test_index_dtype_follows_layer_size():
     small = SLLinear(1024, 1024, rank=8, delta=0.01, alpha=8, device="meta")
     huge = SLLinear(65536, 32769, rank=8, delta=1e-6, alpha=8, device="meta")  # 2³¹ + 65536 entries
     assert small.indices.dtype == torch.int32 and huge.indices.dtype == torch.int64
+
+
+# ----------------------------------------------------------------------------- packed supports
+
+def full_block_positions():
+    """Positions out of 1000 that fill a whole block (a count of 255), leave blocks empty, and take the first and
+    last entries of the weight and of its last, partial block (1000 = 3·255 + 235)."""
+    return torch.tensor([0, *range(PACK_BLOCK, 2 * PACK_BLOCK), 2 * PACK_BLOCK + 3, 3 * PACK_BLOCK, 999])
+
+
+@pytest.mark.parametrize("n,nnz", [(1, 1), (254, 3), (255, 255), (256, 1), (1000, 0), (1000, 500), (1000, 1000),
+                                   (12 * 40, 90), (2048 * 5461, 335_000)])
+def test_a_packed_support_unpacks_to_its_positions(n, nnz):
+    positions = uniform_support(n, nnz, generator=torch.Generator().manual_seed(n + nnz))
+    packed = pack_support(positions, n)
+    assert packed.dtype == torch.uint8 and packed.numel() == nnz + math.ceil(n / PACK_BLOCK)
+    unpacked = support_positions(packed, n)
+    assert unpacked.dtype == torch.int32 and torch.equal(unpacked.long(), positions)
+    assert support_positions(positions, n) is positions  # flat positions are used as they are
+
+
+def test_packing_keeps_full_and_empty_blocks_and_both_ends():
+    positions = full_block_positions()
+    packed = pack_support(positions, 1000)
+    assert packed[:4].tolist() == [1, 255, 1, 2]  # the counts of the 4 blocks
+    assert torch.equal(support_positions(packed, 1000).long(), positions)
+    huge = torch.tensor([0, 2**31 - 1, 2**31])  # past int32's positions: unpacked in int64
+    unpacked = support_positions(pack_support(huge, 2**31 + 1), 2**31 + 1)
+    assert unpacked.dtype == torch.int64 and torch.equal(unpacked, huge)
+
+
+@pytest.mark.parametrize("positions,n", [([3, 1], 10), ([1, 1], 10), ([2, 10], 10), ([-1, 2], 10)],
+                         ids=["unsorted", "repeated", "past-n", "negative"])
+def test_packing_refuses_what_it_cannot_keep_in_order(positions, n):
+    with pytest.raises(ValueError, match="a packed support takes sorted distinct positions in"):
+        pack_support(torch.tensor(positions), n)
+
+
+@pytest.mark.parametrize("base", [False, True], ids=["pretraining", "fine-tuning"])
+def test_a_packed_layer_computes_what_a_flat_one_does_bit_for_bit(base):
+    """Same seed, same draws: the packed layer's support is the flat one's, and so are its output, its gradients
+    and its merged weight, to the last bit; its buffer is a byte a value plus a byte a block."""
+    layers = []
+    for packed in (False, True):
+        torch.manual_seed(0)
+        layers.append(SLLinear(96, 80, rank=8, delta=0.07, alpha=32, base=base, packed=packed))
+        with torch.no_grad():
+            layers[-1].B.normal_()
+            layers[-1].values.normal_()
+    flat, packed = layers
+    assert packed.packed and not flat.packed and "support packed" in repr(packed)
+    assert packed.indices.dtype == torch.uint8 and packed.indices.numel() == int(0.07 * 96 * 80) + 31  # 7680/255
+    assert torch.equal(packed.support(), flat.indices)
+    x = torch.randn(3, 5, 96, requires_grad=True)
+    outs = [layer(x) for layer in layers]
+    assert torch.equal(*outs)
+    g = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(y, [x, *layer.parameters()], g) for y, layer in zip(outs, layers)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert torch.equal(flat.merged_weight(), packed.merged_weight())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_a_packed_layer_computes_what_a_flat_one_does_with_no_host_sync(dtype):
+    """On CUDA, in bf16 as the paper trains: the same output and gradients as the flat support's, bit for bit (the
+    positions are distinct, so the scatter-add's order cannot matter), and the unpacking makes no host sync (torch's
+    sync-debug mode set to raise)."""
+    layers = []
+    for packed in (False, True):
+        torch.manual_seed(0)
+        layers.append(SLLinear(512, 1376, rank=32, delta=0.05, alpha=32, device="cuda", dtype=dtype, packed=packed))
+        with torch.no_grad():
+            layers[-1].B.normal_()  # B starts at zero; give the low-rank part something to do
+    x = torch.randn(4, 64, 512, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(4, 64, 1376, device="cuda", dtype=dtype)
+    results = []
+    for layer in layers:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = layer(x)
+            grads = torch.autograd.grad(y, [x, *layer.parameters()], g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((y, *grads))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_support_loads_into_a_layer_of_either_format():
+    torch.manual_seed(0)
+    flat = SLLinear(40, 30, rank=4, delta=0.1, alpha=8)
+    packed = SLLinear(40, 30, rank=4, delta=0.1, alpha=8, packed=True)  # another draw
+    assert not torch.equal(packed.support(), flat.indices)
+    saved = flat.state_dict()
+    packed.load_state_dict(saved)
+    assert torch.equal(packed.support(), flat.indices) and packed.indices.dtype == torch.uint8
+    assert saved["indices"].dtype == torch.int32  # the caller's dict is left as it was
+    again = SLLinear(40, 30, rank=4, delta=0.1, alpha=8)
+    again.load_state_dict(packed.state_dict())
+    assert torch.equal(again.indices, flat.indices) and again.indices.dtype == torch.int32
+    x = torch.randn(2, 40)
+    assert torch.equal(again(x), flat(x)) and torch.equal(packed(x), flat(x))
+
+
+def test_a_packed_support_is_unpacked_without_a_host_sync():
+    """On a GPU a layer unpacks its support in each forward and backward: nothing there may wait for the device
+    (hostsync.HostSyncs counts, on the CPU, what would). The model runs eagerly, as train.py's does."""
+    from hostsync import HostSyncs
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="sltrain", vocab_size=64, packed_support=True))
+    x = torch.randint(64, (2, 16))
+    syncs = HostSyncs()
+    with syncs.watch():
+        model(x, x)[1].backward()
+    assert syncs.summary() == "none"
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_set_support_writes_the_positions_in_the_layers_format():
+    for packed in (False, True):
+        layer = SLLinear(40, 30, rank=4, delta=0.1, alpha=8, packed=packed)
+        positions = uniform_support(1200, layer.values.numel(), generator=torch.Generator().manual_seed(5))
+        layer.set_support(positions)
+        assert torch.equal(layer.support().long(), positions) and layer.packed == packed
 
 
 def test_rank_only_and_sparse_only_modules():
