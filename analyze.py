@@ -90,7 +90,7 @@ def spectrum(model, rank=None, threshold=0.04):
             low = (module.B.double() * module.scale) @ module.A.double()  # s·BA
             empty = W.new_empty(0)  # float64, on W's device
             sparse = merge(empty.view(W.shape[0], 0), empty.view(0, W.shape[1]), module.values.double(),
-                           module.indices.long(), 0.0)  # S alone
+                           module.support().long(), 0.0)  # S alone
             W = low + sparse
         U, S, Vh = torch.linalg.svd(W, full_matrices=False)  # (out, k), (k,), (k, in)
         row = dict(name=name, kind=kind, layer=layer, sigma=S.tolist())
@@ -302,11 +302,11 @@ def init_from_dense(model, path, support="random"):
             if module.values is not None:
                 R = (W0 - L0).view(-1)
                 if support == "top":
-                    module.indices.copy_(R.abs().topk(module.values.numel()).indices.sort().values)
+                    module.set_support(R.abs().topk(module.values.numel()).indices.sort().values)
                 if module.rank > 0:  # V from the factors as rounded to the model's dtype (bf16: 2⁻⁹ off each), so
                     # that s·BA + V is W0 on the support to V's one rounding, not to the factors' rounding beside it
                     R = (W0 - module.scale * (module.B.double() @ module.A.double()).cpu()).view(-1)
-                module.values.copy_(R[module.indices.long().cpu()])  # R is on the CPU, the model maybe not
+                module.values.copy_(R[module.support().long().cpu()])  # R is on the CPU, the model maybe not
         elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
             module.weight.copy_(source[name].weight)
     return ckpt
@@ -320,7 +320,7 @@ def prepare_for_training(model, args, resuming):
         for module in model.modules():  # model order, so a seed gives the same supports on every run
             if isinstance(module, SLLinear) and module.values is not None:
                 n = module.in_features * module.out_features
-                module.indices.copy_(uniform_support(n, module.values.numel(), generator=g))
+                module.set_support(uniform_support(n, module.values.numel(), generator=g))
     if not resuming and args.init_from:
         init_from_dense(model, args.init_from, support=args.support)
     if args.freeze == "lowrank":  # Table 2's sparse training: L0 and every dense weight stay, only V learns

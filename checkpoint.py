@@ -242,7 +242,8 @@ def load_model(path, device="cpu"):
         raise ValueError(f"{path} has no 'model' and 'model_config' entries: not written by train.py or "
                          "export.py --merged; pass one that was")
     fields = set(LLaMAConfig.__dataclass_fields__)
-    unknown, missing = set(ckpt["model_config"]) - fields, fields - set(ckpt["model_config"])
+    # packed_support is how the supports are stored, not the model: a checkpoint from before it stores them flat
+    unknown, missing = set(ckpt["model_config"]) - fields, fields - set(ckpt["model_config"]) - {"packed_support"}
     if unknown or missing:  # a missing one would take its default: alpha or n_heads change no shape, only the model
         what = ", ".join(f"{k} model_config fields {sorted(v)}" for k, v in (("unknown", unknown),
                                                                              ("missing", missing)) if v)

@@ -12,6 +12,8 @@ on a few real training steps.
                                                                            # as train.py --amp: float32 + autocast
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1 \
         --gradient_accumulation 4                                          # the gradients kept between micro-batches
+    python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1 \
+        --delta 0.03 --index_dtype packed                                  # as train.py --packed_support
     python estimate_memory.py --size 7b --method sltrain_ft --optimizer adam8bit --per_layer --batch_size 1
                                                                            # fine-tuning (the paper's appendix)
     python estimate_memory.py --json                                       # machine-readable rows
@@ -60,6 +62,7 @@ PAPER_SIZES = ("60m", "130m", "350m", "1b", "7b")
 BF16 = 2  # bytes of a parameter, a gradient and (for AdamW) a moment, as the paper counts
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # the same under train.py --dtype float32 (CPU's default) or --amp
 INDEX_BYTES = {"int64": 8, "int32": 4}
+INDEX_FORMATS = (*INDEX_BYTES, "packed")  # packed: as SLLinear(packed=True) stores a support (sllinear.pack_support)
 BLOCK_SIZE, MIN_8BIT_SIZE = 256, 4096  # optim.Adam8bit's defaults: one float32 absmax per block of 256 codes
 GB = 1e9
 
@@ -235,6 +238,14 @@ def check_dtype(dtype, amp):
     return dtype
 
 
+def support_bytes(model, index_dtype):
+    """Bytes of the model's supports: an index of index_dtype per sparse value, or packed, as the model (built with
+    packed_support) stores them: a byte per value and a byte per block of 255 entries of each weight."""
+    if index_dtype == "packed":
+        return sum(m.indices.numel() for m in model.modules() if isinstance(m, SLLinear) and m.indices is not None)
+    return INDEX_BYTES[index_dtype] * model.num_params()["sparse"]
+
+
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
              batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None,
              freeze=None, block_size=BLOCK_SIZE, accumulation=1, ddp=False, cuda_graph=False):
@@ -250,15 +261,16 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     check_freeze(freeze, method)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if index_dtype not in INDEX_BYTES:
-        raise ValueError(f"index_dtype must be one of {', '.join(INDEX_BYTES)}, got {index_dtype!r}")
+    if index_dtype not in INDEX_FORMATS:
+        raise ValueError(f"index_dtype must be one of {', '.join(INDEX_FORMATS)}, got {index_dtype!r}")
     if optimizer not in ("adamw", "adam8bit"):
         raise ValueError(f"optimizer must be adamw or adam8bit, got {optimizer!r}")
     ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain",
             "sltrain_ft": "sltrain_ft"}[method]
     config = config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size)
     rank, delta = config.rank, config.delta if method in SPARSE else 0.0
-    model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size), device="meta")
+    model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size,
+                             packed_support=index_dtype == "packed"), device="meta")
     if freeze:
         freeze_all_but_values(model)
     n = model.num_params()
@@ -271,7 +283,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
     width = DTYPE_BYTES[dtype]  # bytes of a parameter, a gradient and an AdamW moment
     stored = n["total"]
-    param_bytes = width * n["total"] + INDEX_BYTES[index_dtype] * n["sparse"]  # one index per sparse value
+    index_bytes = support_bytes(model, index_dtype)
+    param_bytes = width * n["total"] + index_bytes
     trained = [p.numel() for p in model.parameters() if p.requires_grad]
     optim_bytes = sum(moment_bytes(k, optimizer, width, block_size) for k in trained)
     state_numel = 2 * sum(trained)
@@ -291,7 +304,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     if method == "sltrain_ft":  # fine-tuning: the pretrained projections kept, frozen, as W0 under the factors
         frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
         stored = n["total"] + frozen  # W0 in bf16 also under amp (model.frozen_base_to)
-        param_bytes = width * n["total"] + (BF16 if amp else width) * frozen + INDEX_BYTES[index_dtype] * n["sparse"]
+        param_bytes = width * n["total"] + (BF16 if amp else width) * frozen + index_bytes
 
     if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
         weights = [p.shape for name, p in model.named_parameters() if is_projection(name)]
@@ -477,7 +490,8 @@ def cpu_peak(prof):
 
 
 def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-            activation_checkpointing=False, dtype=None, amp=False, freeze=None, accumulation=1, ddp=False):
+            activation_checkpointing=False, dtype=None, amp=False, freeze=None, accumulation=1, ddp=False,
+            packed=False):
     """A few real training steps of our model, in dtype as estimate's (the paper's bf16 by default; float32 under
     amp, with bf16 autocast; freeze as estimate's), each of `accumulation` micro-batches; ddp: the model under
     DistributedDataParallel as train.py's, in a process group of one made here where there is none. Returns the
@@ -485,7 +499,7 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
     parameters, gradients (the most alive at once), optimizer state and saved activations (the most of one forward),
     counted; the real peak of the steps (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the
     profiler's memory events); "base", what the process held before the model was built, which the peak includes;
-    and the index dtype the model stores.
+    and how the model stores its supports ("int32", "int64", or "packed": packed=True builds it so).
 
     On CUDA the base is chiefly the BLAS libraries' workspaces: cuBLAS and cuBLASLt each take one per thread and
     stream (32 MiB on Hopper, through the caching allocator), and backward runs on a thread of its own, so a first
@@ -511,7 +525,7 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
         with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
             counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
                                             steps, device, activation_checkpointing, dtype, amp, freeze, accumulation,
-                                            ddp)
+                                            ddp, packed)
     finally:
         if group:
             torch.distributed.destroy_process_group()
@@ -522,9 +536,10 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
 
 
 def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-             activation_checkpointing, dtype, amp, freeze, accumulation=1, ddp=False):
+             activation_checkpointing, dtype, amp, freeze, accumulation=1, ddp=False, packed=False):
     torch.manual_seed(0)
-    config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta)
+    config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta,
+                        packed_support=packed)
     model = raw = LLaMA(config, device=device).to(getattr(torch, dtype))
     model.autocast = torch.bfloat16 if amp else None
     if amp:
@@ -613,7 +628,7 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start, kept)
     if device.type == "cuda":
         counted["peak"] = torch.cuda.max_memory_allocated(device)
-    index_dtype = next((str(m.indices.dtype).removeprefix("torch.") for m in raw.modules()
+    index_dtype = next(("packed" if m.packed else str(m.indices.dtype).removeprefix("torch.") for m in raw.modules()
                         if isinstance(m, SLLinear) and m.indices is not None), "int64")  # int32 below 2³¹ entries
     return counted, index_dtype
 
@@ -650,6 +665,11 @@ def estimate_for(args, size, method, index_dtype):
                     accumulation=args.gradient_accumulation, ddp=args.ddp, cuda_graph=args.cuda_graph)
 
 
+def measured_format(args):
+    """How the model --measure builds stores its supports: int32 (below 2³¹ entries), or packed if asked."""
+    return "packed" if args.index_dtype == "packed" else "int32"
+
+
 def refuse_what_would_not_fit(parser, args, methods, device):
     """--measure builds and trains the model for real: one that would not fit is refused now, in one line, not
     killed part way (on CPU the kernel's out-of-memory killer, which may take other processes with it). What each
@@ -660,7 +680,7 @@ def refuse_what_would_not_fit(parser, args, methods, device):
     available, share, where = there
     width = DTYPE_BYTES[check_dtype(args.dtype, args.amp)]
     for method in methods:
-        row = estimate_for(args, args.size, method, "int32")
+        row = estimate_for(args, args.size, method, measured_format(args))
         need = max(row["train_gb"], row["param_gb"] * (1 + 4 / width if width != 4 else 1)) * GB
         if need > share * available:
             parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "
@@ -676,8 +696,9 @@ def check_args(parser, args):
                      "--steps >= 1")
     if not args.measure and (args.steps is not None or args.device is not None):
         parser.error("--steps and --device say how --measure runs: add --measure or drop them")
-    if args.measure and args.index_dtype is not None:
-        parser.error("--measure counts the indices the model stores (int32 below 2^31 entries): drop --index_dtype")
+    if args.measure and args.index_dtype not in (None, "packed"):
+        parser.error(f"--measure counts the indices the model stores (int32 below 2^31 entries, or packed with "
+                     f"--index_dtype packed): drop --index_dtype {args.index_dtype}")
     for flag, given in (("--activation_checkpointing", args.activation_checkpointing),
                         ("--max_length", args.max_length is not None)):
         if given and not (args.batch_size or args.measure):
@@ -737,9 +758,9 @@ def main():
                         help="training method (all: the paper's table; sltrain_ft, fine-tuning, only when named)")
     parser.add_argument("--rank", type=int, default=None, help="r of the low-rank factors (default: the size's)")
     parser.add_argument("--delta", type=float, default=None, help="sltrain's sparse fraction (default: the size's)")
-    parser.add_argument("--index_dtype", default=None, choices=list(INDEX_BYTES),
+    parser.add_argument("--index_dtype", default=None, choices=list(INDEX_FORMATS),
                         help="bytes per sparse index: the paper counts int64 (the default); sllinear.py stores int32, "
-                             "which --measure counts")
+                             "which --measure counts, or packed, about 1.1 bytes an index (train.py --packed_support)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam8bit"],
                         help="adamw: 2 bf16 moments; adam8bit: 8-bit moments, ~2.03 bytes per parameter")
     parser.add_argument("--per_layer", action="store_true",
@@ -787,7 +808,7 @@ def main():
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
                                            args.batch_size, args.max_length, args.steps, device,
                                            args.activation_checkpointing, args.dtype, args.amp, args.freeze,
-                                           args.gradient_accumulation, args.ddp)
+                                           args.gradient_accumulation, args.ddp, measured_format(args) == "packed")
             est = estimate_for(args, args.size, method, index_dtype)
             results[method] = (est, counted)
         if args.json:

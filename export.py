@@ -106,7 +106,7 @@ def densify(model, dtype=None):
         dense.weight = nn.Parameter(copy.deepcopy(layer).float().merged_weight().to(dtype))
         setattr(model.get_submodule(parent), attr, dense)  # the factors go with the layer
         del layer
-    model.config = replace(model.config, method="full")
+    model.config = replace(model.config, method="full", packed_support=False)  # no support left to store
     return model.to(dtype)
 
 

@@ -41,7 +41,7 @@ CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens nee
 # tokens; a training flag given with it is refused, not ignored
 EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "dtype", "amp", "compile", "device",
               "batch_size", "max_length", "eval_tokens", "pack", "eval_only", "resume", "out_dir", "data_dir",
-              "tokenizer", "download")
+              "tokenizer", "download", "packed_support")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -148,6 +148,9 @@ def make_parser(description=None):
     a("--freeze", choices=["lowrank"],
       help="train only the sparse values V: B, A (with --init_from: L0), embeddings, norms and head stay")
     a("--support_seed", type=int, help="draw the sparse supports from this seed, apart from --seed (Figure 4)")
+    a("--packed_support", action="store_true", help="store each sparse support packed, about 1.1 bytes a position "
+      "where int32 takes 4 (7b: 0.35 G in place of 1.30 G), unpacked at each use: a few small kernels more per "
+      "layer per pass")
     a("--galore_rank", type=int, help="GaLore: rank of the gradient projection (default: --rank, the size's)")
     a("--galore_update_gap", type=int,
       help=f"GaLore: recompute each projection every this many updates (default {BASELINES['galore_update_gap']}; "
@@ -225,6 +228,9 @@ def get_args(argv=None, description=None):
         p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
     if args.support_seed is not None and args.method not in SPARSE:
         p.error(f"--support_seed draws the sparse supports: it needs --method sltrain or sltrain_ft, not "
+                f"{args.method}")
+    if args.packed_support and args.method not in SPARSE:
+        p.error(f"--packed_support stores the sparse supports: it needs --method sltrain or sltrain_ft, not "
                 f"{args.method}")
     if args.amp and args.dtype == "bfloat16":
         p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
@@ -398,10 +404,12 @@ def check_memory(p, args, device, world):
 
     method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
 
-    def need(batch, checkpointing=args.activation_checkpointing):  # sllinear's int32 indices (below 2^31 entries)
+    supports = "packed" if args.packed_support else "int32"  # sllinear's: int32 below 2^31 entries
+
+    def need(batch, checkpointing=args.activation_checkpointing):
         # a smaller micro-batch means more of them an update: from 2 on the gradients are kept between backwards
         accumulation = 1 if args.eval_only else args.total_batch_size // (batch * world)
-        row = estimate(args.size, method, rank, args.delta, index_dtype="int32",
+        row = estimate(args.size, method, rank, args.delta, index_dtype=supports,
                        optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
                        max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
                        amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE,

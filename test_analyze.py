@@ -98,12 +98,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("support", ["random", "top"])
-def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support, device):
+@pytest.mark.parametrize("packed", [False, True], ids=["flat", "packed"])
+def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support, device, packed):
     """Also with the model on a GPU, as train.py builds it there: the checkpoint loads on the CPU, so the support
-    (on the model's device) must pick the residual where it is."""
+    (on the model's device) must pick the residual where it is. And with packed supports (--packed_support)."""
     from model import LLaMA, config_for
     dense, _ = load_model(dense_ckpt)
-    model = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=dense.config.vocab_size), device=device)
+    model = LLaMA(config_for("tiny", method="sltrain", rank=8, vocab_size=dense.config.vocab_size,
+                             packed_support=packed), device=device)
     analyze.init_from_dense(model, dense_ckpt, support=support)
     model.cpu()
     for name, module in model.named_modules():
@@ -113,12 +115,13 @@ def test_init_from_leaves_out_exactly_the_truncated_part(dense_ckpt, support, de
         L0 = analyze.best_rank(W0, 8)[0]
         residual = (W0 - L0).view(-1)
         off = torch.ones_like(residual, dtype=torch.bool)
-        off[module.indices.long()] = False
+        assert module.packed == packed
+        off[module.support().long()] = False
         expected = torch.where(off, residual, torch.zeros_like(residual)).view_as(W0)
         err = (W0 - module.merged_weight().double() - expected).abs().max().item()
         assert err < 1e-5, f"{name}: W0 - merged W differs from the residual off the support by {err:.2e}"
         if support == "top":
-            kept = residual.abs()[module.indices.long()].min()
+            kept = residual.abs()[module.support().long()].min()
             assert kept >= residual.abs()[off].max(), f"{name}: the top support misses a larger entry"
     for name in ("embed.weight", "lm_head.weight", "norm.weight", "layers.1.mlp_norm.weight"):
         assert torch.equal(model.state_dict()[name], dense.state_dict()[name]), f"{name} not copied"
@@ -160,18 +163,20 @@ def test_support_seed_draws_supports_apart_from_seed():
     from argparse import Namespace
     from model import LLaMA, config_for
 
-    def model_for(seed, support_seed):
+    def model_for(seed, support_seed, packed=False):
         torch.manual_seed(seed)
-        model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96))
+        model = LLaMA(config_for("tiny", method="sltrain", vocab_size=96, packed_support=packed))
         args = Namespace(support_seed=support_seed, init_from=None, support="random", freeze=None)
         analyze.prepare_for_training(model, args, resuming=False)
-        state = model.state_dict()
-        return {k: v for k, v in state.items() if k.endswith(".indices")}, state["embed.weight"]
+        supports = {name: m.support() for name, m in model.named_modules() if isinstance(m, SLLinear)}
+        return supports, model.state_dict()["embed.weight"]
 
     a, emb_a = model_for(1, 7)
     b, emb_b = model_for(2, 7)
     c, emb_c = model_for(1, 8)
-    assert all(torch.equal(a[k], b[k]) for k in a), "same --support_seed, same supports whatever --seed"
+    packed, _ = model_for(2, 7, packed=True)
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], packed[k]) for k in a), \
+        "same --support_seed, same supports whatever --seed, packed or not"
     assert not torch.equal(emb_a, emb_b), "--seed still sets the initialization"
     assert torch.equal(emb_a, emb_c) and not any(torch.equal(a[k], c[k]) for k in a), "only the supports differ"
 

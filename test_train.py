@@ -32,7 +32,7 @@ import flags
 import train
 from hostsync import HostSyncs
 from test_hostsync import mark_pinning
-from model import LLaMA, config_for
+from model import LLaMA, LLaMAConfig, config_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -122,6 +122,41 @@ def test_resume_is_bit_exact(corpus, tmp_path, extra):
     for name, t in sa["model"].items():
         assert torch.equal(t, sb["model"][name]), f"{name} differs by {(t - sb['model'][name]).abs().max()}"
     assert metrics(straight)[1] == metrics(split)[1]
+
+
+def test_packed_supports_train_as_flat_ones_and_a_run_resumes_in_either_format(corpus, tmp_path, capsys):
+    """--packed_support changes how the supports are stored, not the run: the losses, weights and supports of a
+    flat run, to the bit. A run resumed without it (or evaluated) goes on from the packed checkpoint as the
+    straight run does."""
+    flat, packed, switched = tmp_path / "flat", tmp_path / "packed", tmp_path / "switched"
+    extra = ("--optimizer", "adam8bit_per_layer")
+    train.main(base_args(corpus, flat, 6, *extra))
+    train.main(base_args(corpus, packed, 6, *extra, "--packed_support"))
+    train.main(base_args(corpus, switched, 6, *extra, "--packed_support", "--stop_after", "3"))
+    capsys.readouterr()
+    train.main(base_args(corpus, switched, 6, *extra, "--resume"))
+    assert "changed and honored: packed_support True -> False" in capsys.readouterr().out
+    runs = [metrics(out) for out in (flat, packed, switched)]
+    assert [r["loss"] for r in runs[0][0]] == [r["loss"] for r in runs[1][0]] == [r["loss"] for r in runs[2][0]]
+    assert runs[0][1] == runs[1][1] == runs[2][1]
+    a, b, c = (final_state(out)["model"] for out in (flat, packed, switched))
+    supports = [name for name in a if name.endswith("indices")]
+    assert supports and all(b[name].dtype == torch.uint8 and c[name].dtype == torch.int32 for name in supports)
+    unpacked = LLaMA(LLaMAConfig(**final_state(flat)["model_config"]))  # flat supports
+    unpacked.load_state_dict(b)  # the packed run's, unpacked on loading
+    for name, t in a.items():
+        assert torch.equal(t, c[name]) and torch.equal(t, unpacked.state_dict()[name]), name
+    capsys.readouterr()
+    train.main(eval_args(corpus, packed))  # a packed checkpoint, evaluated with flat supports
+    assert f"at step 6 | val loss {runs[1][1][-1]['val_loss']:.4f}" in capsys.readouterr().out
+    model, _ = checkpoint.load_model(packed)  # as sample.py, export.py and analyze.py read it: packed as saved
+    layers = [m for m in model.modules() if hasattr(m, "packed")]
+    assert len(layers) == 14 and all(m.packed for m in layers)  # tiny: 7 SLTrain projections a block, 2 blocks
+    older = final_state(flat)  # a checkpoint from before --packed_support has no such field: its supports are flat
+    del older["model_config"]["packed_support"], older["sha256"]
+    checkpoint.save(tmp_path / "older.pt", older)
+    model, _ = checkpoint.load_model(tmp_path / "older.pt")
+    assert not model.config.packed_support and torch.equal(model.state_dict()[supports[0]], a[supports[0]])
 
 
 def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
@@ -698,7 +733,8 @@ def test_sigterm_to_torchrun_group_saves_on_both_ranks_and_the_resume_is_bit_exa
         assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
 
 
-def test_every_rank_trains_rank_0s_supports(corpus, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--packed_support"]], ids=["flat", "packed"])
+def test_every_rank_trains_rank_0s_supports(corpus, tmp_path, extra):
     """Each rank draws its own supports, which DDP does not broadcast (buffers): alike from one seed on one kind of
     device, but on GPUs of two kinds the random kernels give other draws. Here each rank draws from its own seed, as
     such a GPU would: all train rank 0's."""
@@ -717,12 +753,13 @@ def test_every_rank_trains_rank_0s_supports(corpus, tmp_path):
                       "    return run\n"
                       "train.build = own_draws\ntrain.main(sys.argv[1:])\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           *base_args(corpus, tmp_path / "out", 2, "--workers", "1", "--batch_size", "2")]
+           *base_args(corpus, tmp_path / "out", 2, "--workers", "1", "--batch_size", "2", *extra)]
     proc = subprocess.run(cmd, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert ranks[0] and all(torch.equal(t, ranks[1][k]) for k, t in ranks[0].items())
+    assert all((t.dtype == torch.uint8) == bool(extra) for t in ranks[0].values())
     saved = final_state(tmp_path / "out")["model"]
     assert all(torch.equal(t, saved[k]) for k, t in ranks[0].items())
 
@@ -958,6 +995,8 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     (["--galore_rank", "4"], "--galore_rank: not read by --method sltrain with --optimizer adamw; drop it, or pass a "
                              "galore_* --optimizer"),
     (["--method", "full", "--galore_scale", "9"], "--galore_scale: not read by --method full"),
+    (["--method", "lowrank", "--packed_support"], "--packed_support stores the sparse supports: it needs --method "
+                                                  "sltrain or sltrain_ft, not lowrank"),
 ])
 def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
     if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
@@ -1087,6 +1126,25 @@ def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
     rows = [flags.estimate("1b", "galore", rank, batch_size=1, index_dtype="int32") for rank in (64, 2048)]
     assert needs[1] > needs[0] + 1
     assert needs[1] - needs[0] == pytest.approx(rows[1]["optim_gb"] - rows[0]["optim_gb"], abs=0.11)
+
+
+def test_gpu_memory_check_counts_packed_supports(monkeypatch, capsys):
+    """--packed_support keeps each support in about a byte a value, where int32 takes 4: a GPU with room for the
+    7b run's packed supports but not its flat ones takes the run with --packed_support alone."""
+    argv = ["--size", "7b", "--method", "sltrain", "--device", "cuda", "--optimizer", "adam8bit", "--per_layer",
+            "--batch_size", "1", "--total_batch_size", "1"]  # one micro-batch an update, no smaller batch to search
+    rows = [flags.estimate("7b", "sltrain", batch_size=1, index_dtype=f, optimizer="adam8bit", per_layer=True)
+            for f in ("packed", "int32")]
+    assert rows[1]["train_gb"] - rows[0]["train_gb"] > 0.9  # 7b at δ = 0.05: 1.30 G of int32 indices, 0.35 G packed
+    free = (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9  # between the two needs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80e9))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    assert f"needs about {rows[1]['train_gb']:.1f} GB" in capsys.readouterr().err
+    assert train.get_args(argv + ["--packed_support"]).packed_support
 
 
 def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch, capsys):

@@ -149,7 +149,7 @@ EVAL_MUST_MATCH = ("size",) + MODEL_FIELDS + ("tokenizer_sha256",)
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
                   "cuda_graph", "amp", "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device",
-                  "adam8bit_kernel")
+                  "adam8bit_kernel", "packed_support")  # packed_support: the supports' storage (SLLinear converts)
 
 
 def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
@@ -167,6 +167,7 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
     old = ckpt["args"]
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
+    old.setdefault("packed_support", False)  # a run from before --packed_support: flat positions
     if "adam8bit_kernel" not in old:  # nor --adam8bit_kernel: compared as its default, not reported as a change
         old["adam8bit_kernel"] = "auto" if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
@@ -545,7 +546,7 @@ def prepare(args, held):
         same_validation(args, val.sha256, ckpt, ckpt_path)
     loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size, packed_support=args.packed_support)
     run = build(args, config, device, getattr(torch, args.dtype), ddp, ckpt)
     if rank == 0:
         read = flags.EVAL_READS + ("tokenizer_sha256",) if args.eval_only else vars(args)  # what this run uses
