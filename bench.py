@@ -10,9 +10,10 @@ memory included, are suite.py's.
     python bench.py --only generate                                           # sample.py's speed
 
 Sections (--only picks some):
-    layer      forward+backward of the SLTrain layer and of the low-rank layer ÷ nn.Linear of the same shape,
-               2048x2048, r=128, delta=0.03: 4096 tokens in float32 on CPU (floor 1 + 4r/(3·tokens) = 1.042,
-               target <= 1.05), 65536 tokens in bf16 on CUDA (target <= 1.01)
+    layer      forward+backward of the SLTrain layer, of it with its support packed (train.py --packed_support)
+               and of the low-rank layer ÷ nn.Linear of the same shape, 2048x2048, r=128, delta=0.03: 4096 tokens in
+               float32 on CPU (floor 1 + 4r/(3·tokens) = 1.042, target <= 1.05), 65536 tokens in bf16 on CUDA
+               (target <= 1.01)
     model      train-step tokens/s of full, lowrank, relora, sltrain (optim.AdamW) and galore (galore.GaLore, the
                steps between its SVDs) (CUDA default: 350m and 1b; paper: sltrain/full = 0.945 at 350m)
     optimizer  step time of optim.AdamW and optim.Adam8bit ÷ torch.optim.AdamW on the same tensors
@@ -149,11 +150,13 @@ def summary(times, base, invert=False):
 # ----------------------------------------------------------------------------- sections
 
 def bench_layer(device, tokens, dtype, rounds, dim=2048, rank=128, delta=0.03):
-    """Forward+backward (input and weight gradients) of one layer, SLTrain and low-rank ÷ dense."""
+    """Forward+backward (input and weight gradients) of one layer, SLTrain (its support flat and packed) and
+    low-rank ÷ dense."""
     torch.manual_seed(0)
     kw = dict(device=device, dtype=dtype)
     layers = {"dense": nn.Linear(dim, dim, bias=False, **kw), "sltrain": SLLinear(dim, dim, rank, delta, 32.0, **kw),
-              "lowrank": SLLinear(dim, dim, rank, 0.0, 32.0, **kw)}
+              "lowrank": SLLinear(dim, dim, rank, 0.0, 32.0, **kw),
+              "sltrain_packed": SLLinear(dim, dim, rank, delta, 32.0, **kw, packed=True)}
     x = torch.randn(tokens, dim, **kw, requires_grad=True)  # (N, in): an inner layer also needs dL/dx
     g = torch.randn(tokens, dim, **kw)  # (N, out)
 

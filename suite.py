@@ -127,6 +127,8 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
             kw = dict(device=device, dtype=dtype)
             dense = nn.Linear(in_f, out_f, bias=False, **kw)
             sl = SLLinear(in_f, out_f, c.rank, c.delta, c.alpha, **kw)
+            torch.manual_seed(0)  # the same draws: the same layer, its support packed (train.py --packed_support)
+            sl_packed = SLLinear(in_f, out_f, c.rank, c.delta, c.alpha, **kw, packed=True)
             x = torch.randn(s["tokens"], in_f, **kw, requires_grad=True)  # (N, in)
             g = torch.randn(s["tokens"], out_f, **kw)  # (N, out)
             B, A, V, I, scale = sl.B.detach(), sl.A.detach(), sl.values.detach(), sl.indices, sl.scale
@@ -139,7 +141,8 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
                      "factor_grads": lambda: (scaled_mm(G, A.t(), scale), scaled_mm(B.t(), G, scale)),
                      "gather": lambda: G.view(-1).index_select(0, I)}  # (out·in,)[I] -> (nnz,)
             issued, variants = {}, {"dense": fwd_bwd(dense), "sltrain": fwd_bwd(sl),
-                                    "merge": lambda: sl.merged_weight(), **parts}
+                                    "merge": lambda: sl.merged_weight(), **parts,
+                                    "sltrain_packed": fwd_bwd(sl_packed), "unpack": sl_packed.support}
             graph_error = None
             if device.type == "cuda" if graphs is None else graphs:  # the same calls replayed from CUDA graphs
                 try:
@@ -155,11 +158,12 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
                        floor=floor, accounted_ms=accounted_ms(v), variants=v)
             if "sltrain/graphed" in v:
                 row["graphed_ratio"], row["graphed_range"] = ratio(times, "sltrain/graphed", "dense/graphed")
+                row["packed_graphed_ratio"], _ = ratio(times, "sltrain_packed/graphed", "dense/graphed")
                 row["graphed_accounted_ms"] = accounted_ms(v, "/graphed")
             if graph_error:
                 row["graph_error"] = graph_error
             rows.append(row)
-            del dense, sl, x, g, B, A, V, I, W, G, parts, variants
+            del dense, sl, sl_packed, x, g, B, A, V, I, W, G, parts, variants
             gc.collect()  # the graphs' memory pools go with their replays
             progress(rows)
     return rows
@@ -435,25 +439,27 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
     memory section's result, where that has one."""
     result = {size: dict(settings={}, reduction=None, paper_reduction=None if galore else PAPER_REDUCTION.get(size))
               for size in s["memory_sizes"]}
-    # every size's settings first, then the rows at the appendix's delta, then the smallest size's SLTrain run
-    # accumulating micro-batches, whose gradients are kept between backwards (estimate_memory.grads_kept): a command
-    # cut short loses those
-    settings = [(size, *GALORE_SETTING, None, 1) for size in s["memory_sizes"]] if galore else \
-        [(size, *setting, None, 1) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS] + \
-        [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA, 1) for size in s["memory_sizes"]
+    # every size's settings first, then the rows at the appendix's delta, then SLTrain's with packed supports
+    # (train.py --packed_support) at both deltas, then the smallest size's SLTrain run accumulating micro-batches,
+    # whose gradients are kept between backwards (estimate_memory.grads_kept): a command cut short loses those
+    settings = [(size, *GALORE_SETTING, None, 1, False) for size in s["memory_sizes"]] if galore else \
+        [(size, *setting, None, 1, False) for size in s["memory_sizes"] for setting in MEMORY_SETTINGS] + \
+        [(size, "sltrain", "adam8bit", True, PAPER_MEMORY_DELTA, 1, False) for size in s["memory_sizes"]
          if config_for(size).delta != PAPER_MEMORY_DELTA] + \
-        [(s["memory_sizes"][0], "sltrain", "adam8bit", True, None, MEMORY_ACCUMULATION)]
-    for size, method, optimizer, per_layer, delta, accumulation in settings:
+        [(size, "sltrain", "adam8bit", True, delta, 1, True) for size in s["memory_sizes"]
+         for delta in (None, PAPER_MEMORY_DELTA) if delta is None or config_for(size).delta != PAPER_MEMORY_DELTA] + \
+        [(s["memory_sizes"][0], "sltrain", "adam8bit", True, None, MEMORY_ACCUMULATION, False)]
+    for size, method, optimizer, per_layer, delta, accumulation, packed in settings:
         rows = result[size]["settings"]
         name = f"{method}/{optimizer}{'/per_layer' if per_layer else ''}{'' if delta is None else f'/delta={delta}'}" \
-               f"{'' if accumulation == 1 else f'/accumulation={accumulation}'}"
-        est = estimate(size, method, None, delta, "int32", optimizer, per_layer, 1, s["max_length"],
-                       accumulation=accumulation)
+               f"{'' if accumulation == 1 else f'/accumulation={accumulation}'}{'/packed' if packed else ''}"
+        est = estimate(size, method, None, delta, "packed" if packed else "int32", optimizer, per_layer, 1,
+                       s["max_length"], accumulation=accumulation)
         try:
             # accumulating, two updates at least: the first makes the optimizer state after its gradients
             steps = s["memory_steps"] if accumulation == 1 else max(2, s["memory_steps"])
             counted, _ = measure(size, method, None, delta, optimizer, per_layer, 1, s["max_length"], steps, device,
-                                 accumulation=accumulation)
+                                 accumulation=accumulation, packed=packed)
             gb, base_gb = counted["peak"] / 1e9, counted["base"] / 1e9
         except torch.cuda.OutOfMemoryError:
             counted, gb, base_gb = {}, None, None
@@ -465,8 +471,9 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
         if galore:
             rows = dict((full or {}).get(size, {}).get("settings", {}), **rows)
         result[size]["reduction"] = _reduction(rows, name if galore else "sltrain/adam8bit/per_layer")
-        if delta is not None:
-            result[size]["reduction_at_paper_delta"] = _reduction(rows, name)
+        if delta is not None or packed:  # reduction_at_paper_delta, reduction_packed, reduction_at_paper_delta_packed
+            key = "reduction" + ("_at_paper_delta" if delta is not None else "") + ("_packed" if packed else "")
+            result[size][key] = _reduction(rows, name)
         progress(result)
     return result
 
@@ -804,6 +811,9 @@ def report_layer(r):
         if bound:
             print(f"  {'':>16} launch-bound (the host took {LAUNCH_BOUND:.0%} or more of the time to issue the "
                   f"work): {', '.join(bound)}")
+        graphed = f" (graphed x{L['packed_graphed_ratio']:.3f})" if "packed_graphed_ratio" in L else ""
+        print(f"  {'':>16} packed support: sltrain {ratio_text(v['sltrain_packed'])}{graphed} | unpack {ms('unpack')} "
+              f"ms, twice a call")
         if "graphed_ratio" in L:
             low, high = L["graphed_range"]
             print(f"  {'':>16} CUDA graphs (the GPU's time alone): dense {ms('dense/graphed')} ms | sltrain "
@@ -858,9 +868,11 @@ def report_memory(r, key="memory"):
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
         print(f"{key} {size}, batch 1: {'galore' if key == 'memory_galore' else 'sltrain'} 8-bit per-layer vs full "
               f"AdamW {red}{paper}")
-        if "reduction_at_paper_delta" in P:
-            at = "n/a" if P["reduction_at_paper_delta"] is None else f"-{100 * P['reduction_at_paper_delta']:.1f}%"
-            print(f"  sltrain at delta {PAPER_MEMORY_DELTA}, the appendix's count: {at}")
+        for key, what in (("reduction_at_paper_delta", f"at delta {PAPER_MEMORY_DELTA}, the appendix's count"),
+                          ("reduction_packed", "with packed supports (--packed_support)"),
+                          ("reduction_at_paper_delta_packed", f"at delta {PAPER_MEMORY_DELTA}, packed supports")):
+            if key in P:
+                print(f"  sltrain {what}: {'n/a' if P[key] is None else f'-{100 * P[key]:.1f}%'}")
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else (f"{row['gb']:.3f} GB, base {row['base_gb']:.3f} "
                                                   f"({row['vs_estimate']:+.1%} vs estimate)")

@@ -420,14 +420,16 @@ def test_what_cuda_graph_cannot_do_is_refused_before_any_work(corpus, tmp_path, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("method", ["full", "sltrain"])
-def test_on_a_gpu_replays_train_as_the_plain_update(method):
+@pytest.mark.parametrize("method,packed", [("full", False), ("sltrain", False), ("sltrain", True)],
+                         ids=["full", "sltrain", "sltrain-packed"])
+def test_on_a_gpu_replays_train_as_the_plain_update(method, packed):
     """On CUDA, the real capture: three updates of two micro-batches, float32, close to the plain update's (the same
-    kernels; a capture may pick other cuBLAS algorithms)."""
+    kernels; a capture may pick other cuBLAS algorithms). Packed supports are unpacked inside the graph: a capture
+    fails on any host sync."""
     results = {}
     for graphed in (False, True):
         torch.manual_seed(0)
-        model = LLaMA(config_for("tiny", method=method, vocab_size=96), device="cuda")
+        model = LLaMA(config_for("tiny", method=method, vocab_size=96, packed_support=packed), device="cuda")
         optimizer = train.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
         graph = MicroBatchGraph(model, model.parameters()) if graphed else None

@@ -16,6 +16,7 @@ import torch
 import cudagraph
 import optim
 import suite
+from model import LLaMA, config_for
 from test_cudagraph import recorded_capture
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
@@ -32,7 +33,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
     for L in r["layer"]:
         assert L["floor"] == 1 + 4 * L["rank"] / (3 * s["tokens"])
         v = L["variants"]
-        assert set(v) == {"dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather"}
+        assert set(v) == {"dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather", "sltrain_packed",
+                          "unpack"}
         assert all(row["ms"] > 0 for row in v.values()) and v["sltrain"]["ratio"] > 0
         parts = v["form"]["ms"] + v["scatter"]["ms"]
         assert L["accounted_ms"] == v["dense"]["ms"] + 2 * parts + v["factor_grads"]["ms"] + v["gather"]["ms"]
@@ -51,7 +53,13 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         assert row["ms"] > 0 and 0 < sum(times) <= row["device_ms"] * (1 + 1e-9) and times == sorted(times)[::-1]
     mem = r["memory"]["tiny"]
     assert set(mem["settings"]) == {"full/adamw", "full/adam8bit/per_layer", "lowrank/adam8bit/per_layer",
-                                    "sltrain/adam8bit/per_layer", "sltrain/adam8bit/per_layer/accumulation=2"}
+                                    "sltrain/adam8bit/per_layer", "sltrain/adam8bit/per_layer/packed",
+                                    "sltrain/adam8bit/per_layer/accumulation=2"}
+    # packed supports: the parameters and buffers counted, a byte a value and a block where int32 takes 4
+    flat, packed = (mem["settings"][k]["counted_gb"]["param"] for k in ("sltrain/adam8bit/per_layer",
+                                                                        "sltrain/adam8bit/per_layer/packed"))
+    nnz = LLaMA(config_for("tiny", method="sltrain"), device="meta").num_params()["sparse"]
+    assert flat - packed == pytest.approx((3 * nnz - 2 * (4 * -(-64 * 64 // 255) + 3 * -(-64 * 176 // 255))) / 1e9)
     # accumulating two micro-batches an update keeps every gradient between backwards, per-layer updates or not
     accumulating, sltrain = (mem["settings"][k]["counted_gb"] for k in ("sltrain/adam8bit/per_layer/accumulation=2",
                                                                         "sltrain/adam8bit/per_layer"))
@@ -183,16 +191,17 @@ def test_the_timed_sections_keep_their_finished_part_on_disk(monkeypatch, tmp_pa
 
 def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at_another(monkeypatch, capsys):
     """7b trains at delta 0.05 but the appendix counts its memory at 0.03: the section measures that too, after the
-    paper's settings, with its own estimate and reduction. Here tiny (0.03) stands in, at 0.05;
+    paper's settings, with its own estimate and reduction; then SLTrain with packed supports (train.py
+    --packed_support) at each delta, which the paper's 7b figure needs. Here tiny (0.03) stands in, at 0.05;
     measure stands in for the real one (test_tiny_suite_runs_every_section_and_reports runs that), the peak its
     estimate plus a tenth."""
     calls = []
 
     def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-                 accumulation=1):
+                 accumulation=1, packed=False):
         calls.append((method, delta))
-        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length,
-                               accumulation=accumulation)
+        train = suite.estimate(size, method, rank, delta, "packed" if packed else "int32", optimizer, per_layer,
+                               batch_size, max_length, accumulation=accumulation)
         parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
         return dict(peak=1.1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
     monkeypatch.setattr(suite, "measure", measured)
@@ -201,19 +210,27 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     rows = mem["settings"]
     assert list(rows) == ["full/adamw", "sltrain/adam8bit/per_layer", "full/adam8bit/per_layer",
                           "lowrank/adam8bit/per_layer", "sltrain/adam8bit/per_layer/delta=0.05",
+                          "sltrain/adam8bit/per_layer/packed", "sltrain/adam8bit/per_layer/delta=0.05/packed",
                           "sltrain/adam8bit/per_layer/accumulation=2"]
-    assert calls[4] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 5
+    assert calls[4] == calls[6] == ("sltrain", 0.05) and [d for _, d in calls].count(None) == 6
+    for at_delta in ("", "/delta=0.05"):  # packed supports: less than int32 indices, at either delta
+        flat, packed = (rows[f"sltrain/adam8bit/per_layer{at_delta}{form}"] for form in ("", "/packed"))
+        assert packed["estimate_gb"] < flat["estimate_gb"] and packed["vs_estimate"] == pytest.approx(0.1)
+    assert mem["reduction_packed"] > mem["reduction"] and \
+        mem["reduction_at_paper_delta_packed"] > mem["reduction_at_paper_delta"]
     at, default, full = (rows[k] for k in ("sltrain/adam8bit/per_layer/delta=0.05", "sltrain/adam8bit/per_layer",
                                            "full/adamw"))
     assert at["estimate_gb"] > default["estimate_gb"] and at["vs_estimate"] == pytest.approx(0.1)
     assert mem["reduction_at_paper_delta"] == pytest.approx(1 - at["estimate_gb"] / full["estimate_gb"])
     assert mem["reduction"] == pytest.approx(1 - default["estimate_gb"] / full["estimate_gb"])
     suite.report_memory({"memory": {"tiny": mem}})
-    assert f"sltrain at delta 0.05, the appendix's count: -{100 * mem['reduction_at_paper_delta']:.1f}%" in \
-        capsys.readouterr().out
-    monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra row
+    out = capsys.readouterr().out
+    assert f"sltrain at delta 0.05, the appendix's count: -{100 * mem['reduction_at_paper_delta']:.1f}%" in out
+    assert f"sltrain with packed supports (--packed_support): -{100 * mem['reduction_packed']:.1f}%" in out
+    assert f"sltrain at delta 0.05, packed supports: -{100 * mem['reduction_at_paper_delta_packed']:.1f}%" in out
+    monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra rows
     mem = suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]["tiny"]
-    assert len(mem["settings"]) == 5 and "reduction_at_paper_delta" not in mem
+    assert len(mem["settings"]) == 6 and "reduction_at_paper_delta" not in mem and "reduction_packed" in mem
     alone = suite.run_suite("tiny", torch.device("cpu"), ["memory_galore"])["memory_galore"]["tiny"]
     assert list(alone["settings"]) == ["galore/adam8bit/per_layer"] and alone["reduction"] is None  # no full row
     assert calls[-1] == ("galore", None)
@@ -272,9 +289,9 @@ def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
     """--only memory_galore memory runs memory first, as the whole suite does: GaLore's reduction is against the
     memory section's full AdamW, which must be measured by then."""
     def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-                 accumulation=1):
-        train = suite.estimate(size, method, rank, delta, "int32", optimizer, per_layer, batch_size, max_length,
-                               accumulation=accumulation)
+                 accumulation=1, packed=False):
+        train = suite.estimate(size, method, rank, delta, "packed" if packed else "int32", optimizer, per_layer,
+                               batch_size, max_length, accumulation=accumulation)
         parts = dict.fromkeys(("param", "optim", "grad", "act"), 0)
         return dict(peak=1e9 * train["train_gb"], base=0, train=1e9 * train["train_gb"], **parts), None
     monkeypatch.setattr(suite, "measure", measured)
@@ -396,14 +413,18 @@ def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa:
 def test_the_layer_table_names_the_variants_the_host_held_back(capsys):
     """On CUDA each layer variant has the host's time to issue a call beside its time: those the host took 90% or
     more of are named launch-bound under their shape (a 60m shape's kernels run in microseconds)."""
-    ms = dict(dense=0.05, sltrain=0.09, merge=0.03, form=0.01, scatter=0.01, factor_grads=0.02, gather=0.01)
-    issued = dict(dense=0.02, sltrain=0.085, merge=0.01, form=0.0095, scatter=0.002, factor_grads=0.01, gather=0.0095)
+    ms = dict(dense=0.05, sltrain=0.09, merge=0.03, form=0.01, scatter=0.01, factor_grads=0.02, gather=0.01,
+              sltrain_packed=0.1, unpack=0.005)
+    issued = dict(dense=0.02, sltrain=0.085, merge=0.01, form=0.0095, scatter=0.002, factor_grads=0.01, gather=0.0095,
+                  sltrain_packed=0.05, unpack=0.0048)
     variants = {k: dict(ms=v, ratio=v / ms["dense"], range=(v / ms["dense"],) * 2, issued_ms=issued[k])
                 for k, v in ms.items()}
     row = dict(size="60m", shape="512x512", rank=128, floor=1.005, accounted_ms=0.16, variants=variants)
     suite.report_layer({"layer": [row]})
-    assert "launch-bound (the host took 90% or more of the time to issue the work): sltrain, form, gather" \
-        in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "launch-bound (the host took 90% or more of the time to issue the work): sltrain, form, gather, unpack" \
+        in out
+    assert "packed support: sltrain x2.000 [2.00-2.00] | unpack 0.005 ms, twice a call" in out
     for v in variants.values():  # on CPU there is no such figure, and no such line
         del v["issued_ms"]
     suite.report_layer({"layer": [row]})
@@ -418,16 +439,18 @@ def test_the_layer_is_also_timed_from_cuda_graphs_and_a_failed_capture_costs_onl
     captured = []
     monkeypatch.setattr(suite, "cuda_graphed", lambda fn, device: captured.append(fn) or fn)
     rows = suite.suite_layer(tiny, cpu, torch.float32, graphs=True)
-    names = ["dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather"]
+    names = ["dense", "sltrain", "merge", "form", "scatter", "factor_grads", "gather", "sltrain_packed", "unpack"]
     for L in rows:
         v = L["variants"]
         assert list(v) == names + [f"{name}/graphed" for name in names] and "graph_error" not in L
         assert L["graphed_accounted_ms"] == suite.accounted_ms(v, "/graphed") and L["graphed_ratio"] > 0
+        assert L["packed_graphed_ratio"] > 0
         low, high = L["graphed_range"]
         assert low <= L["graphed_ratio"] <= high
     assert len(captured) == len(names) * len(rows)
     suite.report_layer({"layer": rows})
-    assert capsys.readouterr().out.count("CUDA graphs (the GPU's time alone): dense") == len(rows)
+    out = capsys.readouterr().out
+    assert out.count("CUDA graphs (the GPU's time alone): dense") == len(rows) and "(graphed x" in out
 
     def fails(fn, device):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
