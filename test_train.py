@@ -1080,14 +1080,29 @@ def test_the_memory_check_counts_gradients_kept_between_micro_batches_and_in_ddp
     assert f"needs about {kept:.1f} GB per process" in capsys.readouterr().err
 
 
+def one_gpu(monkeypatch, free):
+    """A machine with one GPU of 80 GB (faked: these tests run without one), free bytes of it free."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80e9))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+
+def refused_then_taken(monkeypatch, capsys, argv, fix, rows):
+    """On a GPU with room between rows[0]'s need and rows[1]'s, the run of argv is refused naming rows[1]'s need, and
+    taken with the flags fix: its args."""
+    one_gpu(monkeypatch, (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9)
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    assert f"needs about {rows[1]['train_gb']:.1f} GB" in capsys.readouterr().err
+    return train.get_args(argv + fix)
+
+
 @pytest.mark.parametrize("extra", [[], ["--amp"], ["--optimizer", "adam8bit", "--per_layer"]])
 def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypatch, capsys, extra):
     """On a GPU with 24 GB free (faked) 1b's micro-batch of 32 does not fit: refused before anything is built, naming a
     --batch_size and, where it is enough, --activation_checkpointing; each fix named is then accepted."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24e9, 80e9))  # 56 GB in use elsewhere
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    one_gpu(monkeypatch, 24e9)  # 56 GB in use elsewhere
     argv = ["--size", "1b", "--method", "full", "--device", "cuda", *extra]
     with pytest.raises(SystemExit):
         train.get_args(argv)
@@ -1113,10 +1128,7 @@ def test_gpu_run_that_cannot_fit_is_refused_and_each_named_fix_is_taken(monkeypa
 
 def test_gpu_memory_check_counts_galore_at_its_own_rank(monkeypatch, capsys):
     """GaLore's moments are (galore_rank, max(in, out)) per projection: the check counts them at --galore_rank."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1e9, 80e9))  # nothing at 1b fits in 1 GB
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    one_gpu(monkeypatch, 1e9)  # nothing at 1b fits in 1 GB
     needs = []
     for galore_rank in ("64", "2048"):
         with pytest.raises(SystemExit):
@@ -1136,15 +1148,7 @@ def test_gpu_memory_check_counts_packed_supports(monkeypatch, capsys):
     rows = [flags.estimate("7b", "sltrain", batch_size=1, index_dtype=f, optimizer="adam8bit", per_layer=True)
             for f in ("packed", "int32")]
     assert rows[1]["train_gb"] - rows[0]["train_gb"] > 0.9  # 7b at δ = 0.05: 1.30 G of int32 indices, 0.35 G packed
-    free = (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9  # between the two needs
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80e9))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    with pytest.raises(SystemExit):
-        train.get_args(argv)
-    assert f"needs about {rows[1]['train_gb']:.1f} GB" in capsys.readouterr().err
-    assert train.get_args(argv + ["--packed_support"]).packed_support
+    assert refused_then_taken(monkeypatch, capsys, argv, ["--packed_support"], rows).packed_support
 
 
 def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch, capsys):
@@ -1152,15 +1156,7 @@ def test_gpu_memory_check_counts_only_the_sparse_values_when_frozen(monkeypatch,
     argv = ["--size", "1b", "--method", "sltrain", "--device", "cuda", "--batch_size", "1"]  # no smaller one to search
     rows = [flags.estimate("1b", "sltrain", batch_size=1, index_dtype="int32", freeze=f, accumulation=512)
             for f in ("lowrank", None)]  # 512 micro-batches an update, the gradients kept between them
-    free = (rows[0]["train_gb"] + rows[1]["train_gb"]) / 2 / 0.95 * 1e9  # between the two needs
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80e9))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    with pytest.raises(SystemExit):
-        train.get_args(argv)
-    assert f"needs about {rows[1]['train_gb']:.1f} GB" in capsys.readouterr().err
-    assert train.get_args(argv + ["--freeze", "lowrank"]).freeze == "lowrank"
+    assert refused_then_taken(monkeypatch, capsys, argv, ["--freeze", "lowrank"], rows).freeze == "lowrank"
 
 
 def test_eval_only_memory_check_counts_a_forward_without_gradients(monkeypatch, capsys):
@@ -1170,17 +1166,13 @@ def test_eval_only_memory_check_counts_a_forward_without_gradients(monkeypatch, 
     rows = {b: flags.estimate("7b", "sltrain", batch_size=b, index_dtype="int32", accumulation=512 // b)
             for b in (7, 8)}  # training accumulates the rest of 512 sequences; evaluation has no gradients
     assert rows[8]["eval_gb"] < rows[8]["param_gb"] + 1 < rows[8]["train_gb"] / 2
-    free = [(rows[8]["eval_gb"] + rows[8]["train_gb"]) / 2 / 0.95 * 1e9]  # room to evaluate, not to train
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[0], 80e9))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    one_gpu(monkeypatch, (rows[8]["eval_gb"] + rows[8]["train_gb"]) / 2 / 0.95 * 1e9)  # room to evaluate, not to train
     argv = ["--size", "7b", "--device", "cuda", "--batch_size", "8"]
     with pytest.raises(SystemExit):
         train.get_args(argv)
     assert f"needs about {rows[8]['train_gb']:.1f} GB" in capsys.readouterr().err
     assert train.get_args(argv + ["--eval_only"]).batch_size == 8
-    free[0] = (rows[7]["eval_gb"] + rows[8]["eval_gb"]) / 2 / 0.95 * 1e9  # room for 7 sequences, not for 8
+    one_gpu(monkeypatch, (rows[7]["eval_gb"] + rows[8]["eval_gb"]) / 2 / 0.95 * 1e9)  # room for 7 sequences, not 8
     with pytest.raises(SystemExit):
         train.get_args(argv + ["--eval_only"])
     assert re.search(rf"--batch_size 8 needs about {rows[8]['eval_gb']:.1f} GB per process, more than 95% of the "
@@ -1883,10 +1875,7 @@ def test_ranks_agree_on_a_signal_and_a_bad_line_on_the_host(monkeypatch, corpus)
     # the process group: gloo for host tensors and NCCL for the GPU's, a form this torch knows (a GPU is faked)
     backends = []
     monkeypatch.setattr(train.dist, "init_process_group", lambda backend: backends.append(backend))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80e9, 80e9))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    one_gpu(monkeypatch, 80e9)
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1").items():
         monkeypatch.setenv(k, v)
     train.setup(train.get_args(["--size", "tiny", "--device", "cuda", "--data_dir", corpus[0], "--tokenizer",
