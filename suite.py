@@ -170,7 +170,7 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
 
 
 def train_step(size, method, optimizer, per_layer, batch_size, max_length, device, dtype, backend=None, vocab=None,
-               amp=False, fused=None, fuse=True, mode=None, cuda_graph=False):
+               amp=False, fused=None, fuse=True, mode=None, cuda_graph=False, packed=False):
     """One train step (forward, backward, update) of a fresh model, as train.py does it: bf16 parameters (amp:
     float32 ones under bf16 autocast, train.py --amp), AdamW or 8-bit Adam, per-layer updates inside backward or one
     step after it, optionally compiled as train.py --compile does it: each block (LLaMA.compile_blocks), and the
@@ -179,9 +179,11 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     block's forward and backward replayed from CUDA graphs, torch's CUDA graph trees, a new step marked each call).
     cuda_graph: as train.py --cuda_graph, forward and backward replayed from one CUDA graph of our own
     (cudagraph.MicroBatchGraph), the optimizer eager, or with per-layer updates, these too (cudagraph.PerLayerGraph:
-    the first call eager, the second captures); its step takes the one shape it was captured with."""
+    the first call eager, the second captures); its step takes the one shape it was captured with. packed: SLTrain's
+    supports packed (train.py --packed_support)."""
     torch.manual_seed(0)
-    model = LLaMA(config_for(size, method=method, vocab_size=vocab), device=device).to(torch.float32 if amp else dtype)
+    config = config_for(size, method=method, vocab_size=vocab, packed_support=packed)
+    model = LLaMA(config, device=device).to(torch.float32 if amp else dtype)
     model.fuse_projections(fuse)
     model.autocast = torch.bfloat16 if amp else None
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -226,9 +228,9 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the issue's
     targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and sltrain
     8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by side, and
-    sltrain's with a launch per tensor instead of one per run of tensors (optim.KERNEL_RUN); and sltrain AdamW with each
+    sltrain's with a launch per tensor instead of one per run of tensors (optim.KERNEL_RUN); sltrain AdamW with each
     projection its own call ("separate"), beside the default, where q, k, v and gate, up share one
-    (sllinear.projections). progress gets the figures after each round. Eager, each variant's host_ms is then the time
+    (sllinear.projections); and, eager, sltrain 8-bit per-layer with packed supports ("packed"). progress gets the figures after each round. Eager, each variant's host_ms is then the time
     of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the
     step's work is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the
     host. Then (graphs: by default on CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one
@@ -248,6 +250,8 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
     variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
+    if not compiled:  # what train.py --packed_support costs, in the setting where memory binds
+        variants["sltrain/adam8bit/per_layer/packed"] = make("sltrain", "adam8bit", True, packed=True)
     if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})
