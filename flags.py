@@ -404,11 +404,10 @@ def check_memory(p, args, device, world):
 
     method, rank = ("galore", args.galore_rank) if galore else (args.method, args.rank)
 
-    supports = "packed" if args.packed_support else "int32"  # sllinear's: int32 below 2^31 entries
-
-    def need(batch, checkpointing=args.activation_checkpointing):
+    def need(batch, checkpointing=args.activation_checkpointing, packed=args.packed_support):
         # a smaller micro-batch means more of them an update: from 2 on the gradients are kept between backwards
         accumulation = 1 if args.eval_only else args.total_batch_size // (batch * world)
+        supports = "packed" if packed else "int32"  # sllinear's: int32 below 2^31 entries
         row = estimate(args.size, method, rank, args.delta, index_dtype=supports,
                        optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
                        max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
@@ -428,6 +427,8 @@ def check_memory(p, args, device, world):
             fixes.append("add --activation_checkpointing")
         elif not fits and smaller(checkpointing=True):  # neither alone, both together
             fixes.append(f"pass --batch_size {smaller(checkpointing=True)} with --activation_checkpointing")
+    if method in SPARSE and not args.packed_support and need(args.batch_size, packed=True) <= share * available:
+        fixes.append("add --packed_support")
     fix = " or ".join(fixes) or "pick a smaller --size or more memory"
     say = p.error_here if device.type == "cuda" else p.error  # a GPU's free memory is its rank's own to say
     say(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB per process, "
