@@ -25,7 +25,8 @@ total .27 + .54 = .81 although 0.8047 rounds to .80). Gradients and activations 
 print them beside it, and `train` adds them. Per method:
     full      all parameters, and the moments of all of them
     lowrank   W = s·BA for every projection; embeddings, norms and head stay dense
-    sltrain   W = s·BA + S: as lowrank, plus nnz values (bf16) and nnz indices (int64 by default)
+    sltrain   W = s·BA + S: as lowrank, plus nnz values (bf16) and nnz indices (int64 by default; --index_dtype
+              int32 as sllinear.py stores them, or packed: nnz + out·in/255 bytes a layer, train.py --packed_support)
     relora    the full-rank weights plus the low-rank model (adapters and the other parameters); moments of the latter
     galore    the full-rank weights; per projection (m, n) the moments of the projected gradient, r·max(m, n)
               elements each, and the projection, r·min(m, n); moments of all other parameters as usual
