@@ -270,8 +270,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
             "sltrain_ft": "sltrain_ft"}[method]
     config = config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size)
     rank, delta = config.rank, config.delta if method in SPARSE else 0.0
-    model = LLaMA(config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size,
-                             packed_support=index_dtype == "packed"), device="meta")
+    model = LLaMA(dataclasses.replace(config, delta=delta, packed_support=index_dtype == "packed"), device="meta")
     if freeze:
         freeze_all_but_values(model)
     n = model.num_params()

@@ -152,6 +152,9 @@ def _gradients(x, gs, group, scale, need_x, needs):
     layer's ∂L/∂B, ∂L/∂A and ∂L/∂V that needs (three a layer) asks for, in that order. gs: each layer's output
     gradient (N, out), or None where the layer needs none."""
     in_features = x.shape[-1]
+    # each support as flat positions, unpacked once (if packed) for both W's merge and V's gather
+    group = [(B, A, values, support_positions(indices, B.shape[0] * in_features), base)
+             for B, A, values, indices, base in group]
     # W is formed for ∂L/∂x alone; G needs only its memory
     out_features = sum(layer[0].shape[0] for layer in group)
     W = _weights(group, scale, None) if need_x else group[0][0].new_empty(out_features, in_features)
@@ -176,7 +179,7 @@ def _gradients(x, gs, group, scale, need_x, needs):
         if need_A:  # ∂L/∂A = s · Bᵀ G
             got.append(scaled_mm(B.t(), G, scale))  # (r, out) @ (out, in) -> (r, in)
         if need_V:  # ∂L/∂V = G gathered at the support I
-            got.append(G.view(-1).index_select(0, support_positions(indices, G.numel())))  # (out·in,)[I] -> (nnz,)
+            got.append(G.view(-1).index_select(0, indices))  # (out·in,)[I] -> (nnz,)
     return got
 
 

@@ -227,21 +227,22 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     """Train-step tokens/s ÷ full AdamW, with AdamW and with 8-bit Adam per-layer (all the variants alive at once):
     eager, the four methods; compiled (each block and the 8-bit step, as train.py --compile), the three the issue's
     targets name (each method's block compiles once). Where the one-kernel 8-bit step runs (CUDA), full and sltrain
-    8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by side, and
-    sltrain's with a launch per tensor instead of one per run of tensors (optim.KERNEL_RUN); sltrain AdamW with each
-    projection its own call ("separate"), beside the default, where q, k, v and gate, up share one
-    (sllinear.projections); and, eager, sltrain 8-bit per-layer with packed supports ("packed"). progress gets the figures after each round. Eager, each variant's host_ms is then the time
-    of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the host's time to issue the
-    step's work is what is timed: host_ms near ms (host_share near 1) means that at the full batch the GPU waits for the
-    host. Then (graphs: by default on CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one
-    variant at a time (a graph holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA
-    graphs would make of it, and graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after
-    another, not interleaved); a capture that fails is said in the variant's graph_error. Then, with graphs, full
-    and sltrain AdamW side by side plain and as train.py --cuda_graph runs them ("cuda_graph": forward and backward
-    replayed from a CUDA graph, the optimizer eager, what the graphed figures promise made real), four variants
-    alone: each graph holds its step's activations for good (about 19 GB at 350m, batch 64, where all the variants
-    at once ran out of an H100's memory). And ("cuda_graph_per_layer") sltrain 8-bit per-layer plain and as
-    train.py --cuda_graph --per_layer runs it (its per-layer updates replayed too) beside full AdamW, alone."""
+    8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by side,
+    and sltrain's with a launch per tensor instead of one per run of tensors (optim.KERNEL_RUN); sltrain AdamW with
+    each projection its own call ("separate"), beside the default, where q, k, v and gate, up share one
+    (sllinear.projections); and, eager, sltrain 8-bit per-layer with packed supports ("packed"). progress gets the
+    figures after each round. Eager, each variant's host_ms is then the time of the same step on HOST_TOKENS tokens,
+    where the GPU has next to nothing to do and the host's time to issue the step's work is what is timed: host_ms
+    near ms (host_share near 1) means that at the full batch the GPU waits for the host. Then (graphs: by default on
+    CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one variant at a time (a graph
+    holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make of it, and
+    graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not interleaved); a
+    capture that fails is said in the variant's graph_error. Then, with graphs, full and sltrain AdamW side by side
+    plain and as train.py --cuda_graph runs them ("cuda_graph": forward and backward replayed from a CUDA graph, the
+    optimizer eager, what the graphed figures promise made real), four variants alone: each graph holds its step's
+    activations for good (about 19 GB at 350m, batch 64, where all the variants at once ran out of an H100's
+    memory). And ("cuda_graph_per_layer") sltrain 8-bit per-layer plain and as train.py --cuda_graph --per_layer
+    runs it (its per-layer updates replayed too) beside full AdamW, alone."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     graphs = device.type == "cuda" if graphs is None else graphs

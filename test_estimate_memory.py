@@ -175,7 +175,8 @@ def test_activations_of_one_and_two_blocks_give_every_blocks(method, options):
 
 @pytest.mark.parametrize("optimizer,per_layer,accumulation,ddp", [("adam8bit", True, 2, False),
                                                                   ("adam8bit", True, 1, True),
-                                                                  ("adamw", False, 2, False), ("adamw", False, 1, True)],
+                                                                  ("adamw", False, 2, False),
+                                                                  ("adamw", False, 1, True)],
                          ids=["per_layer-accumulating", "per_layer-ddp", "accumulating", "ddp"])
 def test_gradients_kept_between_backwards_are_counted_beside_the_activations(optimizer, per_layer, accumulation,
                                                                              ddp):

@@ -540,6 +540,17 @@ def test_on_a_gpu_a_packed_layer_computes_what_a_flat_one_does_with_no_host_sync
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_a_packed_support_is_unpacked_once_a_pass():
+    """Forward unpacks a packed support once, to form W; backward once, for both W's merge and V's gather."""
+    torch.manual_seed(0)
+    layer = SLLinear(40, 30, rank=4, delta=0.1, alpha=8, packed=True)
+    x = torch.randn(3, 40, requires_grad=True)
+    forward = ops_by_name(lambda: layer(x))
+    y = layer(x)
+    backward = ops_by_name(lambda: torch.autograd.grad(y.sum(), [x, *layer.parameters()]))
+    assert forward["repeat_interleave"] == 1 and backward["repeat_interleave"] == 1, (forward, backward)
+
+
 def test_a_support_loads_into_a_layer_of_either_format():
     torch.manual_seed(0)
     flat = SLLinear(40, 30, rank=4, delta=0.1, alpha=8)
