@@ -464,26 +464,32 @@ STEPS_RANGE = "estimate_memory.measure: the training steps"  # the profiler's na
 
 
 def cpu_peak(prof):
-    """The most bytes of CPU memory allocated at once during STEPS_RANGE by what ran since the profiler started: its
-    memory events, one per allocation and free, added up in time order (a free of memory allocated before it
-    started is not counted, so start it before anything the window frees is made). Read from the profiler's
-    exported trace, its public form; not from the events' running total, which carries over between profilers."""
+    """The most bytes of CPU memory allocated at once during STEPS_RANGE by what ran since the profiler started (see
+    peak_of_events). Read from the profiler's exported trace, its public form; not from the events' running total,
+    which carries over between profilers."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            return peak_of_events(json.load(f)["traceEvents"])
+
+
+def peak_of_events(events):
+    """The profiler's CPU memory events, one per allocation and free, added up in time order: their most inside
+    STEPS_RANGE. A free of memory allocated before the profiler started is not counted, so start it before anything
+    the window frees is made. The profiler sees only the threads that run torch's ops (ours and autograd's), not a
+    process group's workers: a block whose last reference such a thread drops is freed unseen. Where the allocator
+    hands its address out again, the block was freed before: it is dropped then, not counted twice."""
     window = next(e for e in events if e.get("name") == STEPS_RANGE and e.get("ph") == "X")
     start, end = window["ts"], window["ts"] + window["dur"]
     alive, total, peak = {}, 0, 0
     for e in sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
                     key=lambda e: e["ts"]):
         address, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
+        total -= alive.pop(address, 0)  # a free; or, before an allocation, a block freed out of sight
         if nbytes > 0:
             alive[address] = nbytes
             total += nbytes
-        else:
-            total -= alive.pop(address, 0)
         if start <= e["ts"] <= end:
             peak = max(peak, total)
     return peak
@@ -584,8 +590,10 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     if ddp:  # as train.py's (its buckets hold the gradients), in the caller's process group
         with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers (train.py says why it stays)
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            # init_sync=False: no broadcast of the weights, which a measure needs not be equal across ranks, and
+            # whose flat copy gloo's worker thread frees at times, out of the profiler's sight (peak_of_events)
             model = torch.nn.parallel.DistributedDataParallel(raw, broadcast_buffers=False,
-                                                              gradient_as_bucket_view=True)
+                                                              gradient_as_bucket_view=True, init_sync=False)
     per = attach_per_layer(model, make) if per_layer else None
     opt = None if per_layer else make(params)
     whole = None
