@@ -16,7 +16,7 @@ import torch
 
 import adam8bit_kernel
 import checkpoint
-from devices import device_from_flag
+from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for
 
@@ -41,7 +41,7 @@ CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens nee
 # tokens; a training flag given with it is refused, not ignored
 EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "dtype", "amp", "compile", "device",
               "batch_size", "max_length", "eval_tokens", "pack", "eval_only", "resume", "out_dir", "data_dir",
-              "tokenizer", "download", "packed_support")
+              "tokenizer", "download", "packed_support", "deterministic")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -106,6 +106,10 @@ def make_parser(description=None):
     a("--sync_debug", action="store_true", help="count the host syncs of the updates between log steps (there "
       "should be none; hostsync.py; under --compile or --cuda_graph not the first update, which compiles or "
       "captures, and under --cuda_graph --per_layer not the first two) and print them at the end")
+    a("--deterministic", action="store_true", help="torch's deterministic algorithms and cuBLAS's fixed workspace "
+      "(devices.set_deterministic), so that on a GPU, where scatters and GEMMs may otherwise add in any order, the "
+      "same flags give the same numbers run after run and across a resume; at some speed (a scatter sorts its "
+      "indices). A CPU run is so without it")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
     a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
@@ -232,6 +236,8 @@ def get_args(argv=None, description=None):
     if args.packed_support and args.method not in SPARSE:
         p.error(f"--packed_support stores the sparse supports: it needs --method sltrain or sltrain_ft, not "
                 f"{args.method}")
+    if args.deterministic and cublas_refusal():
+        p.error(cublas_refusal())
     if args.amp and args.dtype == "bfloat16":
         p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     if args.resume and args.overwrite and same_file(resume_path(args), os.path.join(args.out_dir, "ckpt.pt")):

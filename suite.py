@@ -15,13 +15,13 @@ with --data_dir):
     layer           SLTrain forward+backward ÷ nn.Linear at every projection shape of 60m/350m/1b/7b (N = 32768,
                     bf16), beside the floor 1 + 4r/(3N), with the parts of SLTrain's extra work timed alone
     model           350m train-step tokens/s of the four methods, AdamW and 8-bit per-layer, ÷ full AdamW
-                    (paper: sltrain/full = 0.945)
+                    (paper: sltrain/full = 0.945); and what --packed_support and --deterministic cost
     optimizer       the 8-bit step, eager and compiled, ÷ fused AdamW on the 7b shapes, and the host time of
                     per-layer updates
     amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
     program         train.py itself on the C4 shards of --data_dir: a 60m 8-bit per-layer run, SIGTERM + --resume,
                     --compile, --sync_debug, torchrun, --cuda_graph (AdamW; 8-bit per-layer) beside the same
-                    run plain (on CUDA)
+                    run plain (on CUDA), --deterministic twice, the second resumed half way
                     (each run killed at a timeout, with every process below it)
     model_compiled  the model section compiled as train.py --compile, for full, lowrank and sltrain
     profile         where the time of full's and SLTrain's AdamW steps goes, eager and compiled: torch.profiler's
@@ -56,6 +56,7 @@ import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio, ratio_text, record_error, report_inference, start, summary, synchronizer, write_json)
 from cudagraph import MicroBatchGraph, PerLayerGraph, cuda_graphed
+from devices import set_deterministic
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
 from per_layer import attach_per_layer
@@ -230,10 +231,12 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     8-bit per-layer also without it ("unfused": the eager step, or the compiled one when compiled), side by side,
     and sltrain's with a launch per tensor instead of one per run of tensors (optim.KERNEL_RUN); sltrain AdamW with
     each projection its own call ("separate"), beside the default, where q, k, v and gate, up share one
-    (sllinear.projections); and, eager, sltrain 8-bit per-layer with packed supports ("packed"). progress gets the
-    figures after each round. Eager, each variant's host_ms is then the time of the same step on HOST_TOKENS tokens,
-    where the GPU has next to nothing to do and the host's time to issue the step's work is what is timed: host_ms
-    near ms (host_share near 1) means that at the full batch the GPU waits for the host. Then (graphs: by default on
+    (sllinear.projections); and, eager, sltrain 8-bit per-layer with packed supports ("packed"), and full AdamW and
+    sltrain 8-bit per-layer each as train.py --deterministic runs it ("deterministic": the plain variant's own model
+    and optimizer, stepped under the mode). progress gets the figures after each round. Eager, each variant's
+    host_ms is then the time of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the
+    host's time to issue the step's work is what is timed: host_ms near ms (host_share near 1) means that at the
+    full batch the GPU waits for the host. Then (graphs: by default on
     CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one variant at a time (a graph
     holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make of it, and
     graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not interleaved); a
@@ -253,6 +256,9 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
     if not compiled:  # what train.py --packed_support costs, in the setting where memory binds
         variants["sltrain/adam8bit/per_layer/packed"] = make("sltrain", "adam8bit", True, packed=True)
+        # and what train.py --deterministic costs: the baseline's step, and the paper's setting
+        variants.update({name + "/deterministic": deterministic_step(variants[name])
+                         for name in ("full/adamw", "sltrain/adam8bit/per_layer")})
     if adam8bit_kernel.why_not(device, dtype, BLOCK_SIZE) is None:
         variants.update({f"{m}/adam8bit/per_layer/unfused": make(m, "adam8bit", True, fused=False)
                          for m in ("full", "sltrain")})
@@ -486,6 +492,18 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
 KERNEL_ROWS = (1, 2, 8, 16)  # the one-kernel 8-bit step's blocks per program timed beside adam8bit_kernel.ROWS
 
 
+def deterministic_step(step):
+    """step(...) as train.py --deterministic runs it (devices.set_deterministic), and torch's default after: the
+    same model and optimizer as the plain variant's, so the two differ by the mode alone."""
+    def run(*args):
+        set_deterministic(True)
+        try:
+            step(*args)
+        finally:
+            set_deterministic(False)
+    return run
+
+
 def with_setting(module, name, value, step):
     """step(...) with module.name set to value for the call, and back to what it was after: the one-kernel 8-bit
     step with other blocks per program (adam8bit_kernel.ROWS; each value is a kernel of its own, compiled at its
@@ -625,12 +643,13 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     run with --adam8bit_kernel off (how close their losses stay), and torchrun's NCCL (or gloo) path. Each run
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
     raises at the end, naming the runs that failed. On CUDA, --cuda_graph beside the same short run without it, two
-    micro-batches an update: AdamW, and 8-bit per-layer (--cuda_graph --per_layer)."""
+    micro-batches an update: AdamW, and 8-bit per-layer (--cuda_graph --per_layer). Last, the short run twice under
+    --deterministic, the second stopped half way and resumed: where their losses part, if they do."""
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
     # the suite's scratch folders, anew
     for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun", "graph_off",
-                "graph_on", "per_layer_graph_off", "per_layer_graph_on"):
+                "graph_on", "per_layer_graph_off", "per_layer_graph_on", "deterministic", "deterministic_split"):
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # whatever the working folder
     base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
@@ -714,11 +733,22 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
                     tail=said[on].splitlines()[-2], tail_off=said[off].splitlines()[-1],
                     sync_debug=said[on].splitlines()[-1])
 
+    def deterministic():  # the short run twice under --deterministic, the second stopped half way and resumed
+        exact = ("--num_training_steps", short, "--deterministic")
+        train("deterministic", *exact)
+        train("deterministic_split", *exact, "--stop_after", str(p["short"] // 2))
+        stopped_at = max(r["step"] for r in rows("deterministic_split"))
+        said = train("deterministic_split", *exact, "--resume")
+        evals = [rows(run)[-1].get("val_loss") for run in ("deterministic", "deterministic_split")]
+        return dict(stopped_at=stopped_at, val_loss_diff=abs(evals[0] - evals[1]), tail=said.splitlines()[-1],
+                    **losses_apart(rows("deterministic"), rows("deterministic_split")))
+
     adamw = ["adamw" if arg == "adam8bit" else arg for arg in base if arg != "--per_layer"]
     runs = dict(straight=straight, sigterm_resume=sigterm_resume, compile=compiled if p["compile"] else None,
                 sync_debug=lambda: dict(line=train("eager_sync", *sync).splitlines()[-1]),  # every op, and CUDA's check
                 kernel=kernel, torchrun=torchrun, cuda_graph=lambda: cuda_graph(adamw, "graph_off", "graph_on"),
-                cuda_graph_per_layer=lambda: cuda_graph(base, "per_layer_graph_off", "per_layer_graph_on"))
+                cuda_graph_per_layer=lambda: cuda_graph(base, "per_layer_graph_off", "per_layer_graph_on"),
+                deterministic=deterministic)
     result = {}
     for name, run in runs.items():
         if run is None:

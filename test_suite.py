@@ -21,9 +21,11 @@ from test_cudagraph import recorded_capture
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
-def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
+def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "tiny.json")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the deterministic variants set it: unset after
     r = suite.run_suite("tiny", torch.device("cpu"), out=out)
+    assert not torch.are_deterministic_algorithms_enabled()  # the variants' mode was theirs alone
     s = suite.SUITES["tiny"]
     sections = ["memory", "layer", "model", "optimizer", "amp", "model_compiled", "profile", "inference",
                 "memory_galore"]
@@ -42,7 +44,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys):
         v = r[key]["variants"]
         assert r[key]["compiled"] is (key == "model_compiled") and v["full/adamw"]["ratio"] == 1.0
         assert set(v) == {f"{m}/{o}" for m in methods for o in ("adamw", "adam8bit/per_layer")} | {
-            "sltrain/adamw/separate"} | ({"sltrain/adam8bit/per_layer/packed"} if key == "model" else set())
+            "sltrain/adamw/separate"} | ({"sltrain/adam8bit/per_layer/packed", "full/adamw/deterministic",
+                                          "sltrain/adam8bit/per_layer/deterministic"} if key == "model" else set())
         assert all(x["tok_s"] > 0 for x in v.values())
         # eager, the host's time for each step, timed on a few tokens; compiled, not (another shape, another graph)
         assert all(x["host_ms"] > 0 and x["host_share"] == x["host_ms"] / x["ms"] if key == "model" else
@@ -280,8 +283,10 @@ def test_the_model_section_also_times_the_kernel_with_a_launch_per_tensor(monkey
     default, seen = optim.KERNEL_RUN, set()
     monkeypatch.setattr(adam8bit_kernel, "why_not", lambda device, dtype, block_size: None)
     monkeypatch.setattr(adam8bit_kernel, "adam8bit_", lambda *a: seen.add(optim.KERNEL_RUN) or optim._adam8bit_(*a))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the deterministic variants set it: unset after
     rows = suite.suite_model(suite.SUITES["tiny"], torch.device("cpu"), torch.float32, False)["variants"]
-    assert rows["sltrain/adam8bit/per_layer/launch_per_tensor"]["ms"] > 0 and len(rows) == 13, list(rows)
+    # the tiny suite's 12 (test_tiny_suite_runs_every_section_and_reports), the two unfused and this one
+    assert rows["sltrain/adam8bit/per_layer/launch_per_tensor"]["ms"] > 0 and len(rows) == 15, list(rows)
     assert seen == {0, default} and optim.KERNEL_RUN == default and default > 0
 
 
@@ -320,8 +325,23 @@ def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, caps
     assert r["kernel"]["loss_diffs"] == [[step, 0.0] for step in range(1, short + 1)], r["kernel"]
     for name in ("cuda_graph", "cuda_graph_per_layer"):  # said in their rows
         assert r[name] == {"skipped": "train.py --cuda_graph needs a CUDA GPU"}
+    exact = r["deterministic"]  # the run and the same run resumed half way: the same losses, update by update
+    assert exact["stopped_at"] == short // 2 and exact["tail"].startswith("done: ")
+    assert exact["loss_diffs"] == [[step, 0.0] for step in range(1, short + 1)] and exact["val_loss_diff"] == 0.0
     print(r["compile"])
     suite.report_suite({"program": r})
+
+
+def test_a_deterministic_variant_steps_under_the_mode_and_leaves_it_off(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen = []
+    step = suite.deterministic_step(lambda *a: seen.append((torch.are_deterministic_algorithms_enabled(),
+                                                           os.environ.get("CUBLAS_WORKSPACE_CONFIG"), a)))
+    step(1, 2)
+    assert seen == [(True, ":4096:8", (1, 2))] and not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ZeroDivisionError):  # off again however the step ends
+        suite.deterministic_step(lambda: 1 / 0)()
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_two_runs_losses_are_compared_update_by_update():
@@ -343,10 +363,11 @@ def test_a_failed_program_run_costs_itself_only(corpus, tmp_path):  # noqa: F811
     at once (an unknown size), and each keeps its own error beside the others, then the section raises naming them."""
     s = dict(suite.SUITES["tiny"], program=dict(suite.SUITES["tiny"]["program"], size="nosuch"))
     saved = []
-    runs = ["straight", "sigterm_resume", "compile", "sync_debug", "kernel", "torchrun"]
-    with pytest.raises(RuntimeError, match=f"train.py runs failed: {', '.join(runs)} \\(their"):
+    failing = ["straight", "sigterm_resume", "compile", "sync_debug", "kernel", "torchrun", "deterministic"]
+    with pytest.raises(RuntimeError, match=f"train.py runs failed: {', '.join(failing)} \\(their"):
         suite.suite_program(s, *corpus, str(tmp_path), progress=saved.append)
-    runs += ["cuda_graph", "cuda_graph_per_layer"]  # on CPU said skipped in their rows, not failed
+    runs = [*failing[:-1], "cuda_graph", "cuda_graph_per_layer", "deterministic"]  # on CPU the graphs' rows say
+    # they were skipped, not failed
     assert [list(r) for r in saved] == [runs[:n] for n in range(1, len(runs) + 1)]
     assert "invalid choice: 'nosuch'" in saved[-1]["torchrun"]["error"]
 

@@ -156,6 +156,86 @@ def test_packed_supports_train_as_flat_ones_and_a_run_resumes_in_either_format(c
     assert not model.config.packed_support and torch.equal(model.state_dict()[supports[0]], a[supports[0]])
 
 
+@pytest.fixture
+def deterministic_restored(monkeypatch):
+    """--deterministic sets torch's mode and the cuBLAS variable for the whole process: both as before, after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def test_deterministic_is_set_for_the_run_changes_no_number_on_a_cpu_and_may_change_on_resume(
+        corpus, tmp_path, capsys, deterministic_restored):
+    """--deterministic turns on torch's deterministic algorithms and cuBLAS's fixed workspace, and says so; a run
+    without it turns them off. A CPU run's numbers are the same either way, to the bit, although the mode fills the
+    memory of torch.empty with NaN: no step reads memory it did not write. A resume may switch it, and says so; an
+    evaluation takes it too."""
+    extra = ("--optimizer", "adam8bit_per_layer", "--packed_support")
+    runs = {}
+    for name, flag in (("plain", ()), ("deterministic", ("--deterministic",)), ("again", ())):
+        train.main(base_args(corpus, tmp_path / name, 3, *extra, *flag))
+        said = capsys.readouterr().out
+        assert torch.are_deterministic_algorithms_enabled() == bool(flag)
+        assert (" | deterministic | 8-bit step:" in said) == bool(flag), said[-3000:]
+        runs[name] = final_state(tmp_path / name)
+        if flag:
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+            assert torch.empty(8).isnan().all() and torch.empty(8, dtype=torch.bfloat16).isnan().all()  # filled
+    for name in ("deterministic", "again"):
+        for rows, plain in zip(metrics(tmp_path / name), metrics(tmp_path / "plain")):  # logs, then evaluations
+            assert [r.get("loss", r.get("val_loss")) for r in rows] == [r.get("loss", r.get("val_loss")) for r in plain]
+        for key, t in runs["plain"]["model"].items():
+            assert torch.equal(t, runs[name]["model"][key]), f"{name}: {key}"
+        assert runs[name]["args"]["deterministic"] == (name == "deterministic")
+    train.main(base_args(corpus, tmp_path / "plain", 4, *extra, "--resume", "--deterministic"))
+    assert "changed and honored: num_training_steps 3 -> 4, eval_every 3 -> 4, deterministic False -> True" in \
+        capsys.readouterr().out
+    assert torch.are_deterministic_algorithms_enabled()
+    train.main(eval_args(corpus, tmp_path / "plain", "--packed_support"))  # without it: off
+    assert not torch.are_deterministic_algorithms_enabled()
+    train.main(eval_args(corpus, tmp_path / "plain", "--packed_support", "--deterministic"))
+    assert torch.are_deterministic_algorithms_enabled() and " | deterministic | " in capsys.readouterr().out
+
+
+def test_deterministic_under_a_cublas_setting_that_is_not_is_refused(corpus, tmp_path, capsys, monkeypatch,
+                                                                      deterministic_restored):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(SystemExit):
+        train.main(base_args(corpus, tmp_path, 2, "--deterministic"))
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "--deterministic: CUBLAS_WORKSPACE_CONFIG=:0:0 leaves cuBLAS's GEMMs nondeterministic; unset it or set it "
+        "to :4096:8")
+    assert not os.path.exists(tmp_path / "metrics.jsonl") and not torch.are_deterministic_algorithms_enabled()
+    for fine in (":16:8", ":4096:8"):
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", fine)
+        assert flags.get_args(base_args(corpus, tmp_path, 2, "--deterministic")).deterministic
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # not read without the flag
+    assert not flags.get_args(base_args(corpus, tmp_path, 2)).deterministic
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [["--optimizer", "adam8bit_per_layer", "--packed_support"],
+                                   ["--method", "full", "--grad_clipping", "1.0"], ["--cuda_graph"]],
+                         ids=["sltrain-adam8bit-per-layer-packed", "full-adamw-clipped", "sltrain-cuda-graph"])
+def test_on_a_gpu_deterministic_runs_agree_and_resume_to_the_bit(corpus, tmp_path, extra, deterministic_restored):
+    """On a GPU, where index_add, the loss's scatter and the embedding's gradient may add in another order at each
+    call, --deterministic makes a run of six updates of two micro-batches and the same run stopped after three and
+    resumed agree to the bit: losses, evaluation and weights. Under --cuda_graph the sorting scatters are captured
+    too, which fails on any host sync."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    args = ("--device", "cuda", "--deterministic", *extra)
+    train.main(base_args(corpus, straight, 6, *args))
+    train.main(base_args(corpus, split, 6, "--stop_after", "3", *args))
+    train.main(base_args(corpus, split, 6, "--resume", *args))
+    (logs, evals), (logs_split, evals_split) = metrics(straight), metrics(split)
+    assert [r["loss"] for r in logs] == [r["loss"] for r in logs_split], (logs, logs_split)
+    assert [r["val_loss"] for r in evals] == [r["val_loss"] for r in evals_split]
+    split_model = final_state(split)["model"]
+    for name, t in final_state(straight)["model"].items():
+        assert torch.equal(t, split_model[name]), f"{name} differs by {(t - split_model[name]).abs().max()}"
+
+
 def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
     """A bf16 run (a GPU's default) resumed on a CPU, whose default is float32, goes on in bf16 when --dtype is not
     given; given, another dtype is refused."""

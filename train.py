@@ -59,6 +59,7 @@ import flags
 from cudagraph import MicroBatchGraph, PerLayerGraph
 from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
                   validation_batches)
+from devices import set_deterministic
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import Keeper, any_rank, diverged, lock_out_dir, refuse_overwrite
@@ -149,7 +150,8 @@ EVAL_MUST_MATCH = ("size",) + MODEL_FIELDS + ("tokenizer_sha256",)
 RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
                   "cuda_graph", "amp", "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device",
-                  "adam8bit_kernel", "packed_support")  # packed_support: the supports' storage (SLLinear converts)
+                  "adam8bit_kernel", "packed_support", "deterministic")
+# (packed_support is how the supports are stored, and SLLinear loads either; deterministic, the order a GPU adds in)
 
 
 def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
@@ -168,6 +170,7 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
     old.setdefault("packed_support", False)  # a run from before --packed_support: flat positions
+    old.setdefault("deterministic", False)  # nor --deterministic
     if "adam8bit_kernel" not in old:  # nor --adam8bit_kernel: compared as its default, not reported as a change
         old["adam8bit_kernel"] = "auto" if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
@@ -554,7 +557,8 @@ def prepare(args, held):
         print(describe(run.raw_model))
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
-        print(f"{world} x {device.type} | {args.dtype}{amp}{eight_bit_step(args, device)} | " + (
+        exact = " | deterministic" if args.deterministic else ""
+        print(f"{world} x {device.type} | {args.dtype}{amp}{exact}{eight_bit_step(args, device)} | " + (
             f"--eval_only: batches of {args.batch_size} sequences of {args.max_length} tokens per device, the first "
             f"{args.eval_tokens:,} validation tokens" if args.eval_only else
             f"batch {args.batch_size} x {args.gradient_accumulation} accum x {world} = {args.total_batch_size} "
@@ -586,6 +590,7 @@ def main(argv=None, exiting=False):
     answered by the default handler, which would turn a saved run's exit 0 into a kill."""
     args = get_args(argv)
     stop_when_torchrun_ends()
+    set_deterministic(args.deterministic)  # before the first GEMM; and off, for a run after one with it
     # a stop signal before the run answers them is one line, as Ctrl-C is, where the default action killed the
     # process without a word; one the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`)
     early = Early()
