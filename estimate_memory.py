@@ -590,8 +590,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     if ddp:  # as train.py's (its buckets hold the gradients), in the caller's process group
         with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers (train.py says why it stays)
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-            # init_sync=False: no broadcast of the weights, which a measure needs not be equal across ranks, and
-            # whose flat copy gloo's worker thread frees at times, out of the profiler's sight (peak_of_events)
+            # init_sync=False: no broadcast of the weights, which need not be equal across ranks to be measured,
+            # and whose flat copy gloo's worker thread frees at times, out of the profiler's sight (peak_of_events)
             model = torch.nn.parallel.DistributedDataParallel(raw, broadcast_buffers=False,
                                                               gradient_as_bucket_view=True, init_sync=False)
     per = attach_per_layer(model, make) if per_layer else None

@@ -236,8 +236,9 @@ def get_args(argv=None, description=None):
     if args.packed_support and args.method not in SPARSE:
         p.error(f"--packed_support stores the sparse supports: it needs --method sltrain or sltrain_ft, not "
                 f"{args.method}")
-    if args.deterministic and cublas_refusal():
-        p.error(cublas_refusal())
+    refusal = args.deterministic and cublas_refusal()
+    if refusal:
+        p.error(refusal)
     if args.amp and args.dtype == "bfloat16":
         p.error("--amp keeps float32 parameters and computes in bf16 under autocast: drop --dtype bfloat16")
     if args.resume and args.overwrite and same_file(resume_path(args), os.path.join(args.out_dir, "ckpt.pt")):

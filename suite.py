@@ -236,12 +236,12 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     and optimizer, stepped under the mode). progress gets the figures after each round. Eager, each variant's
     host_ms is then the time of the same step on HOST_TOKENS tokens, where the GPU has next to nothing to do and the
     host's time to issue the step's work is what is timed: host_ms near ms (host_share near 1) means that at the
-    full batch the GPU waits for the host. Then (graphs: by default on
-    CUDA, eager and compiled) each step is captured as a CUDA graph and replayed, one variant at a time (a graph
-    holds a step's memory): graphed_ms is the GPU's time for the step alone, what CUDA graphs would make of it, and
-    graphed_ratio its throughput ÷ full AdamW's graphed one (medians of runs one after another, not interleaved); a
-    capture that fails is said in the variant's graph_error. Then, with graphs, full and sltrain AdamW side by side
-    plain and as train.py --cuda_graph runs them ("cuda_graph": forward and backward replayed from a CUDA graph, the
+    full batch the GPU waits for the host. Then (graphs: by default on CUDA, eager and compiled) each step is
+    captured as a CUDA graph and replayed, one variant at a time (a graph holds a step's memory): graphed_ms is the
+    GPU's time for the step alone, what CUDA graphs would make of it, and graphed_ratio its throughput ÷ full
+    AdamW's graphed one (medians of runs one after another, not interleaved); a capture that fails is said in the
+    variant's graph_error. Then, with graphs, full and sltrain AdamW side by side plain and as train.py --cuda_graph
+    runs them ("cuda_graph": forward and backward replayed from a CUDA graph, the
     optimizer eager, what the graphed figures promise made real), four variants alone: each graph holds its step's
     activations for good (about 19 GB at 350m, batch 64, where all the variants at once ran out of an H100's
     memory). And ("cuda_graph_per_layer") sltrain 8-bit per-layer plain and as train.py --cuda_graph --per_layer
@@ -749,13 +749,20 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
                 kernel=kernel, torchrun=torchrun, cuda_graph=lambda: cuda_graph(adamw, "graph_off", "graph_on"),
                 cuda_graph_per_layer=lambda: cuda_graph(base, "per_layer_graph_off", "per_layer_graph_on"),
                 deterministic=deterministic)
-    result = {}
+    result = {}  # sigterm_resume reads the straight run's row
+    return each_on_its_own(runs, result, progress)
+
+
+def each_on_its_own(runs, result, progress):
+    """Each of runs (name -> function returning its row; None: left out) tried in turn into result: a failed run's
+    error goes in its row and costs it alone, progress gets the rows after each, and at the end the runs that failed
+    are named in one error."""
     for name, run in runs.items():
         if run is None:
             continue
         try:
             result[name] = run()
-        except Exception as e:  # a failed run costs itself only: the others still run, and report
+        except Exception as e:  # the others still run, and report
             result[name] = dict(error=f"{type(e).__name__}: {e}")
         progress(dict(result))
     failed = [name for name, row in result.items() if "error" in row]
