@@ -20,6 +20,8 @@ train.py:
 """
 
 import argparse
+import atexit
+import gc
 import json
 import math
 import os
@@ -536,4 +538,5 @@ def weights(args):
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
     main()

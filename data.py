@@ -20,6 +20,7 @@ Batches follow nanoGPT: x and y are (B, T) torch.long and y is x shifted by one.
 import argparse
 import atexit
 import errno
+import gc
 import gzip
 import hashlib
 import http.client
@@ -794,4 +795,5 @@ def check_args(p, args):
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
     main()

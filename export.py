@@ -17,7 +17,9 @@ tensor's dtype, shape and byte range [begin, end) in the data that follows, then
 """
 
 import argparse
+import atexit
 import copy
+import gc
 import json
 import os
 import struct
@@ -233,4 +235,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
     main()

@@ -11,6 +11,8 @@ fine-tunes a pretrained model as the paper's appendix does (W = W0 + s·BA + S, 
 Count a model for free:  LLaMA(config_for("7b", method="sltrain"), device="meta").num_params()
 """
 
+import atexit
+import gc
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -440,6 +442,7 @@ def describe(model):
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
     # the parameter table of the paper (Table 1), counted on the meta device
     # relora trains as many parameters as lowrank and Table 1 lists its merged model, as many as full: not repeated
     shown = [m for m in PRETRAINING if m != "relora"]

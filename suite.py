@@ -37,6 +37,7 @@ any failed. tiny runs on CPU (float32; memory by the profiler) and is what test_
 """
 
 import argparse
+import atexit
 import contextlib
 import functools
 import gc
@@ -1002,4 +1003,5 @@ def main():
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
     main()

@@ -6,17 +6,20 @@ full disks, bad data, divergence) is test_faults.py's, which takes its fixtures 
     python -m pytest -q test_train.py
 """
 
+import atexit
+import gc
 import gzip
 import json
 import os
 import random
 import re
 import resource
+import runpy
 import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -814,6 +817,21 @@ def test_help_shows_every_default(capsys):
     out = capsys.readouterr().out
     for flag in ("--min_lr_ratio MIN_LR_RATIO", "--eval_tokens EVAL_TOKENS", "--workers WORKERS"):
         assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
+
+
+@pytest.mark.parametrize("script", ["analyze.py", "bench.py", "checkpoint.py", "data.py", "estimate_memory.py",
+                                    "export.py", "model.py", "sample.py", "suite.py"])
+def test_each_command_freezes_its_heap_for_the_exit(script, monkeypatch, capsys):
+    """Every command's process ends without the interpreter's last collection over the objects it is about to free
+    anyway, torch's modules among them (about a second). train.py's exit is checked in its own process by
+    test_faults.py's late-signal test."""
+    hooks = []
+    monkeypatch.setattr(atexit, "register", lambda hook, *args, **kwargs: hooks.append(hook) or hook)
+    monkeypatch.setattr(sys, "argv", [script] if script == "model.py" else [script, "--help"])  # model.py: its table
+    with suppress(SystemExit):
+        runpy.run_path(str(HERE / script), run_name="__main__")
+    assert gc.freeze in hooks, f"{script} leaves its heap to the exit's collection"
+    capsys.readouterr()
 
 
 def test_galore_defaults_are_its_scripts_and_explicit_ones_stand(monkeypatch):

@@ -15,6 +15,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 """
 
 import argparse
+import atexit
 import ctypes
 import functools
 import gc
@@ -951,6 +952,11 @@ class Unbroken:
 
 
 if __name__ == "__main__":
+    # At exit, Python collects once more over every object left, all of which go with the process anyway: torch's
+    # modules and, once a memory check or a compile loaded them, its compiler's. Frozen, they are skipped: a process
+    # ends about 1.3 s sooner (on 2 CPU cores). Nothing here needs that collection: files are flushed and closed as
+    # written, and the data workers end from an atexit hook of their own.
+    atexit.register(gc.freeze)
     sys.stdout = Unbroken(sys.stdout)
     try:
         main(exiting=True)
