@@ -38,6 +38,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -53,8 +54,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import galore
 import optim
 from devices import device_from_flag
-from model import (LLaMA, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values, frozen_base_to,
-                   is_projection)
+from model import (LLaMA, LLaMAConfig, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values,
+                   frozen_base_to, is_projection)
 from per_layer import attach_per_layer
 from sllinear import SLLinear
 
@@ -145,8 +146,16 @@ def activation_bytes(size, method, rank, delta, batch_size, max_length, activati
 
 
 def saved_bytes(config, batch_size, max_length, activation_checkpointing, dtype, amp, freeze):
-    """What one forward of the model of this config saves for backward, counted (activation_bytes)."""
-    model = LLaMA(config, device="meta").to(getattr(torch, dtype))
+    """What one forward of the model of this config saves for backward, counted (activation_bytes). Counted once a
+    process for each config and options, of which it is a function: a memory check that names a fix, the table and
+    the suite ask for the same counts again."""
+    return counted_saved_bytes(dataclasses.astuple(config), batch_size, max_length, activation_checkpointing, dtype,
+                               amp, freeze)
+
+
+@functools.lru_cache(maxsize=None)
+def counted_saved_bytes(config_fields, batch_size, max_length, activation_checkpointing, dtype, amp, freeze):
+    model = LLaMA(LLaMAConfig(*config_fields), device="meta").to(getattr(torch, dtype))
     model.activation_checkpointing = activation_checkpointing
     model.autocast = torch.bfloat16 if amp else None
     if amp:

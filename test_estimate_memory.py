@@ -173,6 +173,20 @@ def test_activations_of_one_and_two_blocks_give_every_blocks(method, options):
     assert em.activation_bytes("60m", method, None, None, 2, 16, **options) == whole > 0
 
 
+def test_a_forward_is_counted_once_a_process_for_each_config_and_options(monkeypatch):
+    """A memory check that names a fix, the table and the suite ask for the same counts again: each is made once,
+    keyed by the whole config (here a vocabulary that the size's name does not show) and the options."""
+    em.counted_saved_bytes.cache_clear()
+    built = []
+    monkeypatch.setattr(em, "LLaMA", lambda *args, **kwargs: built.append(args[0]) or LLaMA(*args, **kwargs))
+    first = em.activation_bytes("tiny", "sltrain", None, None, 2, 32)
+    assert len(built) == 1 and em.activation_bytes("tiny", "sltrain", None, None, 2, 32) == first and len(built) == 1
+    assert em.activation_bytes("tiny", "sltrain", None, None, 2, 32, amp=True, dtype="float32") != first
+    monkeypatch.setattr(em, "config_for", lambda size, **kw: config_for(size, **{**kw, "vocab_size": 256}))
+    assert em.activation_bytes("tiny", "sltrain", None, None, 2, 32) < first and len(built) == 3
+    assert [config.vocab_size for config in built] == [32000, 32000, 256]
+
+
 @pytest.mark.parametrize("optimizer,per_layer,accumulation,ddp", [("adam8bit", True, 2, False),
                                                                   ("adam8bit", True, 1, True),
                                                                   ("adamw", False, 2, False),
