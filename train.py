@@ -953,9 +953,9 @@ class Unbroken:
 
 if __name__ == "__main__":
     # At exit, Python collects once more over every object left, all of which go with the process anyway: torch's
-    # modules and, once a memory check or a compile loaded them, its compiler's. Frozen, they are skipped: a process
-    # ends about 1.3 s sooner (on 2 CPU cores). Nothing here needs that collection: files are flushed and closed as
-    # written, and the data workers end from an atexit hook of their own.
+    # modules and, once a memory check or a compile loaded them, its compiler's. Frozen, they are skipped: a tiny run
+    # ends about a second sooner on 2 CPU cores (BENCHMARKS.md). Nothing here needs that collection: files are
+    # flushed and closed as written, and the data workers end from an atexit hook of their own.
     atexit.register(gc.freeze)
     sys.stdout = Unbroken(sys.stdout)
     try:
