@@ -8,6 +8,7 @@ rank calls the same methods; the master alone writes, and a failed write stops e
 """
 
 import json
+import math
 import os
 from contextlib import nullcontext, suppress
 from dataclasses import asdict
@@ -108,19 +109,33 @@ def diverged(why, last_good):
         return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
                           f"--grad_clipping)")
     path, step = last_good
-    return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (nothing non-finite is "
-                      f"ever saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
+    return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "
+                      f"saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
+
+
+def exploded(loss, vocab_size):
+    """The words for a loss that says the model diverged, or None: one that is not finite, or past 2·ln V. A fresh
+    model guesses about uniformly over its V tokens (a loss near ln V) and learns down from there. Past 2·ln V it
+    gives the right tokens, on average, less than 1/V² of probability, V times less than a uniform guess: where too
+    high an lr leaves a model (logits in the hundreds), never where a learning one goes, nor a fresh one: ln V plus
+    half its logits' variance, about 0.0002 × its width (0.8 at 7b's, where 2·ln V is ln V + 10.4 for T5's 32000)."""
+    worst = 2 * math.log(vocab_size)
+    if not math.isfinite(loss):
+        return str(loss)
+    if loss > worst:
+        return f"{loss:.2f}, above 2·ln V = {worst:.2f} (V = {vocab_size}): worse than a uniform guess, V times over"
+    return None
 
 
 @torch.no_grad()
-def all_finite(model, batch, device):
-    """Whether every parameter and the loss on one fixed batch are finite (as an int tensor). The parameters alone
-    can be finite yet ruined: one update at --lr 1e9 leaves them near 1e9, and the next forward gives NaN."""
+def checked_loss(model, batch, device):
+    """The loss on one fixed batch as a float32 tensor, inf where it or any parameter is not finite. The parameters
+    alone can be finite yet ruined: one update at --lr 1e9 leaves them near 1e9, and the next forward gives NaN."""
     model.eval()
-    loss = model(*(t.to(device) for t in batch))[1]
+    loss = model(*(t.to(device) for t in batch))[1].float()
     model.train()
     params = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
-    return (params & loss.isfinite()).int()
+    return torch.where(params & loss.isfinite(), loss, math.inf)
 
 
 def any_rank(flag):
@@ -134,7 +149,8 @@ def any_rank(flag):
 class Keeper:
     """What a run keeps, and never of a diverged model: out_dir/metrics.jsonl (one row per log and eval) and
     out_dir/ckpt.pt. A non-finite loss or gradient norm is flagged on the device (no host sync) and read at log and
-    save steps (check_finite); before each save the parameters and the loss of one validation batch are checked too."""
+    save steps (check_finite); before each save the parameters and the loss of one validation batch are checked too
+    (check_model): finite, and not past 2·ln V (exploded)."""
 
     def __init__(self, args, run, ckpt, val):
         self.args, self.model, self.val, self.config, self.device = args, run.raw_model, val, run.config, run.device
@@ -194,6 +210,19 @@ class Keeper:
         if self.first_bad.item() >= 0:
             raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good)
 
+    def check_model(self, step):
+        """Stop if the model after update `step` has a non-finite parameter, or a loss on the first validation batch
+        that is not finite or has exploded. Under DDP the ranks hold the same model, yet each its own batch: they stop
+        on the worst of their losses, all alike, as none may save alone."""
+        loss = checked_loss(self.model, self.val[0], self.device)
+        if self.ddp:
+            dist.all_reduce(loss, op=dist.ReduceOp.MAX)
+        loss = loss.item()
+        if not math.isfinite(loss):
+            raise diverged(f"the model after step {step} has non-finite parameters or loss", self.last_good)
+        if why := exploded(loss, self.config.vocab_size):
+            raise diverged(f"the model after step {step} has a loss on a validation batch of {why}", self.last_good)
+
     def record(self, row):
         self.master_writes(lambda: self._write_row(row))
 
@@ -216,11 +245,7 @@ class Keeper:
         if self.on_disk == (step, eval_pending):
             return
         self.check_finite()
-        ok = all_finite(self.model, self.val[0], self.device)
-        if self.ddp:  # the ranks hold the same model and should agree; if not, none may save alone
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if not ok.item():
-            raise diverged(f"the model after step {step} has non-finite parameters or loss", self.last_good)
+        self.check_model(step)
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None, "step": step,
                  "args": vars(self.args), "model_config": asdict(self.config), "world": self.world,

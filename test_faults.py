@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -443,7 +444,7 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
             train.main(base_args(corpus, tmp_path / "other", 6))
     with monkeypatch.context() as m:  # a stop within update 3, whose checkpoint of update 2 checks a forward first
         signal_in_micro_batch(m, 5)  # 2 micro-batches per update: the first of update 3
-        m.setattr(keeper, "all_finite", no_memory)
+        m.setattr(keeper, "checked_loss", no_memory)
         with pytest.raises(SystemExit, match=r"^out of memory in the checkpoint of update 2, on a stop signal; no "
                                              r"checkpoint was saved yet: start again with --batch_size 2 "):
             train.main(base_args(corpus, tmp_path / "stop", 6))
@@ -466,24 +467,53 @@ def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys):
                                        "update, in more micro-batches)\n")
 
 
-def test_diverged_run_never_saves_a_non_finite_model_and_its_advice_works(corpus, tmp_path):
-    # one update at lr 1e9 leaves the parameters finite (near 1e9) but the next forward NaN: that model is refused
-    diverge = ["--lr", "1e9", "--warmup_steps", "0", "--save_every", "1"]
-    with pytest.raises(SystemExit, match="No checkpoint was saved yet: start again with a lower --lr"):
+@pytest.mark.parametrize("lr, why", [
+    # one update at lr 1e9 leaves the parameters finite (near 1e9) but the next forward NaN
+    ("1e9", "has non-finite parameters or loss"),
+    # at lr 30 the tiny model's loss explodes to some 15,000 after one update, finite, far past 2·ln 96 = 9.13
+    ("30", r"has a loss on a validation batch of \d+\.\d\d, above 2·ln V = 9\.13 \(V = 96\): worse than a uniform "
+          "guess, V times over")])
+def test_diverged_run_never_saves_a_diverged_model_and_its_advice_works(corpus, tmp_path, lr, why):
+    diverge = ["--lr", lr, "--warmup_steps", "0", "--save_every", "1"]
+    with pytest.raises(SystemExit, match=f"^the model after step 1 {why}; stopping. No checkpoint was saved yet: start "
+                                         "again with a lower --lr"):
         train.main(base_args(corpus, tmp_path, 6, *diverge))
     assert not (tmp_path / "ckpt.pt").exists()
     train.main(base_args(corpus, tmp_path, 4, "--save_every", "1"))  # the advice, followed
+    good = (tmp_path / "ckpt.pt").read_bytes()
     # a run that diverges after good checkpoints keeps the last of them, and says how to go on from it
-    with pytest.raises(SystemExit, match="non-finite") as e:
+    with pytest.raises(SystemExit, match=f"^the model after step 5 {why}") as e:
         train.main(base_args(corpus, tmp_path, 8, "--resume", *diverge))
-    state = final_state(tmp_path)
-    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
-    assert f"last good checkpoint is {tmp_path}/ckpt.pt, step {state['step']}" in str(e.value)
+    assert (tmp_path / "ckpt.pt").read_bytes() == good and final_state(tmp_path)["step"] == 4
+    assert f"last good checkpoint is {tmp_path}/ckpt.pt, step 4 (no diverged model is ever saved)" in str(e.value)
     assert f"--resume {tmp_path}/ckpt.pt and a lower --lr" in str(e.value)
     train.main(base_args(corpus, tmp_path, 8, "--resume", "--lr", "1e-3"))  # the advice, followed
     rows, evals = metrics(tmp_path)
     assert final_state(tmp_path)["step"] == 8 and [r["step"] for r in rows] == list(range(1, 9))
     assert math.isfinite(evals[-1]["val_loss"])
+
+
+def test_an_exploded_validation_loss_stops_the_run_before_its_row(corpus, tmp_path):
+    """An evaluation between saves judges the model too: a finite validation loss past 2·ln V stops the run, naming
+    it, and is not recorded as a result. Training losses are logged as they are (a spike may come back)."""
+    with pytest.raises(SystemExit, match=r"^the validation loss after step 2 is \d+\.\d\d, above 2·ln V = 9\.13 \(V = "
+                                         r"96\): worse than a uniform guess, V times over; stopping. No checkpoint"):
+        train.main(base_args(corpus, tmp_path, 6, "--lr", "3", "--warmup_steps", "0", "--eval_every", "2"))
+    rows, evals = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and evals == [] and not (tmp_path / "ckpt.pt").exists()
+    assert max(r["loss"] for r in rows) > 2 * math.log(96), rows  # shown: the update that blew it up is the first
+
+
+def test_exploded_is_past_twice_ln_v_and_a_fresh_model_is_far_from_it():
+    """2·ln V: the right tokens get under 1/V² of probability, V times less than a uniform guess. A fresh model sits
+    near ln V, above it by half its logits' variance (about 0.0002 × its width): 0.8 at 7b's width."""
+    assert keeper.exploded(2 * math.log(96), 96) is None and keeper.exploded(9.14, 96).startswith("9.14, above 2·ln V")
+    assert keeper.exploded(math.inf, 96) == "inf" and keeper.exploded(math.nan, 96) == "nan"
+    assert keeper.exploded(20.8, 32000) and keeper.exploded(20.7, 32000) is None
+    torch.manual_seed(0)
+    config = replace(config_for("7b", method="lowrank"), n_layers=1, ffn_dim=64, rank=8, vocab_size=96)  # its width
+    loss = float(keeper.checked_loss(LLaMA(config), (torch.randint(96, (4, 256)), torch.randint(96, (4, 256))), "cpu"))
+    assert 0.5 < loss - math.log(96) < 1.1 and keeper.exploded(loss, 96) is None, loss
 
 
 def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
@@ -754,23 +784,32 @@ def test_the_rows_a_checkpoint_covers_are_on_disk_before_it(corpus, tmp_path, mo
 
 def test_ranks_agree_on_the_first_update_any_of_them_flagged(tmp_path):
     """Each rank flags the first update whose loss (its own share) or norm was not finite; the message names the
-    earliest of them, which every rank must say alike, and none when no rank flagged."""
+    earliest of them, which every rank must say alike, and none when no rank flagged. Before a save each rank checks
+    the model on a validation batch of its own: they stop on the worst loss, non-finite before exploded, all alike."""
     script = tmp_path / "flags.py"
-    script.write_text(f"import sys, types, torch, torch.distributed as dist\nsys.path.insert(0, {str(HERE)!r})\n"
+    script.write_text(f"import math, sys, types, torch, torch.distributed as dist\nsys.path.insert(0, {str(HERE)!r})\n"
                       "import keeper\ndist.init_process_group('gloo')\nrank = dist.get_rank()\n"
                       f"said = open({str(tmp_path)!r} + f'/rank{{rank}}', 'w')\n"
+                      "def says(check):\n    try:\n        check()\n        print('none', file=said)\n"
+                      "    except SystemExit as e:\n        print(str(e).split(';')[0], file=said)\n"
                       "for mine in ([5, 3, -1], [-1, -1, -1], [-1, 7, -1]):\n"
                       "    k = types.SimpleNamespace(ddp=True, first_bad=torch.tensor(mine[rank]), last_good=[])\n"
-                      "    try:\n        keeper.Keeper.check_finite(k)\n        print('none', file=said)\n"
-                      "    except SystemExit as e:\n        print(str(e).split(';')[0], file=said)\n"
+                      "    says(lambda: keeper.Keeper.check_finite(k))\n"
+                      "k = types.SimpleNamespace(ddp=True, model=None, val=[None], device=None, last_good=[],\n"
+                      "                          config=types.SimpleNamespace(vocab_size=96))\n"
+                      "for mine in ([1.0, 50.0, 2.0], [1.0, 50.0, math.inf], [4.0, 3.0, 2.0]):\n"
+                      "    keeper.checked_loss = lambda *_: torch.tensor(mine[rank])\n"
+                      "    says(lambda: keeper.Keeper.check_model(k, 9))\n"
                       "said.close()\ndist.barrier()\ndist.destroy_process_group()\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script)]
     proc = subprocess.run(cmd, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     step = "non-finite loss or gradient norm at step"
+    model = ["the model after step 9 has a loss on a validation batch of 50.00, above 2·ln V = 9.13 (V = 96): worse "
+             "than a uniform guess, V times over", "the model after step 9 has non-finite parameters or loss", "none"]
     for rank in range(3):
-        assert (tmp_path / f"rank{rank}").read_text().splitlines() == [f"{step} 3", "none", f"{step} 7"], rank
+        assert (tmp_path / f"rank{rank}").read_text().splitlines() == [f"{step} 3", "none", f"{step} 7", *model], rank
 
 
 def corpus_with_a_bad_line(corpus, tmp_path, shard="c4-train.00001-of-00002.json.gz"):

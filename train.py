@@ -63,7 +63,7 @@ from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokeniz
 from devices import set_deterministic
 from flags import resume_path, same_file
 from hostsync import HostSyncs
-from keeper import Keeper, any_rank, diverged, lock_out_dir, refuse_overwrite
+from keeper import Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
 from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
@@ -756,8 +756,9 @@ class Loop:
             torch.cuda.synchronize(self.device)
         t_eval = time.perf_counter()
         result = evaluate(self.model, self.val, self.device, self.rank, self.world, self.stop)  # agrees on a signal
-        if result and not math.isfinite(result[0]):  # finite parameters, yet the loss overflows: diverged too
-            raise diverged(f"the validation loss after step {done} is {result[0]}", self.keeper.last_good)
+        # finite parameters, yet the loss overflows or explodes (past 2·ln V): diverged too
+        if why := result and exploded(result[0], self.keeper.config.vocab_size):
+            raise diverged(f"the validation loss after step {done} is {why}", self.keeper.last_good)
         if result:
             if self.master:
                 print(f"step {done}/{self.total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
