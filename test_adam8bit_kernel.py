@@ -28,10 +28,11 @@ needs_triton = pytest.mark.skipif(not adam8bit_kernel.available(), reason="Trito
 
 def interpreted(check):
     """Runs check(adam8bit_kernel) in a fresh Python under Triton's interpreter, which must be chosen before Triton
-    is imported (its own library functions are decorated then); fails with the child's output if it fails."""
+    is imported (its own library functions are decorated then); fails with the child's output if it fails. The
+    interpreter is slow: the suite's sections take about 4 minutes there (2 cores, torch 2.11's Triton 3.6)."""
     code = f"import adam8bit_kernel, test_adam8bit_kernel as t; t.{check.__name__}(adam8bit_kernel)"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
 
@@ -234,8 +235,9 @@ def the_suite_times_it_beside_the_steps_it_replaces(kernel):
                                                             for rows in suite.KERNEL_ROWS]
     assert all(row["ms"] > 0 for row in steps.values())
     rows = suite.suite_model(tiny, cpu, torch.float32, False)["variants"]
-    assert {"full/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer"} \
-        <= set(rows) and len(rows) == 12  # and sltrain/adamw/separate, sltrain/adam8bit/per_layer/launch_per_tensor
+    # the tiny suite's 12 (test_suite.py: test_tiny_suite_runs_every_section_and_reports) and three of the kernel's
+    assert {"full/adam8bit/per_layer/unfused", "sltrain/adam8bit/per_layer/unfused",
+            "sltrain/adam8bit/per_layer/launch_per_tensor"} < set(rows) and len(rows) == 15, list(rows)
     assert "Adam8bit(fused=True)" in bench.per_layer_host_time("cpu", "tiny", "sltrain", rounds=1)
 
 
