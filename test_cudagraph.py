@@ -455,7 +455,10 @@ def test_on_a_gpu_replayed_per_layer_updates_train_as_the_plain_ones(optimizer, 
     assert [row[3] for row in graphed[0]] == [row[3] for row in plain[0]]  # the lr of each update
     for ours, theirs in zip(graphed[0], plain[0]):
         assert ours[:3] == pytest.approx(theirs[:3], rel=1e-4)
+    # two micro-batches an update are more GEMMs captured, where a capture may pick other cuBLAS algorithms: on an
+    # H200 one B of each run ended 1.7e-5 and 1.4e-5 apart (2026-11-27), where a wrong sum would be an update's size
+    atol = 1e-5 if accum == 1 else 1e-4
     apart = {k: (graphed[1][k].double() - plain[1][k].double()).abs().max().item() for k in plain[1]
-             if not torch.allclose(graphed[1][k], plain[1][k], atol=1e-5)}  # the parameters (and supports)
-    assert not apart, f"apart by more than 1e-5: {apart}"
+             if not torch.allclose(graphed[1][k], plain[1][k], atol=atol)}  # the parameters (and supports)
+    assert not apart, f"apart by more than {atol}: {apart}"
     assert graphed[3].per_layer.steps == 4
