@@ -216,9 +216,11 @@ def _shuffle(items, rng):
     return items
 
 
-def _shard_docs(path, seed, epoch, pos, rank, world_size, buffer):
+def _shard_docs(path, seed, epoch, pos, rank, world_size, buffer, skip=0):
     """This rank's (line number, raw line) pairs of one shard: shuffled by a sliding buffer seeded by
-    (seed, epoch, shard position), then document j of the shuffled shard goes to rank j % world_size."""
+    (seed, epoch, shard position), then document j of the shuffled shard goes to rank (j - skip) % world_size. The
+    first `skip` documents go to no rank: a run resumed on another number of processes had trained on them
+    (TrainLoader.load_state_dict)."""
     rng, buf, j = random.Random(f"{seed}/{epoch}/{pos}"), [], 0
     for item in _lines(path):
         if len(buf) < buffer:
@@ -226,13 +228,20 @@ def _shard_docs(path, seed, epoch, pos, rank, world_size, buffer):
             continue
         i = int(rng.random() * buffer)
         item, buf[i] = buf[i], item
-        if j % world_size == rank:
+        if j >= skip and (j - skip) % world_size == rank:
             yield item
         j += 1
     for item in _shuffle(buf, rng):
-        if j % world_size == rank:
+        if j >= skip and (j - skip) % world_size == rank:
             yield item
         j += 1
+
+
+def _dealt(lo, hi, skip, rank, world_size):
+    """How many of the documents lo <= j < hi of a shard _shard_docs deals to this rank."""
+    first = max(lo, skip)
+    first += (rank - (first - skip)) % world_size  # the rank's first document from there
+    return max(0, -(-(hi - first) // world_size))
 
 
 class _Blocks(IterableDataset):
@@ -252,10 +261,11 @@ class _Blocks(IterableDataset):
         epoch, first_shard, first_block = self.start
         g = 0  # blocks since the start, dealt out to workers in turn
         while True:
-            order = _shuffle(list(ld.shards), random.Random(f"{ld.seed}/{epoch}"))
+            order = ld.order(epoch)
             blocks = 0
             for pos in range(first_shard, len(order)):
-                docs = _shard_docs(order[pos], ld.seed, epoch, pos, ld.rank, ld.world_size, ld.shuffle_buffer)
+                docs = _shard_docs(order[pos], ld.seed, epoch, pos, ld.rank, ld.world_size, ld.shuffle_buffer,
+                                   ld.skipped(epoch, pos))
                 for b, chunk in enumerate(_chunks(docs, ld.block_docs)):
                     blocks += 1
                     if (pos, b) < (first_shard, first_block):
@@ -264,7 +274,7 @@ class _Blocks(IterableDataset):
                         texts = [_text(order[pos], lineno, raw) for lineno, raw in chunk]
                         yield epoch, pos, b, torch.from_numpy(enc.packed(texts) if ld.pack else enc.paper(texts))
                     g += 1
-            if blocks == 0 and first_shard == first_block == 0:
+            if blocks == 0 and first_shard == first_block == 0 and not ld.skipped(epoch, 0):
                 raise ValueError(f"rank {ld.rank} of {ld.world_size} got no documents from {len(ld.shards)} shards; "
                                  f"use fewer ranks or more data (--data_dir)")
             epoch, first_shard, first_block = epoch + 1, 0, 0
@@ -303,7 +313,8 @@ class TrainLoader:
 
     Each rank owns a disjoint share of every shard; together the ranks see every document once per pass.
     state_dict() is this rank's position (plain ints/strs): under DDP gather every rank's state
-    (dist.all_gather_object) and save the list; load_state_dict accepts that list and picks its own rank.
+    (dist.all_gather_object) and save the list; load_state_dict accepts that list and picks its own rank, or, saved
+    by another number of ranks, goes on from where they stood together (_regather).
     num_workers > 0 tokenizes in DataLoader worker processes and gives the same batches as num_workers=0."""
 
     def __init__(self, data_dir, tokenizer_path, batch_size, max_length=256, seed=42, rank=0, world_size=1,
@@ -326,10 +337,20 @@ class TrainLoader:
         self.pack, self.num_workers = pack, num_workers
         self.shuffle_buffer, self.block_docs = shuffle_buffer, block_docs
         self._pos = (0, 0, 0, 0)  # next unit: (epoch, shard position, block, units of that block already used)
+        self._skip = None  # (epoch, shard position, n): the shard's first n documents go to no rank (_regather)
+        self.regathered = None  # after a resume on another number of processes: what _regather did, to say it
 
     @property
     def epoch(self):
         return self._pos[0]
+
+    def order(self, epoch):
+        """The training shards in the order of this pass."""
+        return _shuffle(list(self.shards), random.Random(f"{self.seed}/{epoch}"))
+
+    def skipped(self, epoch, pos):
+        """How many of the first documents of shard `pos` of pass `epoch` go to no rank (see _regather)."""
+        return self._skip[2] if self._skip and tuple(self._skip[:2]) == (epoch, pos) else 0
 
     def _config(self):
         return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size, "pack": self.pack,
@@ -338,14 +359,62 @@ class TrainLoader:
 
     def state_dict(self):
         epoch, shard, block, offset = self._pos
-        return {"epoch": epoch, "shard": shard, "block": block, "offset": offset, **self._config()}
+        return {"epoch": epoch, "shard": shard, "block": block, "offset": offset,
+                "skip": list(self._skip) if self._skip else None, **self._config()}
 
     def load_state_dict(self, state):
+        """This rank's position from state_dict(), or from the list of every rank's (what train.py gathers). A list
+        of another length, from a run on another number of processes, is taken as _regather says."""
         if isinstance(state, (list, tuple)):  # every rank's state, as gathered for the checkpoint
             if len(state) != self.world_size:
-                raise ValueError(f"checkpoint holds loader states for {len(state)} ranks but world_size is "
-                                 f"{self.world_size}; resume with the same number of processes")
+                for one in state:
+                    self._check(one, same_ranks=False)
+                self._regather(state)
+                return
             state = state[self.rank]
+        self._check(state)
+        self._pos = tuple(int(state[k]) for k in ("epoch", "shard", "block", "offset"))
+        self._skip = tuple(state["skip"]) if state.get("skip") else None
+
+    def _regather(self, states):
+        """Go on from the states of a run on len(states) processes: from the first document, in the order of the
+        passes and shards, that any of its ranks had not trained on, dealt to this run's ranks anew. The documents
+        after it that a rank further on had trained on are trained on again; none is left out. Their count goes
+        in self.regathered. In packed mode a rank's block begun is read again whole (its place in a document is
+        not kept), and counted as seen again."""
+        world, block = len(states), self.block_docs
+        ranks = []  # per old rank: (pass, shard, its documents of that shard trained on, and begun)
+        for s in states:
+            e, p, b, offset = (int(s[k]) for k in ("epoch", "shard", "block", "offset"))
+            done = b * block + (0 if self.pack else offset)
+            ranks.append((e, p, done, done + (block if self.pack and offset else 0)))
+        skip = states[0].get("skip")  # the same in every rank's state
+        skip_at = lambda e, p: skip[2] if skip and tuple(skip[:2]) == (e, p) else 0  # noqa: E731
+        # the first document a rank had not trained on: each before it, every rank had
+        e0, p0, first = min((e, p, skip_at(e, p) + done * world + r) for r, (e, p, done, _) in enumerate(ranks))
+        lines = {}  # documents per shard, counted only where needed
+
+        def count(e, p):
+            path = self.order(e)[p]
+            if path not in lines:
+                lines[path] = sum(1 for _ in _lines(path))
+            return lines[path]
+
+        again = 0
+        for r, (e, p, _, begun) in enumerate(ranks):
+            at = (e0, p0)
+            while at <= (e, p):  # each shard from the new start to the rank's own
+                lo = first if at == (e0, p0) else 0
+                hi = skip_at(*at) + begun * world if at == (e, p) else count(*at)
+                if self.pack and at == (e, p):
+                    hi = min(hi, count(*at))
+                again += _dealt(lo, hi, skip_at(*at), r, world)
+                at = (at[0], at[1] + 1) if at[1] + 1 < len(self.shards) else (at[0] + 1, 0)
+        self._pos, self._skip = (e0, p0, 0, 0), (e0, p0, first)
+        self.regathered = dict(processes=world, epoch=e0, shard=p0, document=first, seen_again=again)
+
+    def _check(self, state, same_ranks=True):
+        """Refuse a state of another data folder, seed, sequence settings or (same_ranks) number of processes."""
         mine = self._config()
         if state.get("shards") != mine["shards"]:  # named, not listed: a full run has 1024
             old, new = state.get("shards") or [], mine["shards"]
@@ -358,12 +427,11 @@ class TrainLoader:
             name, a, b = changed[0]
             raise ValueError(f"{len(changed)} training shard(s) changed since the checkpoint, {name} from {a:,} to "
                              f"{b:,} bytes: the run would go on with other data; restore them, or start a new run")
-        for key in ("seed", "rank", "world_size", "pack", "max_length", "shuffle_buffer", "block_docs"):
+        for key in ("seed", "pack", "max_length", "shuffle_buffer", "block_docs") + ("rank", "world_size") * same_ranks:
             if state.get(key) != mine[key]:
                 raise ValueError(f"the checkpoint's loader had {key}={state.get(key)!r} but this one has "
                                  f"{mine[key]!r}; resume with the same data, seed, sequence settings and number of "
                                  "processes")
-        self._pos = tuple(int(state[k]) for k in ("epoch", "shard", "block", "offset"))
 
     def __iter__(self):
         epoch, shard, block, offset = self._pos

@@ -322,8 +322,101 @@ def test_state_dict_checks(corpus, tok):
     fresh = train_loader(corpus, tok, rank=1, world_size=2)
     fresh.load_state_dict(states)
     assert fresh.state_dict() == states[1]
-    with pytest.raises(ValueError, match="world_size"):
-        fresh.load_state_dict(states[:1])
+    with pytest.raises(ValueError, match="rank=0 but this one has 1"):  # one rank's position alone, of another world
+        fresh.load_state_dict(train_loader(corpus, tok).state_dict())
+    with pytest.raises(ValueError, match="seed"):  # every rank's, of another run: refused, not taken on
+        train_loader(corpus, tok).load_state_dict([dict(state, seed=1) for state in states])
+
+
+def pairs(loader, doc_of, n=None, through=None):
+    """(pass, document) of each row a batch_size-1 loader gives from its position on: n of them, or every one
+    through pass `through`."""
+    got = []
+    for batch in loader:
+        epoch = loader.state_dict()["epoch"]  # the pass of the row just given
+        if through is not None and epoch > through:
+            return got
+        got += [(epoch, doc_of[row]) for row in rows_of([batch])]
+        if len(got) == n:
+            return got
+
+
+@pytest.mark.parametrize("worlds", [(5, 2), (7, 3), (2, 5), (5, 3, 2), (3, 7, 1)])
+@pytest.mark.parametrize("taken", [0, 1, 5, 13, 27])
+def test_a_run_resumed_on_another_number_of_ranks_trains_on_every_document(corpus, tok, worlds, taken):
+    """A run on worlds[0] ranks, resumed on worlds[1] (then on worlds[2]): every document of every pass is trained
+    on, and those trained on twice are the ones each resume counted. Shards of 60, 36 and 24 documents split
+    unevenly over 5 or 7 ranks, which then stand at different places of the stream (one a shard further on). A
+    shuffle buffer smaller than the shards: documents are dealt as the buffer draws them, and from the buffer's end."""
+    sp, docs = spm.SentencePieceProcessor(model_file=str(tok)), all_train_docs(corpus)
+    doc_of = {ref_row(sp, t, L): i for i, t in enumerate(docs)}
+    states, trained, again = None, Counter(), 0
+    for i, world in enumerate(worlds):
+        ranks = [train_loader(corpus, tok, rank=r, world_size=world, batch_size=1, shuffle_buffer=16)
+                 for r in range(world)]
+        for ld in ranks:
+            if states:
+                ld.load_state_dict(states)
+                assert ld.regathered["processes"] == len(states) and ld.state_dict()["world_size"] == world
+                again += ld.regathered["seen_again"] * (ld.rank == 0)
+            if i < len(worlds) - 1:  # a run stopped after `taken` rows a rank
+                trained.update(pairs(ld, doc_of, n=taken) if taken else [])
+            else:  # the last goes on to the end of the last pass any rank had begun
+                trained.update(pairs(ld, doc_of, through=max(s["epoch"] for s in states)))
+        states = [ld.state_dict() for ld in ranks]
+    passes = max(e for e, _ in trained) + 1
+    assert set(trained) == {(e, d) for e in range(passes) for d in range(len(docs))}, "documents were left out"
+    assert sum(trained.values()) - len(trained) == again, "the documents trained on twice are not the ones counted"
+    if taken >= 5 and worlds[0] in (5, 7):  # ranks out of step: some documents are trained on twice
+        assert again > 0
+
+
+@pytest.mark.parametrize("worlds", [(5, 2), (2, 3), (7, 3)])
+@pytest.mark.parametrize("taken", [1, 5, 13])
+def test_a_packed_run_resumed_on_another_number_of_ranks_reads_each_block_begun_again(corpus, tok, worlds, taken,
+                                                                                    monkeypatch):
+    """Packed windows cut documents, so a rank's block begun is dealt again whole: every document is dealt, and those
+    dealt twice are the ones counted. Documents as the ranks draw them (pass, shard, line), a block at a time."""
+    drawn, real = [], data._shard_docs
+
+    def drawing(path, seed, epoch, *args):
+        for line, raw in real(path, seed, epoch, *args):
+            drawn.append((epoch, path.name, line))
+            yield line, raw
+    monkeypatch.setattr(data, "_shard_docs", drawing)
+    old = [train_loader(corpus, tok, rank=r, world_size=worlds[0], pack=True) for r in range(worlds[0])]
+    for ld in old:
+        take(ld, taken)
+    begun, states, drawn[:] = set(drawn), [ld.state_dict() for ld in old], []
+    last = max(s["epoch"] for s in states)
+    for r in range(worlds[1]):
+        ld = train_loader(corpus, tok, rank=r, world_size=worlds[1], pack=True)
+        ld.load_state_dict(states)
+        for _ in ld:
+            if ld.state_dict()["epoch"] > last:
+                break
+    after = {doc for doc in drawn if doc[0] <= last}
+    assert begun | after == {(e, name, line) for e in range(last + 1) for name, n in TRAIN_SIZES.items()
+                             for line in range(1, n + 1)}
+    assert len(begun & after) == ld.regathered["seen_again"] > 0
+
+
+def test_a_regathered_run_resumes_on_as_many_ranks_exactly(corpus, tok):
+    """After a resume on another number of ranks, a checkpoint of the new run resumes as any other: the same batches
+    as without the stop."""
+    ranks = [train_loader(corpus, tok, rank=r, world_size=5) for r in range(5)]
+    for ld in ranks:
+        take(ld, 2)
+    states = [ld.state_dict() for ld in ranks]
+    straight, stopped = (train_loader(corpus, tok, rank=1, world_size=2) for _ in range(2))
+    for ld in (straight, stopped):
+        ld.load_state_dict(states)
+    want = take(straight, 20)
+    got = take(stopped, 7)
+    resumed = train_loader(corpus, tok, rank=1, world_size=2)
+    resumed.load_state_dict([None, stopped.state_dict()])
+    assert resumed.regathered is None
+    assert_same(got + take(resumed, 13), want)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -276,6 +276,36 @@ def test_torchrun_two_processes_match_one(corpus, tmp_path, extra):
     assert diff < 1e-4, f"parameters differ by {diff}"
 
 
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_number_of_processes(corpus, tmp_path, capsys, before, after):
+    """Stopped on one number of processes, resumed on another: the same updates (the global batch is the same
+    documents, dealt anew), so the losses are the straight run's as in the test above, the loss of the update before
+    the stop carried into the next log row. The resume says the change and where the data goes on."""
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train.main(base_args(corpus, straight, 5, "--batch_size", "8", "--log_every", "2"))
+    said = []
+    for n, extra in ((before, ("--stop_after", "3")), (after, ("--resume",))):
+        args = base_args(corpus, moved, 5, "--batch_size", str(8 // n), "--log_every", "2", *extra)
+        if n == 1:
+            train.main(args)
+            said.append(capsys.readouterr().out)
+        else:
+            said.append(run_torchrun(args, nproc=n))
+    assert f"changed and honored: batch_size {8 // before} -> {8 // after}, processes {before} -> {after}" in said[1]
+    assert (f"the data goes on from document 24 of shard 0 of pass 0, the first that any of the checkpoint's {before} "
+            f"ranks had not trained on, dealt anew to this run's {after}: 0 documents trained on before come again, "
+            "none is left out") in said[1]
+    a, b = metrics(straight), metrics(moved)
+    assert [r["step"] for r in b[0]] == [2, 4, 5]  # 4's row: updates 3 (before the stop) and 4
+    for ra, rb in zip(a[0], b[0], strict=True):
+        assert abs(ra["loss"] - rb["loss"]) < 1e-5 * ra["loss"], f"step {ra['step']}: {ra['loss']} vs {rb['loss']}"
+    assert abs(a[1][0]["val_loss"] - b[1][0]["val_loss"]) < 1e-5 * a[1][0]["val_loss"]
+    sa, sb = final_state(straight)["model"], final_state(moved)["model"]
+    assert final_state(moved)["world"] == after and len(final_state(moved)["data"]) == after
+    diff = max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+    assert diff < 1e-4, f"parameters differ by {diff}"
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--per_layer", "--grad_clipping", "1.0"], "drop --grad_clipping or drop --per_layer"),
     (["--total_batch_size", "10"], "is not a multiple of --batch_size 4 x 1 devices; pass --batch_size 2 or "

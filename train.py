@@ -189,14 +189,12 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
     if not args.eval_only and "optimizer" not in ckpt:
         raise SystemExit(f"--resume: {path} holds weights only (export.py --merged): evaluate it with --eval_only, "
                          f"or start a new run from it with --init_from")
-    if not args.eval_only and ckpt["world"] != world:
-        diff.append(f"{ckpt['world']} processes (now {world})")
     if diff and args.eval_only:
         raise SystemExit(f"--eval_only: {path} holds another model: {', '.join(diff)}; pass the --size, --method, "
                          "--rank, --alpha, --delta and tokenizer it was trained with")
     if diff:
         raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
-                         "pass the same flags, tokenizer, data and device count, or a new --out_dir")
+                         "pass the same flags, tokenizer and data, or a new --out_dir")
     if args.eval_only:
         return ckpt, path
     step = ckpt["step"]
@@ -212,6 +210,8 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
         # continue the cosine from where it stood; at a ReLoRA restart its jag is at 0, the cosine is not
         args.lr_restart = [step, lr_lambda_for(argparse.Namespace(**old), jags=False)(step)]
     changed = [f"{k} {old.get(k)} -> {getattr(args, k)}" for k in RESUME_HONORED if old.get(k) != getattr(args, k)]
+    if ckpt["world"] != world:  # the same updates (--total_batch_size), the data dealt anew (train_loader)
+        changed.append(f"processes {ckpt['world']} -> {world}")
     if master:
         print(f"resuming from {path} at step {step}"
               + (f"; changed and honored: {', '.join(changed)}" if changed else ""))
@@ -337,6 +337,19 @@ def stopping(stop, world):
         stop["signal"] = stop["signal"] or "a signal on another rank"
         return True
     return False
+
+
+def carried_loss(ckpt, rank, world):
+    """This rank's part of the loss since the checkpoint's last log row, which the next row goes on summing (Meter). On
+    another number of processes rank 0 carries the whole: the ranks' parts are summed into the row anyway."""
+    parts = ckpt and ckpt.get("meter")
+    if not parts:
+        return None
+    if len(parts) == world:
+        return parts[rank]
+    if None in parts:
+        return None
+    return {"loss": sum(part["loss"] for part in parts) if rank == 0 else 0.0, "since": parts[0]["since"]}
 
 
 class Meter:
@@ -669,9 +682,14 @@ def train_loader(args, rank, world, ckpt):
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
     if ckpt:
         try:
-            loader.load_state_dict(ckpt["data"][rank])
+            loader.load_state_dict(ckpt["data"])  # every rank's position; another number of them is regathered
         except ValueError as e:
             raise SystemExit(f"--resume {resume_path(args)}: {e}") from None
+        if (moved := loader.regathered) and rank == 0:
+            print(f"the data goes on from document {moved['document']} of shard {moved['shard']} of pass "
+                  f"{moved['epoch']}, the first that any of the checkpoint's {moved['processes']} ranks had not "
+                  f"trained on, dealt anew to this run's {world}: {moved['seen_again']} documents trained on before "
+                  "come again, none is left out")
     return loader
 
 
@@ -747,7 +765,7 @@ class Loop:
         if ckpt:
             torch.set_rng_state(ckpt["rng"])
         self.keeper = Keeper(args, run, ckpt, val)
-        carried = (ckpt.get("meter") or [None] * world)[rank] if ckpt else None  # the loss since its last log row
+        carried = carried_loss(ckpt, rank, world)  # the loss since its last log row
         self.meter, self.last_eval, self.said_slow = Meter(run.device, self.start, self.total, carried), {}, False
 
     def evaluate(self, done):
