@@ -427,7 +427,8 @@ class TrainLoader:
             name, a, b = changed[0]
             raise ValueError(f"{len(changed)} training shard(s) changed since the checkpoint, {name} from {a:,} to "
                              f"{b:,} bytes: the run would go on with other data; restore them, or start a new run")
-        for key in ("seed", "pack", "max_length", "shuffle_buffer", "block_docs") + ("rank", "world_size") * same_ranks:
+        keys = ("seed", "pack", "max_length", "shuffle_buffer", "block_docs")
+        for key in keys + ("rank", "world_size") if same_ranks else keys:
             if state.get(key) != mine[key]:
                 raise ValueError(f"the checkpoint's loader had {key}={state.get(key)!r} but this one has "
                                  f"{mine[key]!r}; resume with the same data, seed, sequence settings and number of "
