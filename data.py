@@ -237,11 +237,36 @@ def _shard_docs(path, seed, epoch, pos, rank, world_size, buffer, skip=0):
         j += 1
 
 
-def _dealt(lo, hi, skip, rank, world_size):
-    """How many of the documents lo <= j < hi of a shard _shard_docs deals to this rank."""
-    first = max(lo, skip)
-    first += (rank - (first - skip)) % world_size  # the rank's first document from there
-    return max(0, -(-(hi - first) // world_size))
+def _run_of(states, block, pack):
+    """What a run on len(states) processes had trained on, from its ranks' states: its dealing (skip, world) and each
+    rank's place, [pass, shard, its documents of that shard trained on, and begun (packed: its block begun)]."""
+    ranks = []
+    for s in states:
+        e, p, b, offset = (int(s[k]) for k in ("epoch", "shard", "block", "offset"))
+        done = b * block + (0 if pack else offset)
+        ranks.append([e, p, done, done + (block if pack and offset else 0)])
+    return {"world": len(states), "skip": states[0].get("skip"), "ranks": ranks}
+
+
+def _skip_at(skip, epoch, pos):
+    return skip[2] if skip and tuple(skip[:2]) == (epoch, pos) else 0
+
+
+def _marks(runs, epoch, pos, n):
+    """Which of the n documents of shard `pos` of pass `epoch` the runs (_run_of) had trained on, and begun: two bool
+    arrays. A rank has trained on each document _shard_docs deals it in a shard before its place, and in that shard
+    on its first `done` (begun: `begun`)."""
+    j = np.arange(n)
+    trained, begun = np.zeros(n, bool), np.zeros(n, bool)
+    for run in runs:
+        ranks, skip, world = np.array(run["ranks"]).reshape(-1, 4), _skip_at(run["skip"], epoch, pos), run["world"]
+        ahead = (ranks[:, 0] > epoch) | (ranks[:, 0] == epoch) & (ranks[:, 1] > pos)
+        here = (ranks[:, 0] == epoch) & (ranks[:, 1] == pos)
+        rank, nth = (j - skip) % world, (j - skip) // world  # each document's rank, and its place in the rank's share
+        dealt = j >= skip
+        trained |= dealt & (ahead[rank] | here[rank] & (nth < ranks[rank, 2]))
+        begun |= dealt & (ahead[rank] | here[rank] & (nth < ranks[rank, 3]))
+    return trained, begun
 
 
 class _Blocks(IterableDataset):
@@ -338,6 +363,7 @@ class TrainLoader:
         self.shuffle_buffer, self.block_docs = shuffle_buffer, block_docs
         self._pos = (0, 0, 0, 0)  # next unit: (epoch, shard position, block, units of that block already used)
         self._skip = None  # (epoch, shard position, n): the shard's first n documents go to no rank (_regather)
+        self._history = []  # the runs before a change of processes whose documents lie ahead (_regather)
         self.regathered = None  # after a resume on another number of processes: what _regather did, to say it
 
     @property
@@ -350,7 +376,7 @@ class TrainLoader:
 
     def skipped(self, epoch, pos):
         """How many of the first documents of shard `pos` of pass `epoch` go to no rank (see _regather)."""
-        return self._skip[2] if self._skip and tuple(self._skip[:2]) == (epoch, pos) else 0
+        return _skip_at(self._skip, epoch, pos)
 
     def _config(self):
         return {"seed": self.seed, "rank": self.rank, "world_size": self.world_size, "pack": self.pack,
@@ -360,7 +386,7 @@ class TrainLoader:
     def state_dict(self):
         epoch, shard, block, offset = self._pos
         return {"epoch": epoch, "shard": shard, "block": block, "offset": offset,
-                "skip": list(self._skip) if self._skip else None, **self._config()}
+                "skip": list(self._skip) if self._skip else None, "history": self._history, **self._config()}
 
     def load_state_dict(self, state):
         """This rank's position from state_dict(), or from the list of every rank's (what train.py gathers). A list
@@ -375,43 +401,46 @@ class TrainLoader:
         self._check(state)
         self._pos = tuple(int(state[k]) for k in ("epoch", "shard", "block", "offset"))
         self._skip = tuple(state["skip"]) if state.get("skip") else None
+        self._history = state.get("history") or []
 
     def _regather(self, states):
         """Go on from the states of a run on len(states) processes: from the first document, in the order of the
-        passes and shards, that any of its ranks had not trained on, dealt to this run's ranks anew. The documents
-        after it that a rank further on had trained on are trained on again; none is left out. Their count goes
-        in self.regathered. In packed mode a rank's block begun is read again whole (its place in a document is
-        not kept), and counted as seen again."""
-        world, block = len(states), self.block_docs
-        ranks = []  # per old rank: (pass, shard, its documents of that shard trained on, and begun)
-        for s in states:
-            e, p, b, offset = (int(s[k]) for k in ("epoch", "shard", "block", "offset"))
-            done = b * block + (0 if self.pack else offset)
-            ranks.append((e, p, done, done + (block if self.pack and offset else 0)))
-        skip = states[0].get("skip")  # the same in every rank's state
-        skip_at = lambda e, p: skip[2] if skip and tuple(skip[:2]) == (e, p) else 0  # noqa: E731
-        # the first document a rank had not trained on: each before it, every rank had
-        e0, p0, first = min((e, p, skip_at(e, p) + done * world + r) for r, (e, p, done, _) in enumerate(ranks))
-        lines = {}  # documents per shard, counted only where needed
+        passes and shards, that no run had trained on, dealt to this run's ranks anew. Each document after it that a
+        run had trained on comes again, and none is left out. "A run": the checkpoint's, and the runs before a change
+        of processes whose documents still lie ahead (self._history), so that their count stays exact when the
+        processes change twice. In packed mode a rank's block begun is read again whole (no place within a block is
+        kept); its documents are counted apart. Reads the line counts of the shards from the checkpoint's rank
+        furthest behind to the rank furthest on (seconds a C4 shard). What it did goes in self.regathered."""
+        runs = [*(states[0].get("history") or []), _run_of(states, self.block_docs, self.pack)]
+        lines = {}
 
-        def count(e, p):
+        def marks(e, p):  # (trained, begun) of each document of shard p of pass e, by any run
             path = self.order(e)[p]
             if path not in lines:
                 lines[path] = sum(1 for _ in _lines(path))
-            return lines[path]
+            return _marks(runs, e, p, lines[path])
 
-        again = 0
-        for r, (e, p, _, begun) in enumerate(ranks):
-            at = (e0, p0)
-            while at <= (e, p):  # each shard from the new start to the rank's own
-                lo = first if at == (e0, p0) else 0
-                hi = skip_at(*at) + begun * world if at == (e, p) else count(*at)
-                if self.pack and at == (e, p):
-                    hi = min(hi, count(*at))
-                again += _dealt(lo, hi, skip_at(*at), r, world)
-                at = (at[0], at[1] + 1) if at[1] + 1 < len(self.shards) else (at[0] + 1, 0)
+        def after(e, p):
+            return (e, p + 1) if p + 1 < len(self.shards) else (e + 1, 0)
+
+        # the start: before the place of the checkpoint's rank furthest behind, and before its run's own start (its
+        # skip), every document was trained on; from there, the first that none was
+        at = min(tuple(rank[:2]) for rank in runs[-1]["ranks"])
+        lo = _skip_at(runs[-1]["skip"], *at)
+        while not (untrained := np.flatnonzero(~marks(*at)[0][lo:])).size:  # none in this shard: the next's first
+            at, lo = after(*at), 0
+        (e0, p0), first = at, lo + int(untrained[0])
+        lo = first
+        # what comes again: the documents from there on that a run had trained on, and (packed) had begun
+        again, begun_again, last = 0, 0, max(tuple(rank[:2]) for run in runs for rank in run["ranks"])
+        while at <= last:
+            done, begun = marks(*at)
+            again, begun_again = again + int(done[lo:].sum()), begun_again + int((begun & ~done)[lo:].sum())
+            at, lo = after(*at), 0
         self._pos, self._skip = (e0, p0, 0, 0), (e0, p0, first)
-        self.regathered = dict(processes=world, epoch=e0, shard=p0, document=first, seen_again=again)
+        self._history = [run for run in runs if max(tuple(rank[:2]) for rank in run["ranks"]) >= (e0, p0)]
+        self.regathered = dict(processes=len(states), epoch=e0, shard=p0, document=first, seen_again=again,
+                               begun_again=begun_again)
 
     def _check(self, state, same_ranks=True):
         """Refuse a state of another data folder, seed, sequence settings or (same_ranks) number of processes."""

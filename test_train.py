@@ -298,12 +298,28 @@ def test_a_run_resumes_on_another_number_of_processes(corpus, tmp_path, capsys, 
         else:
             said.append(run_torchrun(args, nproc=n))
     assert f"changed and honored: batch_size {8 // before} -> {8 // after}, processes {before} -> {after}" in said[1]
-    assert (f"the data goes on from document 24 of shard 0 of pass 0, the first that any of the checkpoint's {before} "
-            f"ranks had not trained on, dealt anew to this run's {after}: 0 documents trained on before come again, "
-            "none is left out") in said[1]
+    assert (f"the data goes on from document 24 of shard 0 of pass 0, the first that no run had trained on, dealt "
+            f"anew to this run's {after} process{'es' * (after > 1)} (the checkpoint's: {before}): 0 documents trained "
+            "on before come again, none is left out") in said[1]
     assert [r["step"] for r in metrics(moved)[0]] == [2, 4, 5]  # 4's row: updates 3 (before the stop) and 4
     assert final_state(moved)["world"] == after and len(final_state(moved)["data"]) == after
     assert_same_updates(straight, moved)
+
+
+def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_apart(corpus, capsys):
+    """In --pack mode a rank's place within its block of documents is not kept: the resume line counts the documents
+    of the blocks begun, read again whole, apart from those trained on."""
+    folder, tokenizer = corpus
+    args = SimpleNamespace(data_dir=folder, tokenizer=tokenizer, batch_size=2, max_length=32, seed=42, pack=True,
+                           workers=0, size="tiny", resume=None, out_dir="out")
+    ranks = [data.TrainLoader(folder, tokenizer, 2, max_length=32, rank=r, world_size=2, pack=True) for r in range(2)]
+    for ld in ranks:
+        next(iter(ld))  # a batch a rank: its first block begun (a block is 512 documents, more than its share)
+    moved = train.train_loader(args, 0, 1, {"data": [ld.state_dict() for ld in ranks]}).regathered
+    assert moved["seen_again"] == 0 and moved["begun_again"] == 150, moved  # the two shares of the first shard
+    assert ("the data goes on from document 0 of shard 0 of pass 0, the first that no run had trained on, dealt anew "
+            "to this run's 1 process (the checkpoint's: 2): 0 documents trained on before come again, and 150 of "
+            "blocks begun, read again whole, none is left out") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -686,10 +686,11 @@ def train_loader(args, rank, world, ckpt):
         except ValueError as e:
             raise SystemExit(f"--resume {resume_path(args)}: {e}") from None
         if (moved := loader.regathered) and rank == 0:
+            begun = f", and {moved['begun_again']} of blocks begun, read again whole" if moved["begun_again"] else ""
             print(f"the data goes on from document {moved['document']} of shard {moved['shard']} of pass "
-                  f"{moved['epoch']}, the first that any of the checkpoint's {moved['processes']} ranks had not "
-                  f"trained on, dealt anew to this run's {world}: {moved['seen_again']} documents trained on before "
-                  "come again, none is left out")
+                  f"{moved['epoch']}, the first that no run had trained on, dealt anew to this run's {world} "
+                  f"process{'es' * (world > 1)} (the checkpoint's: {moved['processes']}): {moved['seen_again']} "
+                  f"documents trained on before come again{begun}, none is left out")
     return loader
 
 
