@@ -240,6 +240,29 @@ def test_on_a_gpu_deterministic_runs_agree_and_resume_to_the_bit(corpus, tmp_pat
         assert torch.equal(t, split_model[name]), f"{name} differs by {(t - split_model[name]).abs().max()}"
 
 
+def test_a_resume_without_the_runs_flags_takes_the_runs_own(corpus, tmp_path, capsys):
+    """--resume alone continues the run as it was: the learning rate, schedule, betas, decay, clipping, length and
+    intervals it was started with, not the size's defaults, nothing said changed; a flag given is honored."""
+    own = ["--lr", "1e-3", "--min_lr_ratio", "0.2", "--beta2", "0.95", "--weight_decay", "0.01", "--grad_clipping",
+           "0.5", "--eval_every", "3"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train.main(base_args(corpus, straight, 6, *own))
+    train.main(base_args(corpus, split, 6, "--stop_after", "2", *own))
+    folder, tokenizer = corpus
+    bare = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(split),
+            "--total_batch_size", "8", "--batch_size", "4", "--max_length", "32", "--workers", "0"]
+    capsys.readouterr()
+    train.main(bare + ["--resume"])
+    said = capsys.readouterr().out
+    assert "resuming from" in said and "changed" not in said, said
+    step = lambda rows: [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows[0]]  # noqa: E731
+    assert step(metrics(straight)) == step(metrics(split)) and metrics(straight)[1] == metrics(split)[1]
+    assert final_state(split)["args"]["lr"] == 1e-3
+    train.main(bare + ["--resume", "--num_training_steps", "8", "--log_every", "4"])
+    assert "changed and honored: num_training_steps 6 -> 8, log_every 1 -> 4" in capsys.readouterr().out
+    assert final_state(split)["step"] == 8 and final_state(split)["args"]["beta2"] == 0.95
+
+
 def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
     """A bf16 run (a GPU's default) resumed on a CPU, whose default is float32, goes on in bf16 when --dtype is not
     given; given, another dtype is refused."""

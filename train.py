@@ -153,12 +153,17 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
                   "cuda_graph", "amp", "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device",
                   "adam8bit_kernel", "packed_support", "deterministic")
 # (packed_support is how the supports are stored, and SLLinear loads either; deterministic, the order a GPU adds in)
+# the honored flags with a value that a resume takes from the run where its command line gives none: --resume alone
+# continues the run as it was, not with the size's defaults (the switches, --compile and the like, are as given)
+RESUME_KEPT = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_clipping", "num_training_steps",
+               "eval_every", "eval_tokens", "save_every", "log_every")
 
 
-def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
+def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, given=()):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
     listed in one refusal) or is honored and said so (by the master); args then records what this run does. A
-    resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU."""
+    resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU; so does
+    each flag of RESUME_KEPT not in `given` (the flags on the command line)."""
     path = resume_path(args)
     if not os.path.exists(path):
         flag = "--eval_only" if args.eval_only else "--resume"
@@ -197,6 +202,9 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True):
                          "pass the same flags, tokenizer and data, or a new --out_dir")
     if args.eval_only:
         return ckpt, path
+    for k in RESUME_KEPT:
+        if k not in given and k in old:
+            setattr(args, k, old[k])
     step = ckpt["step"]
     if step >= args.num_training_steps and not (step == args.num_training_steps and ckpt.get("eval_pending")):
         raise SystemExit(f"--resume: {path} already has {step} updates; raise --num_training_steps to train on")
@@ -541,11 +549,11 @@ def rank_0_speaks(fn):
     return said_once
 
 
-def prepare(args, held):
+def prepare(args, held, given=()):
     """Everything before the first update: processes, data checks, out_dir's lock (into held, an ExitStack), the
     checkpoint to resume, the data and the Run, the config printed. Returns (ddp, ckpt, its path, (validation batches,
     this rank's training loader), run). The data is read before the model is built: a bad shard is one line, not a
-    traceback after minutes of work."""
+    traceback after minutes of work. given: the flags on the command line (a resume keeps the run's others)."""
     dtype_given = args.dtype is not None  # else the device's default, or a resumed run's own
     ddp, rank, world, device, vocab_size = setup(args)
     ckpt = ckpt_path = None
@@ -553,7 +561,7 @@ def prepare(args, held):
         lock_out_dir(args, held, rank, world)
     refuse_overwrite(args)
     if args.resume or args.eval_only:
-        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0, dtype_given)
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0, dtype_given, given)
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
@@ -612,7 +620,7 @@ def main(argv=None, exiting=False):
     try:
         with ExitStack() as held:  # out_dir's lock, released as main ends, however it ends
             try:
-                prepared = prepare(args, held)
+                prepared = prepare(args, held, flags.given_flags(argv))
             except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
                 raise SystemExit(f"stopped by {str(e) or 'Ctrl-C'} before the first update: nothing was saved") \
                     from None
