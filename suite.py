@@ -911,11 +911,11 @@ def report_memory(r, key="memory"):
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
         print(f"{key} {size}, batch 1: {'galore' if key == 'memory_galore' else 'sltrain'} 8-bit per-layer vs full "
               f"AdamW {red}{paper}")
-        for key, what in (("reduction_at_paper_delta", f"at delta {PAPER_MEMORY_DELTA}, the appendix's count"),
-                          ("reduction_packed", "with packed supports (--packed_support)"),
-                          ("reduction_at_paper_delta_packed", f"at delta {PAPER_MEMORY_DELTA}, packed supports")):
-            if key in P:
-                print(f"  sltrain {what}: {'n/a' if P[key] is None else f'-{100 * P[key]:.1f}%'}")
+        for field, what in (("reduction_at_paper_delta", f"at delta {PAPER_MEMORY_DELTA}, the appendix's count"),
+                            ("reduction_packed", "with packed supports (--packed_support)"),
+                            ("reduction_at_paper_delta_packed", f"at delta {PAPER_MEMORY_DELTA}, packed supports")):
+            if field in P:
+                print(f"  sltrain {what}: {'n/a' if P[field] is None else f'-{100 * P[field]:.1f}%'}")
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else (f"{row['gb']:.3f} GB, base {row['base_gb']:.3f} "
                                                   f"({row['vs_estimate']:+.1%} vs estimate)")

@@ -163,6 +163,18 @@ def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
     suite.report_memory({"memory": {"tiny": saved}})  # a partial section still prints
 
 
+@pytest.mark.parametrize("key", ["memory", "memory_galore"])
+def test_the_memory_table_names_its_section_at_every_size(capsys, key):
+    """Each size's heading names the section it is of, the second size's too (a loop over the reductions once
+    took over the name: '\'reduction_at_paper_delta_packed 1b, batch 1: ...')."""
+    row = dict(gb=1.5, base_gb=0.1, estimate_gb=1.4, vs_estimate=0.0, counted_gb={})
+    sizes = {size: dict(settings={"full/adamw": row}, reduction=0.5, paper_reduction=None, reduction_packed=0.6)
+             for size in ("350m", "1b", "7b")}
+    suite.report_memory({key: sizes}, key)
+    heads = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert heads == [f"{key} {size}" for size in sizes], heads
+
+
 @pytest.mark.parametrize("section", ["model", "amp", "optimizer"])
 def test_the_timed_sections_keep_their_finished_part_on_disk(monkeypatch, tmp_path, section):
     """A kill after model's first round keeps that round's figures; after amp's first setting, that setting's; in
