@@ -128,7 +128,7 @@ class SavedTensors:
 
 
 def activation_bytes(size, method, rank, delta, batch_size, max_length, activation_checkpointing=False,
-                     dtype="bfloat16", amp=False, vocab_size=None, freeze=None):
+                     dtype="bfloat16", amp=False, vocab_size=None, freeze=None, ffn_dim=None):
     """Saved activations of one forward of the model in dtype (amp: float32 parameters under bf16 autocast), counted
     on fake CPU tensors: they run CPU's kernels and autocast's rules (SDPA's flash kernel, which saves q, k, v, the
     output and a float32 logsumexp; the bf16 casts autocast makes) without allocating memory, so any size is free.
@@ -137,7 +137,7 @@ def activation_bytes(size, method, rank, delta, batch_size, max_length, activati
 
     The blocks are alike, so a model of one block and one of two are counted, and each further block adds what the
     second did: the same bytes as counting all of them (test_estimate_memory.py checks it), in seconds fewer at 7b."""
-    config = config_for(size, method=method, rank=rank, delta=delta, vocab_size=vocab_size)
+    config = config_for(size, method=method, rank=rank, delta=delta, vocab_size=vocab_size, ffn_dim=ffn_dim)
     options = (batch_size, max_length, activation_checkpointing, dtype, amp, freeze)
     if config.n_layers <= 2:
         return saved_bytes(config, *options)
@@ -259,12 +259,13 @@ def support_bytes(model, index_dtype):
 
 def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer="adamw", per_layer=False,
              batch_size=0, max_length=256, activation_checkpointing=False, dtype=None, amp=False, vocab_size=None,
-             freeze=None, block_size=BLOCK_SIZE, accumulation=1, ddp=False, cuda_graph=False):
+             freeze=None, block_size=BLOCK_SIZE, accumulation=1, ddp=False, cuda_graph=False, ffn_dim=None):
     """One row of the memory table: parameter counts (millions) and memory (G) of parameters, optimizer state,
     gradients and activations of one method at one size. dtype and amp as train.py's --dtype and --amp: the paper's
     bf16 by default; float32 parameters, gradients and state (and under amp, activations as bf16 autocast keeps
-    them). vocab_size: another tokenizer's (default: T5's 32000). freeze="lowrank" as train.py's --freeze: only
-    SLTrain's sparse values have gradients and moments. block_size: 8-bit Adam's, train.py's --block_size.
+    them). vocab_size: another tokenizer's (default: T5's 32000); ffn_dim: another MLP width (train.py --ffn_dim).
+    freeze="lowrank" as train.py's --freeze: only SLTrain's sparse values have gradients and moments. block_size:
+    8-bit Adam's, train.py's --block_size.
     accumulation (micro-batches per update), ddp (more than one process) and cuda_graph (train.py --cuda_graph) say
     whether the gradients are kept between backwards (grads_kept): then they are every parameter's, also with
     per-layer updates, and alive beside the activations."""
@@ -278,7 +279,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         raise ValueError(f"optimizer must be adamw or adam8bit, got {optimizer!r}")
     ours = {"full": "full", "galore": "full", "lowrank": "lowrank", "relora": "lowrank", "sltrain": "sltrain",
             "sltrain_ft": "sltrain_ft"}[method]
-    config = config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size)
+    config = config_for(size, method=ours, rank=rank, delta=delta, vocab_size=vocab_size, ffn_dim=ffn_dim)
     rank, delta = config.rank, config.delta if method in SPARSE else 0.0
     model = LLaMA(dataclasses.replace(config, delta=delta, packed_support=index_dtype == "packed"), device="meta")
     if freeze:
@@ -303,7 +304,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
 
     held = param_bytes  # what the model as built holds: the paper's count, but for relora
     if method == "relora":  # <-- not ours: frozen full-rank weights + a trainable low-rank model
-        full = LLaMA(config_for(size, method="full", vocab_size=vocab_size), device="meta")
+        full = LLaMA(config_for(size, method="full", vocab_size=vocab_size, ffn_dim=ffn_dim), device="meta")
         stored = full.num_params()["total"] + n["total"]
         param_bytes = width * stored
         # the model as built holds the frozen projections (W0) beside the low-rank model, whose embeddings, norms
@@ -335,7 +336,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
                grad_gb=width * grad_numel / GB, act_gb=0.0, start_gb=width * layer_numel / GB)
     if batch_size:
         shape = (size, "relora" if method == "relora" else ours, rank, delta, batch_size, max_length)  # as trained
-        options = dict(dtype=dtype, amp=amp, vocab_size=vocab_size, freeze=freeze)
+        options = dict(dtype=dtype, amp=amp, vocab_size=vocab_size, freeze=freeze, ffn_dim=ffn_dim)
         act = whole = activation_bytes(*shape, **options)
         logit_bytes = BF16 if amp else width
         adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes)]
@@ -351,7 +352,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"],
                                                                  adds_up(row))
-    paper = (optimizer, index_dtype, dtype, vocab_size, freeze) == ("adamw", "int64", "bfloat16", None, None)
+    paper = (optimizer, index_dtype, dtype, vocab_size, freeze, ffn_dim) == ("adamw", "int64", "bfloat16", None, None,
+                                                                         None)
     row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
 

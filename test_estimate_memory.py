@@ -159,6 +159,21 @@ def test_activations_counted_on_fake_tensors_match_a_real_forward(method, dtype,
     assert em.activation_bytes("tiny", method, None, None, 2, 32, dtype=dtype, amp=amp) == saved.nbytes
 
 
+@pytest.mark.parametrize("method", ["full", "sltrain"])
+def test_another_mlp_width_is_counted_as_built(method):
+    """ffn_dim (train.py --ffn_dim: 1b's 5461 made 5464 for a GPU) counts the parameters and the saved activations
+    of the model built with that width, not the size's."""
+    model = em.LLaMA(em.config_for("tiny", method=method, ffn_dim=168)).bfloat16()
+    row = em.estimate("tiny", method, ffn_dim=168)
+    assert round(row["params_m"] * 1e6) == model.num_params()["total"] < round(em.estimate("tiny", method)["params_m"]
+                                                                                * 1e6)
+    idx, targets = torch.randint(100, (2, 32)), torch.randint(100, (2, 32))
+    with em.SavedTensors(model) as saved:
+        model(idx, targets)
+    assert em.activation_bytes("tiny", method, None, None, 2, 32, ffn_dim=168) == saved.nbytes
+    assert em.estimate("tiny", method, ffn_dim=168, batch_size=2, max_length=32)["act_gb"] * em.GB == saved.nbytes
+
+
 @pytest.mark.parametrize("method,options", [("full", {}), ("sltrain", dict(activation_checkpointing=True)),
                                             ("sltrain", dict(dtype="float32", amp=True)), ("relora", {}),
                                             ("sltrain_ft", dict(freeze="lowrank"))],

@@ -64,12 +64,13 @@ from devices import set_deterministic
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
-from model import LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge
+from model import (LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge,
+                   slow_width)
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
 from per_layer import attach_per_layer
 
-MODEL_FIELDS = ("method", "rank", "alpha", "delta")
+MODEL_FIELDS = ("method", "rank", "alpha", "delta", "ffn_dim")
 # a checkpoint write longer than this is said once: schedulers commonly allow 30 s between SIGTERM and SIGKILL
 SLOW_SAVE_S = 20
 
@@ -176,6 +177,7 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, give
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
     old.setdefault("packed_support", False)  # a run from before --packed_support: flat positions
+    old.setdefault("ffn_dim", ckpt["model_config"]["ffn_dim"])  # nor --ffn_dim: its size's
     old.setdefault("deterministic", False)  # nor --deterministic
     if "adam8bit_kernel" not in old:  # nor --adam8bit_kernel: compared as its default, not reported as a change
         old["adam8bit_kernel"] = "auto" if old.get("optimizer", "").endswith("adam8bit") else None
@@ -196,7 +198,7 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, give
                          f"or start a new run from it with --init_from")
     if diff and args.eval_only:
         raise SystemExit(f"--eval_only: {path} holds another model: {', '.join(diff)}; pass the --size, --method, "
-                         "--rank, --alpha, --delta and tokenizer it was trained with")
+                         "--rank, --alpha, --delta, --ffn_dim and tokenizer it was trained with")
     if diff:
         raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
                          "pass the same flags, tokenizer and data, or a new --out_dir")
@@ -571,12 +573,14 @@ def prepare(args, held, given=()):
         same_validation(args, val.sha256, ckpt, ckpt_path)
     loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
-                        vocab_size=vocab_size, packed_support=args.packed_support)
+                        ffn_dim=args.ffn_dim, vocab_size=vocab_size, packed_support=args.packed_support)
     run = build(args, config, device, getattr(torch, args.dtype), ddp, ckpt)
     if rank == 0:
         read = flags.EVAL_READS + ("tokenizer_sha256",) if args.eval_only else vars(args)  # what this run uses
         print(json.dumps({k: v for k, v in vars(args).items() if k in read}))
         print(describe(run.raw_model))
+        if device.type == "cuda" and (note := slow_width(config)):
+            print(note)
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
         exact = " | deterministic" if args.deterministic else ""
