@@ -27,6 +27,8 @@ with --data_dir):
     profile         where the time of full's and SLTrain's AdamW steps goes, eager and compiled: torch.profiler's
                     kernels (on CPU its operators), the heaviest by name
     inference       bench.py's inference section at 130m, 350m, 1b and 7b (the paper's Table 5)
+    width           1b's forward + backward, full and sltrain, at its MLP width 5461 (the paper's, not a multiple
+                    of 8) and at 5464 and 5504 (train.py --ffn_dim): what an unaligned width costs bf16 matmuls
     memory_galore   the memory section for 8-bit GaLore per-layer, whose first step takes an SVD of every projection
                     (minutes at 7b); its reduction is against the memory section's full AdamW, when both run in one
                     command
@@ -71,13 +73,14 @@ SUITES = {
                 optimizer_shapes=((4096, 4096), (11008, 4096), (int(0.05 * 4096 * 11008),)),
                 program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20,
                              compile=True, timeout=240),
-                inference_sizes=("130m", "350m", "1b", "7b")),
+                inference_sizes=("130m", "350m", "1b", "7b"),
+                width=dict(size="1b", batch=16, widths=(5461, 5464, 5504))),
     "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
                  optimizer_shapes=((64, 32), (96, 64), (500,)),  # 96 x 64: 8-bit state (min_8bit_size 4096)
                  program=dict(size="tiny", steps=40, batch=2, eval_every=20, eval_tokens=2000, short=4,
                               compile=True, timeout=600),  # compile: ~half a minute of inductor on CPU
-                 inference_sizes=("tiny",)),
+                 inference_sizes=("tiny",), width=dict(size="tiny", batch=2, widths=(170, 176))),
 }
 # (method, optimizer, per-layer) of the memory figure: full-rank baselines and the paper's 8-bit per-layer setting,
 # the paper's headline pair first. GaLore's row has a section of its own, memory_galore: its first step takes an SVD
@@ -101,6 +104,32 @@ def projection_shapes(size):
 def first_line(error):
     """An exception as one line: its type and its message's first line (CUDA's errors run on over several)."""
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def suite_width(s, device, dtype):
+    """A model's forward + backward, full rank and SLTrain, at each MLP width of s["width"] (train.py --ffn_dim), each
+    ÷ the first (1b's own, 5461): a bf16 row of an odd width is not 16-byte aligned, and cuBLAS takes slower kernels
+    for it. The widths of a method timed side by side; one method's models at a time."""
+    w = s["width"]
+    torch.manual_seed(0)
+    idx = torch.randint(0, 512, (w["batch"], s["max_length"] + 1), device=device)
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step(model):
+        def run():
+            model(x, y)[1].backward()
+            for p in model.parameters():
+                p.grad = None
+        return run
+    result = dict(size=w["size"], batch_size=w["batch"], max_length=s["max_length"], methods={})
+    for method in ("full", "sltrain"):
+        models = {str(ffn): LLaMA(config_for(w["size"], method=method, ffn_dim=ffn, vocab_size=s.get("vocab")),
+                                  device=device).to(dtype) for ffn in w["widths"]}
+        times = interleave({ffn: step(model) for ffn, model in models.items()}, s["rounds"], device)
+        result["methods"][method] = summary(times, str(w["widths"][0]))
+        del models
+        release(device)
+    return result
 
 
 def accounted_ms(v, suffix=""):
@@ -798,6 +827,7 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
                program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
                model_compiled=lambda p: suite_model(s, device, dtype, True, p),
                profile=lambda p: suite_profile(s, device, dtype, p), inference=inference,
+               width=lambda p: suite_width(s, device, dtype),
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
     if not sections and not data_dir:  # all of them, but this one: said, not left out in silence
@@ -925,6 +955,15 @@ def report_memory(r, key="memory"):
             print(f"  {name:<28} {gb} | estimate {row['estimate_gb']:.3f} GB{parts}")
 
 
+def report_width(r):
+    W = r["width"]
+    for method, v in W["methods"].items():
+        first = next(iter(v))
+        print(f"width {W['size']} {method}, forward + backward of {W['batch_size']} x {W['max_length']} tokens, "
+              f"÷ MLP width {first}: " + " | ".join(f"{ffn} {row['ms']:.1f} ms {ratio_text(row)}"
+                                                     for ffn, row in v.items()))
+
+
 def report_program(r):
     for name, row in r["program"].items():
         print(f"train.py {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
@@ -955,7 +994,7 @@ def report_suite_optimizer(r):
 SUITE_REPORTS = dict(memory=report_memory, layer=report_layer, model=report_model, optimizer=report_suite_optimizer,
                      amp=report_amp, program=report_program, inference=report_inference,
                      model_compiled=lambda r: report_model(r, "model_compiled"), profile=report_profile,
-                     memory_galore=lambda r: report_memory(r, "memory_galore"))
+                     width=report_width, memory_galore=lambda r: report_memory(r, "memory_galore"))
 
 
 def report_suite(r):

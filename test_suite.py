@@ -27,7 +27,7 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys, monkeypatch
     r = suite.run_suite("tiny", torch.device("cpu"), out=out)
     assert not torch.are_deterministic_algorithms_enabled()  # the variants' mode was theirs alone
     s = suite.SUITES["tiny"]
-    sections = ["memory", "layer", "model", "optimizer", "amp", "model_compiled", "profile", "inference",
+    sections = ["memory", "layer", "model", "optimizer", "amp", "model_compiled", "profile", "inference", "width",
                 "memory_galore"]
     assert list(r["seconds"]) == sections and "errors" not in r
     assert "program: skipped, it trains on C4 shards: pass --data_dir" in capsys.readouterr().out  # said, not silent
@@ -90,6 +90,8 @@ def test_tiny_suite_runs_every_section_and_reports(tmp_path, capsys, monkeypatch
         assert all(math.isfinite(ms) for ms, _ in host.values()), host
         assert host["Adam8bit"][1] > host["AdamW"][1] > 0 and host["Adam8bit(compile=True)"][1] is None
     assert set(r["inference"][0]["variants"]) == {"full", "sltrain", "sltrain_merged"}
+    for method, v in r["width"]["methods"].items():  # each method at each MLP width, ÷ its first (1b's own, on a GPU)
+        assert list(v) == ["170", "176"] and v["170"]["ratio"] == 1.0 and v["176"]["ms"] > 0, (method, v)
     for name, v in r["amp"]["settings"].items():  # --amp beside pure bf16 (on CPU: float32), side by side
         assert v["bf16"]["ratio"] == 1.0 and v["amp"]["tok_s"] > 0 and v["amp"]["peak_gb"] is None, name
         # each beside the estimate of its own setting: float32 here, and under autocast a mixed one
