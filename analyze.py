@@ -272,12 +272,13 @@ def prune(model, batches, rank, delta, seed=0):
 # ----------------------------------------------------------------------------- training from a dense checkpoint
 
 @torch.no_grad()
-def init_from_dense(model, path, support="random"):
+def init_from_dense(model, path, support="random", tokenizer_sha256=None):
     """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
     (B = U√Σ/√s, A = √ΣVᵀ/√s), and V = the residual W0 - L0 on the support: the layer's own random one, or
     with support="top" the δ·in·out largest entries of the residual. An sltrain_ft model (fine-tuning) takes W0 as
     its frozen base and keeps its start, B = 0 and V = 0. Everything else (embeddings, norms, head; a full model's
-    every weight, for full-rank fine-tuning) is copied."""
+    every weight, for full-rank fine-tuning) is copied. tokenizer_sha256: the run's tokenizer, which must be the one
+    the checkpoint was trained with where it says (the same number of pieces is not the same pieces)."""
     if model.config.method == "relora":
         raise ValueError("--init_from starts a full, lowrank, sltrain or sltrain_ft model, not relora; pass --method "
                          "sltrain")
@@ -289,6 +290,10 @@ def init_from_dense(model, path, support="random"):
         if getattr(dense.config, field) != getattr(model.config, field):
             raise ValueError(f"--init_from {path}: {field} {getattr(dense.config, field)} differs from this model's "
                              f"{getattr(model.config, field)}; pass the --size the checkpoint was trained at")
+    trained_with = ckpt.get("args", {}).get("tokenizer_sha256")
+    if tokenizer_sha256 and trained_with and trained_with != tokenizer_sha256:
+        raise ValueError(f"--init_from {path}: trained with another tokenizer (sha256 {trained_with[:12]}...) than "
+                         f"--tokenizer ({tokenizer_sha256[:12]}...); pass the one it was trained with")
     source = dict(dense.named_modules())
     for name, module in model.named_modules():
         if isinstance(module, SLLinear) and module.W0 is not None:  # <-- SLTrain-FT: W = W0 + s·BA + S
@@ -324,7 +329,8 @@ def prepare_for_training(model, args, resuming):
                 n = module.in_features * module.out_features
                 module.set_support(uniform_support(n, module.values.numel(), generator=g))
     if not resuming and args.init_from:
-        init_from_dense(model, args.init_from, support=args.support)
+        init_from_dense(model, args.init_from, support=args.support,
+                        tokenizer_sha256=getattr(args, "tokenizer_sha256", None))
     if args.freeze == "lowrank":  # Table 2's sparse training: L0 and every dense weight stay, only V learns
         freeze_all_but_values(model)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import analyze
+import checkpoint
 import train
 from checkpoint import load_model
 from sllinear import SLLinear
@@ -198,9 +199,15 @@ def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_
     the run with one line naming it, and nothing is written."""
     damaged = tmp_path / "cut.pt"
     damaged.write_bytes(open(dense_ckpt, "rb").read()[:5000])
+    other = tmp_path / "other.pt"  # trained with another tokenizer of as many pieces: only its digest tells
+    ckpt = checkpoint.load(dense_ckpt)
+    ckpt["args"]["tokenizer_sha256"] = "0" * 64
+    checkpoint.save(other, ckpt)
     for path, extra, message in [(sltrain_ckpt, [], "a sltrain checkpoint; pass a full-rank one"),
                                  (damaged, [], "cannot be read"),
-                                 (dense_ckpt, ["--size", "60m"], "dim 64 differs from this model's 512")]:
+                                 (dense_ckpt, ["--size", "60m"], "dim 64 differs from this model's 512"),
+                                 (other, [], r"trained with another tokenizer \(sha256 000000000000\.\.\.\) than "
+                                             r"--tokenizer \(\w{12}\.\.\.\); pass the one it was trained with")]:
         argv = [*base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", "--init_from", str(path)), *extra]
         with pytest.raises(SystemExit, match=rf"^--init_from {path}: .*{message}") as e:
             train.main(argv)
