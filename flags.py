@@ -44,6 +44,11 @@ EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "ffn_d
               "data_dir", "tokenizer", "download", "packed_support", "deterministic")
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest a float flag may be: the step takes it as a float32
+# the flags that name a file or folder: an empty one is refused, not taken as "none" or the current folder
+PATHS = ("resume", "init_from", "model_config", "out_dir", "data_dir", "tokenizer")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help shows every flag's default, except where the help line already says what it is."""
 
@@ -177,6 +182,9 @@ def get_args(argv=None, description=None):
     --help's text above the flags (train.py's usage)."""
     p = make_parser(description)
     args = p.parse_args(argv)
+    for name in PATHS:  # "$CKPT" of an unset variable: --resume "" trained afresh, with --overwrite over the run
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            p.error(f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
     if args.model_config:
         m = re.search(r"llama_(\w+)\.json$", args.model_config)
         if not m or m.group(1) not in SIZES:
@@ -198,13 +206,20 @@ def get_args(argv=None, description=None):
     galore = args.optimizer.startswith("galore")
     args.lr = (GALORE[args.size][0] if galore else lr) if args.lr is None else args.lr
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
-                "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim")
+                "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim", "galore_scale")
+    # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there
+    finite = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else ""  # noqa: E731
     for name in positive:
-        if getattr(args, name) is not None and not getattr(args, name) > 0:  # `not >` also refuses NaN
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+        if getattr(args, name) is not None and not 0 < getattr(args, name) <= FLOAT32_MAX:  # `not <` refuses NaN
+            p.error(f"--{name} must be positive{finite(getattr(args, name))}, got {getattr(args, name)}")
     for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
-        if getattr(args, name) is not None and not getattr(args, name) >= 0:
-            p.error(f"--{name} must be >= 0, got {getattr(args, name)}")
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= FLOAT32_MAX:
+            p.error(f"--{name} must be >= 0{finite(getattr(args, name))}, got {getattr(args, name)}")
+    if args.workers > (os.cpu_count() or 1):  # each a process reading shards: more than the CPUs only crowd them
+        p.error(f"--workers must be at most {os.cpu_count() or 1}, this machine's CPUs, got {args.workers}")
+    for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2 ** 63:
+            p.error(f"--{name} must be in [0, 2^63), got {getattr(args, name)}")
     for name, low, high in (("min_lr_ratio", 0, 1), ("beta1", 0, 0.999999), ("beta2", 0, 0.999999)):
         if not low <= getattr(args, name) <= high:
             p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
@@ -345,9 +360,21 @@ def resolve_device_and_batch(p, args):
         args.batch_size = micro if args.batch_size is None else args.batch_size
         args.total_batch_size = args.gradient_accumulation = None  # no update
         return check_memory(p, args, device, world)
+    accumulation, batch = args.gradient_accumulation, args.batch_size
+    if accumulation is not None and batch is not None and batch * accumulation * world != args.total_batch_size:
+        # the total they make; or the total alone, where it divides into micro-batches of that accumulation
+        also = " or drop --batch_size" if args.total_batch_size % (accumulation * world) == 0 else ""
+        p.error(f"--gradient_accumulation {accumulation} x --batch_size {batch} x {world} devices = "
+                f"{batch * accumulation * world}, not --total_batch_size {args.total_batch_size}; pass "
+                f"--total_batch_size {batch * accumulation * world}{also}")
+    if accumulation is not None and args.total_batch_size % (accumulation * world):  # no micro-batch size fits
+        total = -(-args.total_batch_size // (accumulation * world)) * accumulation * world  # the next multiple up
+        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --gradient_accumulation "
+                f"{accumulation} x {world} devices; pass --total_batch_size {total}, or a --gradient_accumulation "
+                "that divides it")
     if args.batch_size is None:
-        args.batch_size = args.total_batch_size // (world * (args.gradient_accumulation or 1))
-        if args.gradient_accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
+        args.batch_size = args.total_batch_size // (world * (accumulation or 1))
+        if accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
             args.batch_size = max(1, min(args.batch_size, micro))
     per_micro = args.batch_size * world
     if args.total_batch_size % per_micro:
@@ -356,11 +383,7 @@ def resolve_device_and_batch(p, args):
         fix = f"--batch_size {fits} or --total_batch_size {total}" if fits else f"--total_batch_size {total}"
         p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size {args.batch_size} x "
                 f"{world} devices; pass {fix}")
-    accum = args.total_batch_size // per_micro
-    if args.gradient_accumulation not in (None, accum):
-        p.error(f"--gradient_accumulation {args.gradient_accumulation} x --batch_size {args.batch_size} x "
-                f"{world} devices != --total_batch_size {args.total_batch_size}; drop one of them")
-    args.gradient_accumulation = accum
+    args.gradient_accumulation = args.total_batch_size // per_micro
     check_memory(p, args, device, world)
 
 
@@ -374,12 +397,20 @@ def check_bf16_decay(p, args, device):
     a multiply of its own, w·(1 - lr·wd), rounded to the parameter's dtype; in bf16, for lr·wd < 2⁻⁹ (half a step of
     bf16's 8-bit significand, relative to any weight) that rounds back to w: nothing decays, at any weight, ever
     (the schedule only lowers lr). --amp keeps float32 parameters, where it does decay."""
-    bf16 = run_dtype(args, device) == "bfloat16"
-    if bf16 and not args.eval_only and args.weight_decay and args.lr * args.weight_decay < 2 ** -9:
-        p.error(f"--weight_decay {args.weight_decay} with bf16 parameters: its decay per update, lr x weight_decay = "
+    refusal = bf16_decay_refusal(args, run_dtype(args, device))
+    if refusal:
+        p.error(refusal)
+
+
+def bf16_decay_refusal(args, dtype):
+    """check_bf16_decay's refusal for parameters of dtype, or None; train.py asks again once a resume has taken the
+    run's own dtype, lr and weight decay."""
+    if dtype == "bfloat16" and not args.eval_only and args.weight_decay and args.lr * args.weight_decay < 2 ** -9:
+        return (f"--weight_decay {args.weight_decay} with bf16 parameters: its decay per update, lr x weight_decay = "
                 f"{args.lr * args.weight_decay:.2g} at most, is under 2^-9, half a bf16 step of any weight, so it "
                 "rounds away and would do nothing; pass --amp (float32 parameters, bf16 compute) to decay, or "
                 "--weight_decay 0")
+    return None
 
 
 def cuda_device(p, args, device, local_rank):

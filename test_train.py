@@ -263,6 +263,19 @@ def test_a_resume_without_the_runs_flags_takes_the_runs_own(corpus, tmp_path, ca
     assert final_state(split)["step"] == 8 and final_state(split)["args"]["beta2"] == 0.95
 
 
+def test_a_decay_a_resumed_bf16_run_cannot_take_is_refused(corpus, tmp_path):
+    """On a CPU a new run's parameters are float32, where any decay acts; a resume without --dtype takes the run's
+    bf16, where --weight_decay 0.1 at lr 3e-3 rounds away: refused once the run's dtype is known, before any update,
+    as at the start of a bf16 run. --amp's float32 parameters are another dtype, refused as a change."""
+    train.main(base_args(corpus, tmp_path, 4, "--dtype", "bfloat16", "--lr", "3e-3", "--stop_after", "2"))
+    with pytest.raises(SystemExit, match=r"^--resume: .*ckpt.pt holds bf16 parameters, and --weight_decay 0.1 with "
+                                         r"bf16 parameters: .*pass --amp"):
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--weight_decay", "0.1"))
+    assert final_state(tmp_path)["step"] == 2
+    train.main(base_args(corpus, tmp_path, 4, "--resume", "--weight_decay", "1.0"))  # lr x 1.0 > 2^-9: it acts
+    assert final_state(tmp_path)["step"] == 4 and final_state(tmp_path)["args"]["weight_decay"] == 1.0
+
+
 def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
     """A bf16 run (a GPU's default) resumed on a CPU, whose default is float32, goes on in bf16 when --dtype is not
     given; given, another dtype is refused."""
@@ -370,6 +383,34 @@ def test_bad_flags_fail_before_any_work(corpus, tmp_path, capsys, extra, message
         train.main(base_args(corpus, tmp_path, 4, *extra))
     assert message in str(e.value) + capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists(), "no work may start before the flags are checked"
+
+
+@pytest.mark.parametrize("extra,message,fixed", [
+    (["--total_batch_size", "8", "--gradient_accumulation", "16"], "--total_batch_size 8 is not a multiple of "
+     "--gradient_accumulation 16 x 1 devices; pass --total_batch_size 16, or a --gradient_accumulation that divides it",
+     ["--total_batch_size", "16"]),
+    (["--total_batch_size", "100", "--gradient_accumulation", "3"], "pass --total_batch_size 102, or a",
+     ["--total_batch_size", "102"]),
+    (["--total_batch_size", "100", "--gradient_accumulation", "3", "--batch_size", "33"],
+     "--gradient_accumulation 3 x --batch_size 33 x 1 devices = 99, not --total_batch_size 100; pass "
+     "--total_batch_size 99", ["--total_batch_size", "99"]),
+    (["--total_batch_size", "96", "--gradient_accumulation", "3", "--batch_size", "33"],
+     "= 99, not --total_batch_size 96; pass --total_batch_size 99 or drop --batch_size", ["--batch_size", None]),
+])
+def test_the_batch_arithmetic_names_a_fix_that_is_taken(corpus, capsys, extra, message, fixed):
+    """Micro-batch x accumulation x devices = total, exactly: a total the accumulation does not divide (once a
+    ZeroDivisionError where the micro-batch came out 0) names a total that it does; three flags that disagree name
+    the total the other two make, and dropping --batch_size where that works. Each named fix is then taken."""
+    folder, tokenizer = corpus
+    run = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--device", "cpu", *extra]
+    with pytest.raises(SystemExit):
+        train.get_args(run)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    flag, value = fixed
+    i = run.index(flag)
+    args = train.get_args(run[:i] + run[i + 2:] + ([flag, value] if value else []))
+    assert args.batch_size * args.gradient_accumulation == args.total_batch_size
 
 
 def test_a_resume_reaching_the_data_through_a_link_is_the_same_run(corpus, tmp_path):
@@ -712,6 +753,19 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     (["--max_length", "1"], "--max_length must be at least 2"),
     (["--eval_tokens", "0"], "--eval_tokens must be positive"),
     (["--ffn_dim", "0"], "--ffn_dim must be positive"),
+    (["--lr", "inf"], "--lr must be positive and at most 3.4e+38, got inf"),
+    (["--lr", "1e300"], "--lr must be positive and at most 3.4e+38, got 1e+300"),  # inf in float32
+    (["--alpha", "nan"], "--alpha must be positive and at most 3.4e+38, got nan"),
+    (["--weight_decay", "inf"], "--weight_decay must be >= 0 and at most 3.4e+38, got inf"),
+    (["--grad_clipping", "nan"], "--grad_clipping must be >= 0 and at most 3.4e+38, got nan"),
+    (["--method", "full", "--optimizer", "galore_adamw", "--galore_scale", "-1"],
+     "--galore_scale must be positive and at most 3.4e+38, got -1.0"),
+    (["--seed", str(2 ** 64)], f"--seed must be in [0, 2^63), got {2 ** 64}"),
+    (["--support_seed", "-1"], "--support_seed must be in [0, 2^63), got -1"),
+    (["--workers", str(os.cpu_count() + 1)], f"--workers must be at most {os.cpu_count()}, this machine's CPUs"),
+    *[([f"--{name}", value], f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
+      for name, value in (("resume", ""), ("init_from", ""), ("model_config", ""), ("out_dir", ""),
+                          ("data_dir", " "), ("tokenizer", ""))],
     (["--device", "cuda"], "no usable CUDA GPU; pass --device cpu"),
     (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters"),
@@ -738,6 +792,17 @@ def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_empty_resume_path_never_starts_afresh_over_the_run(corpus, tmp_path):
+    """--resume "$CKPT" with the variable unset: once taken as no --resume, a fresh run, and with --overwrite one that
+    removed the checkpoint it was meant to continue. Refused before any work; the run's checkpoint and rows stay."""
+    train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2"))
+    before = (tmp_path / "ckpt.pt").read_bytes(), (tmp_path / "metrics.jsonl").read_bytes()
+    for extra in (["--resume", ""], ["--resume", "", "--overwrite"]):
+        with pytest.raises(SystemExit):
+            train.main(base_args(corpus, tmp_path, 4, *extra))
+        assert ((tmp_path / "ckpt.pt").read_bytes(), (tmp_path / "metrics.jsonl").read_bytes()) == before, extra
 
 
 def test_a_decay_bf16_parameters_take_is_honored_and_one_they_cannot_is_refused(corpus):

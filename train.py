@@ -207,6 +207,9 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, give
     for k in RESUME_KEPT:
         if k not in given and k in old:
             setattr(args, k, old[k])
+    refusal = flags.bf16_decay_refusal(args, args.dtype)  # the run's dtype, lr and decay, known only now
+    if refusal:
+        raise SystemExit(f"--resume: {path} holds bf16 parameters, and {refusal}")
     step = ckpt["step"]
     if step >= args.num_training_steps and not (step == args.num_training_steps and ckpt.get("eval_pending")):
         raise SystemExit(f"--resume: {path} already has {step} updates; raise --num_training_steps to train on")
