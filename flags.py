@@ -245,6 +245,8 @@ def get_args(argv=None, description=None):
                 "(train.py --method full, or export.py --merged of any run)")
     if args.support == "top" and not ((args.init_from or not starting) and args.method == "sltrain"):
         p.error("--support top picks the residual's largest entries: it needs --init_from and --method sltrain")
+    if args.support == "top" and args.support_seed is not None:
+        p.error("--support top picks the residual's largest entries, and --support_seed draws random ones: drop one")
     if args.freeze and args.method != "sltrain":
         p.error("--freeze lowrank trains only the sparse values: it needs --method sltrain")
     if args.support_seed is not None and args.method not in SPARSE:

@@ -762,6 +762,8 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
      "--galore_scale must be positive and at most 3.4e+38, got -1.0"),
     (["--seed", str(2 ** 64)], f"--seed must be in [0, 2^63), got {2 ** 64}"),
     (["--support_seed", "-1"], "--support_seed must be in [0, 2^63), got -1"),
+    (["--support", "top", "--support_seed", "3", "--resume"], "--support top picks the residual's largest entries, "
+                                                              "and --support_seed draws random ones: drop one"),
     (["--workers", str(os.cpu_count() + 1)], f"--workers must be at most {os.cpu_count()}, this machine's CPUs"),
     *[([f"--{name}", value], f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
       for name, value in (("resume", ""), ("init_from", ""), ("model_config", ""), ("out_dir", ""),
