@@ -132,6 +132,9 @@ def hf_config(config, max_length, dtype, eos_id):
             "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": 0, "initializer_range": 0.02}
 
 
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json")  # what export_hf writes
+
+
 def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     """Write config.json, model.safetensors (in dtype, default the model's) and the tokenizer (sentencepiece model +
     tokenizer_config.json)."""
@@ -179,7 +182,8 @@ def main(argv=None):
     p.add_argument("--merged", help="write a full-rank checkpoint in our format to this file")
     p.add_argument("--tokenizer", help="sentencepiece model (default: the one the checkpoint was trained with)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: as trained)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --merged file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --merged file, or the export files "
+                   "already in --out")
     args = p.parse_args(argv)
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
@@ -192,6 +196,10 @@ def main(argv=None):
     # the output paths first: a bad one would otherwise fail after the load, and --merged after the folder was written
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out} is a file; pass a folder (it is created if missing)")
+    held = [name for name in HF_FILES if args.out and os.path.exists(os.path.join(args.out, name))]
+    if held and not args.overwrite:  # an earlier export, of this run or another
+        p.error(f"--out {args.out} holds an export already ({', '.join(held)}): pass another folder, or --overwrite "
+                "to replace it")
     if args.merged and os.path.isdir(args.merged):
         p.error(f"--merged {args.merged} is a folder; pass a file in it, such as "
                 f"{os.path.join(args.merged, 'dense.pt')}")

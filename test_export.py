@@ -495,13 +495,20 @@ def test_merged_again_replaces_only_when_asked_and_keeps_its_origin(sl_ckpt, tmp
     assert torch.load(dense, weights_only=True)["model"]["lm_head.weight"].dtype == torch.bfloat16
 
 
-def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path):
-    """Re-exporting into a folder, with its own tokenizer.model as --tokenizer (the run's may be gone), rewrites every
-    file whole."""
+def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path, capsys):
+    """Re-exporting into a folder is refused without --overwrite (the files are of an earlier export, perhaps of
+    another run); with it, and its own tokenizer.model as --tokenizer (the run's may be gone), every file is rewritten
+    whole."""
     hf = tmp_path / "hf"
     export.main([sl_ckpt, "--out", str(hf)])
-    spm = (hf / "tokenizer.model").read_bytes()
-    export.main([sl_ckpt, "--out", str(hf), "--tokenizer", str(hf / "tokenizer.model"), "--dtype", "bfloat16"])
+    spm, weights = (hf / "tokenizer.model").read_bytes(), (hf / "model.safetensors").read_bytes()
+    again = [sl_ckpt, "--out", str(hf), "--tokenizer", str(hf / "tokenizer.model"), "--dtype", "bfloat16"]
+    with pytest.raises(SystemExit):
+        export.main(again)
+    assert f"--out {hf} holds an export already (config.json, model.safetensors, tokenizer.model, " \
+           "tokenizer_config.json): pass another folder, or --overwrite to replace it" in capsys.readouterr().err
+    assert (hf / "model.safetensors").read_bytes() == weights
+    export.main(again + ["--overwrite"])
     assert (hf / "tokenizer.model").read_bytes() == spm
     assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert export.load_safetensors(str(hf / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
