@@ -37,6 +37,11 @@ def lock_out_dir(args, held, rank, world):
         raise SystemExit(busy or 1)
 
 
+# a run that stopped before its first checkpoint leaves its rows alone in out_dir; a fresh run there replaces them
+# only when asked (refuse_overwrite), so every message that says to start again says how
+START_AGAIN = "start again with --overwrite (it replaces this run's rows)"
+
+
 def refuse_overwrite(args):
     """A checkpoint in out_dir is replaced only with --overwrite: by a fresh run, or by one continuing another
     checkpoint (--resume PATH) into this out_dir."""
@@ -50,6 +55,10 @@ def refuse_overwrite(args):
             raise SystemExit(f"--overwrite: cannot remove {path} ({e.strerror or e}); remove it yourself, or pass a "
                              "new --out_dir") from None
         return
+    rows = os.path.join(args.out_dir, "metrics.jsonl")
+    if not (args.resume or args.eval_only or os.path.exists(path)) and os.path.isfile(rows) and os.path.getsize(rows):
+        raise SystemExit(f"{rows} holds the rows of a run that saved no checkpoint (it stopped before its first): "
+                         "pass a new --out_dir, or --overwrite to replace them")
     if not os.path.exists(path) or args.eval_only:  # --eval_only writes nothing
         return
     if args.resume and not os.path.exists(resume_path(args)):
@@ -99,7 +108,7 @@ def after_failed_write(e, last_good):
     fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in checkpoint.DISK_FULL else \
         "see to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
     return f"{fix}, then " + (f"rerun with --resume {last_good[0]} (step {last_good[1]})" if last_good else
-                              "start again")
+                              START_AGAIN)
 
 
 def diverged(why, last_good):
@@ -107,7 +116,7 @@ def diverged(why, last_good):
     empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
     if not last_good:
         return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
-                          f"--grad_clipping)")
+                          f"--grad_clipping) and --overwrite (it replaces this run's rows)")
     path, step = last_good
     return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "
                       f"saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")

@@ -415,7 +415,8 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
     assert final_state(tmp_path)["step"] == 6
     with monkeypatch.context() as m:  # at batch 1 nothing divides smaller: recompute the blocks instead
         m.setattr(train, "train_step", oom_at(1))
-        with pytest.raises(SystemExit, match=r"start again with --activation_checkpointing$"):
+        with pytest.raises(SystemExit, match=r"start again with --activation_checkpointing and --overwrite \(it "
+                                             r"replaces this run's rows\)$"):
             train.main(base_args(corpus, tmp_path / "b1", 2, "--batch_size", "1"))
         m.setattr(train, "evaluate", no_memory)
         said = r"^out of memory in the evaluation; rerun --eval_only with --batch_size 2$"  # half of 4
@@ -479,7 +480,7 @@ def test_diverged_run_never_saves_a_diverged_model_and_its_advice_works(corpus, 
                                          "again with a lower --lr"):
         train.main(base_args(corpus, tmp_path, 6, *diverge))
     assert not (tmp_path / "ckpt.pt").exists()
-    train.main(base_args(corpus, tmp_path, 4, "--save_every", "1"))  # the advice, followed
+    train.main(base_args(corpus, tmp_path, 4, "--save_every", "1", "--overwrite"))  # the advice, followed
     good = (tmp_path / "ckpt.pt").read_bytes()
     # a run that diverges after good checkpoints keeps the last of them, and says how to go on from it
     with pytest.raises(SystemExit, match=f"^the model after step 5 {why}") as e:
@@ -602,7 +603,8 @@ def test_a_write_the_filesystem_refuses_is_one_line_and_keeps_what_was_saved(cor
             save(path, state)
 
     monkeypatch.setattr(checkpoint, "save", save_under_a_limit_from_the_failing_call)
-    then = "then start again" if failing == 1 else rf"then rerun with --resume {tmp_path}/ckpt.pt \(step 1\)"
+    then = r"then start again with --overwrite \(it replaces this run's rows\)" if failing == 1 else \
+        rf"then rerun with --resume {tmp_path}/ckpt.pt \(step 1\)"
     kept = "none was saved there yet" if failing == 1 else "the previous checkpoint there is kept"
     with pytest.raises(SystemExit, match=rf"^could not write {tmp_path}/ckpt.pt \(File too large\); {kept}\. See to "
                                          rf"the cause \(.*\) or pass a new --out_dir, {then}$") as e:

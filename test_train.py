@@ -740,6 +740,23 @@ def test_fresh_run_into_a_checkpoint_folder_is_refused(corpus, tmp_path):
     assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3]
 
 
+def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus, tmp_path):
+    """A run that stopped before its first checkpoint leaves only its rows; a fresh run there once emptied them
+    without a word. Refused, the rows kept; --overwrite replaces them (every message that says to start again names
+    it), and an empty file is no run's rows."""
+    rows = tmp_path / "metrics.jsonl"
+    rows.write_text(json.dumps({"step": 1, "loss": 10.5}) + "\n")
+    with pytest.raises(SystemExit, match="metrics.jsonl holds the rows of a run that saved no checkpoint .*pass a new "
+                                         "--out_dir, or --overwrite to replace them"):
+        train.main(base_args(corpus, tmp_path, 2))
+    assert rows.read_text() == json.dumps({"step": 1, "loss": 10.5}) + "\n"
+    train.main(base_args(corpus, tmp_path, 2, "--overwrite"))
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2]
+    (tmp_path / "ckpt.pt").unlink()
+    rows.write_text("")
+    train.main(base_args(corpus, tmp_path, 2))
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--lr", "0"], "--lr must be positive"),
     (["--num_training_steps", "0"], "--num_training_steps must be positive"),
