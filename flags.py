@@ -208,13 +208,13 @@ def get_args(argv=None, description=None):
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
                 "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim", "galore_scale")
     # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there
-    finite = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else ""  # noqa: E731
+    bound = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else ""  # noqa: E731
     for name in positive:
         if getattr(args, name) is not None and not 0 < getattr(args, name) <= FLOAT32_MAX:  # `not <` refuses NaN
-            p.error(f"--{name} must be positive{finite(getattr(args, name))}, got {getattr(args, name)}")
+            p.error(f"--{name} must be positive{bound(getattr(args, name))}, got {getattr(args, name)}")
     for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) <= FLOAT32_MAX:
-            p.error(f"--{name} must be >= 0{finite(getattr(args, name))}, got {getattr(args, name)}")
+            p.error(f"--{name} must be >= 0{bound(getattr(args, name))}, got {getattr(args, name)}")
     if args.workers > (os.cpu_count() or 1):  # each a process reading shards: more than the CPUs only crowd them
         p.error(f"--workers must be at most {os.cpu_count() or 1}, this machine's CPUs, got {args.workers}")
     for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed

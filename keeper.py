@@ -39,7 +39,8 @@ def lock_out_dir(args, held, rank, world):
 
 # a run that stopped before its first checkpoint leaves its rows alone in out_dir; a fresh run there replaces them
 # only when asked (refuse_overwrite), so every message that says to start again says how
-START_AGAIN = "start again with --overwrite (it replaces this run's rows)"
+OVERWRITE_ROWS = "--overwrite (it replaces this run's rows)"
+START_AGAIN = f"start again with {OVERWRITE_ROWS}"
 
 
 def refuse_overwrite(args):
@@ -116,7 +117,7 @@ def diverged(why, last_good):
     empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
     if not last_good:
         return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
-                          f"--grad_clipping) and --overwrite (it replaces this run's rows)")
+                          f"--grad_clipping) and {OVERWRITE_ROWS}")
     path, step = last_good
     return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "
                       f"saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")

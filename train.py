@@ -63,7 +63,7 @@ from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokeniz
 from devices import set_deterministic
 from flags import resume_path, same_file
 from hostsync import HostSyncs
-from keeper import START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
+from keeper import OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
 from model import (LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge,
                    slow_width)
 from galore import GaLore, galore_param_groups
@@ -309,8 +309,7 @@ def out_of_memory(args, run, where, last_good):
             f"{total / 1e9:.1f})"
     then = f"rerun --eval_only with {fix}" if args.eval_only else \
         f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with --resume {last_good[0]} and {fix}" \
-        if last_good else f"no checkpoint was saved yet: start again with {fix} and --overwrite (it replaces this " \
-        "run's rows)"
+        if last_good else f"no checkpoint was saved yet: start again with {fix} and {OVERWRITE_ROWS}"
     if run.world == 1:
         return RankFault(f"out of memory in {where}{peak}; {then}")
     # said now, not at exit: the process group's teardown before it may wait on the other ranks (NCCL)
