@@ -9,7 +9,9 @@ Sampling as nanoGPT's: the logits of the last position divided by the temperatur
 --top_p to the nucleus, the most likely tokens that hold that much of the probability), softmax, one draw; the
 context is cropped to the positions training saw (max_length - 1 inputs in the paper's padded rows, max_length with
 --pack), past which rotary positions were never seen.
---temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device.
+--temperature 0 picks the most likely token (greedy). Output is deterministic for a seed on one device (and one
+--batch_size: the samples are drawn --batch_size at a time, each printed once its batch is done, so that any number
+of them runs in the memory of one batch).
 A sample ends at its first end of document (EOS), so it may be shorter than --max_new_tokens: training documents end
 there (paper mode never shows the model a token after EOS), and what followed would be a second, unrelated document.
 Generation stops once every sample has ended.
@@ -33,8 +35,11 @@ import torch
 from checkpoint import load_model
 from data import load_tokenizer
 from devices import device_from_flag
+from estimate_memory import memory_there
 from export import densify
 from model import KVCache
+
+BATCH = 16  # samples drawn at once by default
 
 
 def merged(model):
@@ -98,9 +103,26 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
 
 
 def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
-           device="cpu", tokenizer=None, top_p=None, merge=True):
-    """The generated texts (prompt included). The draws come from a CPU generator, so a seed repeats on any device.
-    merge=False generates from the weights as trained: less memory, slower."""
+           device="cpu", tokenizer=None, top_p=None, merge=True, batch_size=BATCH):
+    """The generated texts (prompt included), as a list: see samples."""
+    return list(samples(ckpt_path, prompt, num_samples, max_new_tokens, temperature, top_k, seed, device, tokenizer,
+                        top_p, merge, batch_size))
+
+
+def batch_bytes(config, batch_size, context, dtype):
+    """What generating a batch holds beside the weights, at least: the KV cache of every layer over the context, and
+    the logits of the first window (every position's, in the model's dtype, and the last's in float32)."""
+    width = torch.tensor([], dtype=dtype).element_size()
+    per_row = 2 * config.n_layers * context * config.dim * width + context * config.vocab_size * width
+    return batch_size * (per_row + config.vocab_size * 4)
+
+
+def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
+            device="cpu", tokenizer=None, top_p=None, merge=True, batch_size=BATCH):
+    """The generated texts (prompt included), each yielded once its batch (of batch_size samples) is done. The draws
+    come from a CPU generator, so a seed repeats on any device, at the same batch_size. merge=False generates from
+    the weights as trained: less memory, slower. A batch_size whose cache and logits cannot fit is refused (a
+    ValueError naming one that fits) before the merge."""
     model, ckpt = load_model(ckpt_path, device=device)
     run = ckpt.get("args", {})
     del ckpt  # its tensors (the optimizer's state too) would stay in memory through the run
@@ -109,6 +131,9 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
         raise ValueError(f"{ckpt_path} names no tokenizer; pass --tokenizer")
     # the tokenizer checked before the merge, which at 7b takes a while
     sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
+    context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw
+    batch_size = min(batch_size, num_samples)
+    check_batch(model, batch_size, context, torch.device(device))
     model = merged(model) if merge else model
     # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
     # every training document follows one; the paper's padded rows never predict a document's first token, so there
@@ -116,22 +141,40 @@ def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=
     ids = sp.encode(prompt)
     prompted = bool(ids)
     ids = ids if prompted else [sp.eos_id()]
-    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (num_samples, T)
     g = torch.Generator().manual_seed(seed)
-    context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw
     eos = sp.eos_id()
-    out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g, eos_id=eos,
-                   top_p=top_p)
-    typed, texts = sp.decode(ids) if prompted else "", []
+    typed = sp.decode(ids) if prompted else ""
     # the prompt as typed, less the whitespace at its end, which the tokenizer drops (the model saw none there)
     head = prompt if typed != typed.rstrip() else prompt.rstrip()
-    for row in out.tolist():
-        new = row[len(ids):]
-        new = new[:new.index(eos)] if eos in new else new  # the sample ends with its document
-        text = sp.decode((ids if prompted else []) + new)
-        # the prompt as typed: decoded, a character outside the vocabulary would show as ⁇
-        texts.append(head + text[len(typed):] if text.startswith(typed) else text)
-    return texts
+    for start in range(0, num_samples, batch_size):
+        idx = torch.tensor([ids] * min(batch_size, num_samples - start), dtype=torch.long, device=device)  # (B, T)
+        out = generate(model, idx, max_new_tokens, temperature, top_k, context=context, generator=g, eos_id=eos,
+                       top_p=top_p)
+        for row in out.tolist():
+            new = row[len(ids):]
+            new = new[:new.index(eos)] if eos in new else new  # the sample ends with its document
+            text = sp.decode((ids if prompted else []) + new)
+            # the prompt as typed: decoded, a character outside the vocabulary would show as ⁇
+            yield head + text[len(typed):] if text.startswith(typed) else text
+
+
+def check_batch(model, batch_size, context, device):
+    """Refuse a batch whose cache and logits (batch_bytes) with the dense weights would not fit in the memory there
+    (estimate_memory.memory_there), naming the largest batch that would."""
+    there = memory_there(device)
+    if there is None:
+        return
+    available, share, where = there
+    dtype = next(model.parameters()).dtype
+    # the merge's dense model, at most twice an SLTrain one's; on a GPU the loaded weights are out of its free memory
+    weights = sum(p.nbytes for p in model.parameters()) * (1 if device.type == "cuda" else 2)
+    room = share * available - weights
+    if batch_bytes(model.config, batch_size, context, dtype) > room:
+        fits = int(room // batch_bytes(model.config, 1, context, dtype))
+        fix = f"pass --batch_size {fits}" if fits >= 1 else "pass a smaller model, or use a machine with more memory"
+        raise ValueError(f"a batch of {batch_size} samples holds a KV cache and logits of about "
+                         f"{batch_bytes(model.config, batch_size, context, dtype) / 1e9:.1f} GB, beside the weights, "
+                         f"more than {share:.0%} of {where}; {fix}")
 
 
 def main(argv=None):
@@ -139,6 +182,8 @@ def main(argv=None):
     p.add_argument("ckpt", help="a checkpoint written by train.py or export.py --merged")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--num_samples", type=int, default=3, help="how many continuations")
+    p.add_argument("--batch_size", type=int, default=BATCH, help="samples drawn at once, each batch printed as it "
+                   "ends (a seed repeats at the same batch size)")
     p.add_argument("--max_new_tokens", type=int, default=100, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="below 1 sharpens, above 1 flattens; 0 is greedy")
     p.add_argument("--top_k", type=int, default=200, help="draw only from the k most likely tokens (0: all)")
@@ -151,9 +196,9 @@ def main(argv=None):
                    help="generate from the SLTrain (or ReLoRA) weights as trained, not merged once: for SLTrain "
                         "about half the weights' memory, and several times slower")
     args = p.parse_args(argv)
-    for name in ("num_samples", "max_new_tokens"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("num_samples", "max_new_tokens", "batch_size"):
+        if not 0 < getattr(args, name) < 2 ** 63:  # a tensor's size is an int64
+            p.error(f"--{name} must be positive and at most 2^63 - 1, got {getattr(args, name)}")
     if not 0 <= args.temperature < math.inf:  # `not <=`: NaN is refused too, not left to fail in the draw
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.top_k < 0:
@@ -164,16 +209,15 @@ def main(argv=None):
         p.error(f"--seed must fit in 64 bits, got {args.seed}")
     device_from_flag(p.error, args.device)
     try:
-        texts = sample(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
-                       args.top_k or None, args.seed, args.device, args.tokenizer,
-                       args.top_p if args.top_p < 1 else None, not args.keep_factors)
+        for text in samples(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
+                            args.top_k or None, args.seed, args.device, args.tokenizer,
+                            args.top_p if args.top_p < 1 else None, not args.keep_factors, args.batch_size):
+            print(text)
+            print("-" * 40, flush=True)
     except (OSError, ValueError) as e:
         raise SystemExit(f"sample.py: {e}") from None
     except KeyboardInterrupt:
         raise SystemExit("sample.py: interrupted") from None
-    for text in texts:
-        print(text)
-        print("-" * 40)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,44 @@ def test_sample_is_deterministic_under_a_seed(sl_ckpt):
     assert greedy[0] == greedy[1], "greedy decoding draws nothing"
 
 
+def test_samples_are_drawn_a_batch_at_a_time_and_each_batch_shown_as_it_ends(sl_ckpt, monkeypatch, capsys):
+    """--num_samples 10^8 once built one batch of all of them (a cache and logits of terabytes). Drawn --batch_size at
+    a time: one batch's memory for any number, the same draws for a seed at the same batch size, greedy text the same
+    at any; each batch printed before the next is drawn."""
+    a = sample.sample(sl_ckpt, "the", num_samples=5, max_new_tokens=8, seed=3, batch_size=2)
+    assert len(a) == 5 and a == sample.sample(sl_ckpt, "the", num_samples=5, max_new_tokens=8, seed=3, batch_size=2)
+    greedy = sample.sample(sl_ckpt, "the", num_samples=3, max_new_tokens=8, temperature=0)
+    assert greedy == sample.sample(sl_ckpt, "the", num_samples=3, max_new_tokens=8, temperature=0, batch_size=1)
+    batches, real_generate = [], sample.generate
+
+    def spy(model, idx, *args, **kwargs):  # what was printed when each batch began
+        batches.append((idx.size(0), capsys.readouterr().out.count("-" * 40)))
+        return real_generate(model, idx, *args, **kwargs)
+    monkeypatch.setattr(sample, "generate", spy)
+    sample.main([sl_ckpt, "--prompt", "the", "--num_samples", "5", "--max_new_tokens", "3", "--batch_size", "2"])
+    assert batches == [(2, 0), (2, 2), (1, 2)] and capsys.readouterr().out.count("-" * 40) == 1
+
+
+def test_sample_refuses_a_batch_that_cannot_fit_before_the_merge(sl_ckpt, monkeypatch):
+    """The cache and logits of a batch beyond the memory there are refused in one line naming a batch that fits,
+    before the merge (minutes at 7b); the default batch of a huge --num_samples fits."""
+    model, ckpt = load_model(sl_ckpt)
+    context = ckpt["args"]["max_length"] - 1
+    one = sample.batch_bytes(model.config, 1, context, torch.float32)
+    weights = sum(p.nbytes for p in model.parameters())
+    assert one == 2 * 2 * context * 64 * 4 + context * model.config.vocab_size * 4 + model.config.vocab_size * 4
+    monkeypatch.setattr(sample, "memory_there", lambda device: ((2 * weights + 3.5 * one) / 0.8, 0.8, "a 1 GB box"))
+    monkeypatch.setattr(sample, "merged", lambda m: pytest.fail("merged before the batch was checked"))
+    with pytest.raises(SystemExit, match=r"^sample.py: a batch of 4 samples holds a KV cache and logits of about "
+                                         r"0.0 GB, beside the weights, more than 80% of a 1 GB box; pass --batch_size "
+                                         r"3$"):
+        sample.main([sl_ckpt, "--num_samples", "5", "--batch_size", "4"])
+    monkeypatch.undo()
+    monkeypatch.setattr(sample, "generate", lambda model, idx, *a, **k: torch.cat([idx, idx], 1))
+    texts = sample.samples(sl_ckpt, "the", num_samples=10 ** 8)
+    assert [next(texts) for _ in range(3)] == ["the the"] * 3  # drawn as read: 10^8 rows were never built
+
+
 def test_sample_keeps_the_factors_when_asked(sl_ckpt, monkeypatch):
     """--keep_factors generates from the weights as trained: the same greedy text (float32), from an SLTrain model."""
     merged = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, temperature=0)
@@ -70,7 +108,7 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     eos, seen = sample.load_tokenizer(ckpt["args"]["tokenizer"]).eos_id(), []
 
     class Spy:  # the model, recording the positions each call attends to: the cached ones and the new ones
-        config = model.config
+        config, parameters = model.config, model.parameters
 
         def __call__(self, idx, cache=None):
             seen.append((cache.pos if cache else 0) + idx.shape[1])
@@ -240,7 +278,10 @@ class Scripted:
 
     def __init__(self, scripts, vocab_size):
         self.scripts, self.calls = scripts, 0
-        self.config = type("Config", (), {"vocab_size": vocab_size, "n_layers": 1, "method": "full"})
+        self.config = type("Config", (), {"vocab_size": vocab_size, "n_layers": 1, "dim": 8, "method": "full"})
+
+    def parameters(self):
+        return iter([torch.zeros(8)])
 
     def __call__(self, idx, cache=None):
         logits = torch.zeros(*idx.shape, self.config.vocab_size)  # (B, T, vocab)
@@ -312,6 +353,9 @@ def refuse_to_load(path, *args, **kwargs):
     (["--top_p", "nan"], "--top_p must be in (0, 1], got nan"),
     (["--seed", str(2**70)], f"--seed must fit in 64 bits, got {2**70}"),
     (["--seed", str(-2**63 - 1)], f"--seed must fit in 64 bits, got {-2**63 - 1}"),
+    (["--batch_size", "0"], "--batch_size must be positive and at most 2^63 - 1, got 0"),
+    (["--num_samples", str(2 ** 63)], f"--num_samples must be positive and at most 2^63 - 1, got {2 ** 63}"),
+    (["--max_new_tokens", "-3"], "--max_new_tokens must be positive and at most 2^63 - 1, got -3"),
 ])
 def test_sample_refuses_bad_numbers_before_loading(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sample, "load_model", refuse_to_load)
