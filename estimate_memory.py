@@ -54,7 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import galore
 import optim
 from devices import device_from_flag
-from model import (LLaMA, LLaMAConfig, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values,
+from model import (MAX_LENGTH, LLaMA, LLaMAConfig, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values,
                    frozen_base_to, is_projection)
 from per_layer import attach_per_layer
 from sllinear import SLLinear
@@ -136,8 +136,15 @@ def activation_bytes(size, method, rank, delta, batch_size, max_length, activati
     only V requires grad, so what is saved for the frozen weights' gradients alone is not.
 
     The blocks are alike, so a model of one block and one of two are counted, and each further block adds what the
-    second did: the same bytes as counting all of them (test_estimate_memory.py checks it), in seconds fewer at 7b."""
+    second did: the same bytes as counting all of them (test_estimate_memory.py checks it), in seconds fewer at 7b.
+    So are the sequences of a batch: batches of one and two are counted, and each further sequence adds what the
+    second did (the rotary tables are the batch's, once), so that any batch is counted at once, never traced at a
+    size past torch's int64 sizes."""
     config = config_for(size, method=method, rank=rank, delta=delta, vocab_size=vocab_size, ffn_dim=ffn_dim)
+    if batch_size > 2:
+        one, two = (activation_bytes(size, method, rank, delta, b, max_length, activation_checkpointing, dtype, amp,
+                                     vocab_size, freeze, ffn_dim) for b in (1, 2))
+        return one + (batch_size - 1) * (two - one)
     options = (batch_size, max_length, activation_checkpointing, dtype, amp, freeze)
     if config.n_layers <= 2:
         return saved_bytes(config, *options)
@@ -286,7 +293,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         freeze_all_but_values(model)
     n = model.num_params()
     kept = grads_kept(per_layer, accumulation, ddp, cuda_graph)
-    row = dict(size=size, method=method, rank=rank, delta=delta, freeze=freeze, optimizer=optimizer,
+    row = dict(size=size, method=method, rank=rank, delta=delta, ffn_dim=config.ffn_dim, freeze=freeze,
+               optimizer=optimizer,
                index_dtype=index_dtype, per_layer=per_layer, batch_size=batch_size, max_length=max_length,
                activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, accumulation=accumulation,
                ddp=ddp, cuda_graph=cuda_graph, grads_kept=kept,
@@ -410,6 +418,7 @@ def print_breakdown(r):
     """Appendix F's paragraph for one row, with the parts the paper leaves out."""
     m, kept = r["method"], values_dtype(r)
     print(f"{r['size']} {m}: r={r['rank']}" + (f", delta={r['delta']}" if m in SPARSE else "")
+          + ("" if r["ffn_dim"] == config_for(r["size"]).ffn_dim else f", ffn_dim={r['ffn_dim']}")
           + ("" if kept == "bf16" else f", {kept}")
           + (", 8-bit Adam" if r["optimizer"] == "adam8bit" else ", AdamW")
           + (", per-layer updates" if r["per_layer"] else "")
@@ -509,7 +518,7 @@ def peak_of_events(events):
 
 def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
             activation_checkpointing=False, dtype=None, amp=False, freeze=None, accumulation=1, ddp=False,
-            packed=False):
+            packed=False, ffn_dim=None):
     """A few real training steps of our model, in dtype as estimate's (the paper's bf16 by default; float32 under
     amp, with bf16 autocast; freeze as estimate's), each of `accumulation` micro-batches; ddp: the model under
     DistributedDataParallel as train.py's, in a process group of one made here where there is none. Returns the
@@ -517,7 +526,8 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
     parameters, gradients (the most alive at once), optimizer state and saved activations (the most of one forward),
     counted; the real peak of the steps (CUDA: the allocator's max_memory_allocated; CPU: cpu_peak, from the
     profiler's memory events); "base", what the process held before the model was built, which the peak includes;
-    and how the model stores its supports ("int32", "int64", or "packed": packed=True builds it so).
+    and how the model stores its supports ("int32", "int64", or "packed": packed=True builds it so). ffn_dim: another
+    MLP width, as estimate's.
 
     On CUDA the base is chiefly the BLAS libraries' workspaces: cuBLAS and cuBLASLt each take one per thread and
     stream (32 MiB on Hopper, through the caching allocator), and backward runs on a thread of its own, so a first
@@ -543,7 +553,7 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
         with profiler:  # from before the model exists, so that every byte the steps free was seen being allocated
             counted, index_dtype = _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length,
                                             steps, device, activation_checkpointing, dtype, amp, freeze, accumulation,
-                                            ddp, packed)
+                                            ddp, packed, ffn_dim)
     finally:
         if group:
             torch.distributed.destroy_process_group()
@@ -554,10 +564,10 @@ def measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_len
 
 
 def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
-             activation_checkpointing, dtype, amp, freeze, accumulation=1, ddp=False, packed=False):
+             activation_checkpointing, dtype, amp, freeze, accumulation=1, ddp=False, packed=False, ffn_dim=None):
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta,
-                        packed_support=packed)
+                        packed_support=packed, ffn_dim=ffn_dim)
     model = raw = LLaMA(config, device=device).to(getattr(torch, dtype))
     model.autocast = torch.bfloat16 if amp else None
     if amp:
@@ -682,7 +692,8 @@ def estimate_for(args, size, method, index_dtype):
     """estimate() of one size and method at the command line's settings."""
     return estimate(size, method, args.rank, args.delta, index_dtype, args.optimizer, args.per_layer, args.batch_size,
                     args.max_length, args.activation_checkpointing, args.dtype, args.amp, freeze=args.freeze,
-                    accumulation=args.gradient_accumulation, ddp=args.ddp, cuda_graph=args.cuda_graph)
+                    accumulation=args.gradient_accumulation, ddp=args.ddp, cuda_graph=args.cuda_graph,
+                    ffn_dim=args.ffn_dim)
 
 
 def measured_format(args):
@@ -714,6 +725,12 @@ def check_args(parser, args):
             or (args.max_length is not None and args.max_length < 1) or (args.steps is not None and args.steps < 1)):
         parser.error("--batch_size must be >= 0 (>= 1 with --measure, which runs training steps), --max_length and "
                      "--steps >= 1")
+    if args.max_length is not None and args.max_length > MAX_LENGTH:
+        parser.error(f"--max_length must be at most 2^24 = {MAX_LENGTH:,}, the positions a model tells apart (its "
+                     f"rotary positions are float32, exact to 2^24), got {args.max_length}")
+    if args.ffn_dim is not None and (args.size == "all" or args.ffn_dim < 1):
+        parser.error("--ffn_dim is one size's MLP width, at least 1: pass it with a --size" if args.size == "all"
+                     else f"--ffn_dim must be at least 1, got {args.ffn_dim}")
     if not args.measure and (args.steps is not None or args.device is not None):
         parser.error("--steps and --device say how --measure runs: add --measure or drop them")
     if args.measure and args.index_dtype not in (None, "packed"):
@@ -759,12 +776,13 @@ def check_model_flags(parser, args):
     # the models the estimate builds: sltrain's and sltrain_ft's, a low-rank one for lowrank and relora; galore's
     # rank is its own
     checked = [m for m in methods if m in SPARSE] + ["lowrank"] * bool({"lowrank", "relora"} & {*methods})
-    for size in sizes if args.rank is not None or args.delta is not None else ():
+    for size in sizes if {args.rank, args.delta, args.ffn_dim} != {None} else ():
         try:
             for method in checked:
-                LLaMA(config_for(size, method=method, rank=args.rank, delta=args.delta), device="meta")
+                LLaMA(config_for(size, method=method, rank=args.rank, delta=args.delta, ffn_dim=args.ffn_dim),
+                      device="meta")
             if "galore" in methods:
-                estimate(size, "galore", args.rank)
+                estimate(size, "galore", args.rank, ffn_dim=args.ffn_dim)
         except ValueError as e:
             parser.error(f"--size {size}: {e}")
 
@@ -778,6 +796,8 @@ def main():
                         help="training method (all: the paper's table; sltrain_ft, fine-tuning, only when named)")
     parser.add_argument("--rank", type=int, default=None, help="r of the low-rank factors (default: the size's)")
     parser.add_argument("--delta", type=float, default=None, help="sltrain's sparse fraction (default: the size's)")
+    parser.add_argument("--ffn_dim", type=int, default=None,
+                        help="width of each MLP's hidden layer, as train.py --ffn_dim (default: the size's)")
     parser.add_argument("--index_dtype", default=None, choices=list(INDEX_FORMATS),
                         help="bytes per sparse index: the paper counts int64 (the default); sllinear.py stores int32, "
                              "which --measure counts, or packed, about 1.1 bytes an index (train.py --packed_support)")
@@ -828,7 +848,8 @@ def main():
             counted, index_dtype = measure(args.size, method, args.rank, args.delta, args.optimizer, args.per_layer,
                                            args.batch_size, args.max_length, args.steps, device,
                                            args.activation_checkpointing, args.dtype, args.amp, args.freeze,
-                                           args.gradient_accumulation, args.ddp, measured_format(args) == "packed")
+                                           args.gradient_accumulation, args.ddp, measured_format(args) == "packed",
+                                           args.ffn_dim)
             est = estimate_for(args, args.size, method, index_dtype)
             results[method] = (est, counted)
         if args.json:

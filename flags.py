@@ -18,7 +18,7 @@ import adam8bit_kernel
 import checkpoint
 from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
-from model import METHODS, SPARSE, LLaMA, SIZES, config_for
+from model import MAX_LENGTH, METHODS, SPARSE, LLaMA, SIZES, config_for
 
 # size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
 # whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share
@@ -45,6 +45,7 @@ EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "ffn_d
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest a float flag may be: the step takes it as a float32
+INT64_MAX = 2 ** 63 - 1  # the largest a count may be: tensors, torch's sizes and data positions are int64
 # the flags that name a file or folder: an empty one is refused, not taken as "none" or the current folder
 PATHS = ("resume", "init_from", "model_config", "out_dir", "data_dir", "tokenizer")
 
@@ -207,14 +208,18 @@ def get_args(argv=None, description=None):
     args.lr = (GALORE[args.size][0] if galore else lr) if args.lr is None else args.lr
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
                 "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim", "galore_scale")
-    # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there
-    bound = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else ""  # noqa: E731
+    # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there; a count
+    # becomes an int64 (a tensor's size, a data position): beyond it torch overflows
+    top = lambda v: FLOAT32_MAX if isinstance(v, float) else INT64_MAX  # noqa: E731
+    bound = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else " and at most 2^63 - 1"  # noqa
     for name in positive:
-        if getattr(args, name) is not None and not 0 < getattr(args, name) <= FLOAT32_MAX:  # `not <` refuses NaN
-            p.error(f"--{name} must be positive{bound(getattr(args, name))}, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and not 0 < value <= top(value):  # `not <` refuses NaN
+            p.error(f"--{name} must be positive{bound(value)}, got {value}")
     for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= FLOAT32_MAX:
-            p.error(f"--{name} must be >= 0{bound(getattr(args, name))}, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= top(value):
+            p.error(f"--{name} must be >= 0{bound(value)}, got {value}")
     if args.workers > (os.cpu_count() or 1):  # each a process reading shards: more than the CPUs only crowd them
         p.error(f"--workers must be at most {os.cpu_count() or 1}, this machine's CPUs, got {args.workers}")
     for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed
@@ -224,8 +229,9 @@ def get_args(argv=None, description=None):
         if not low <= getattr(args, name) <= high:
             p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
                     f"got {getattr(args, name)}")
-    if args.max_length < 2:
-        p.error(f"--max_length must be at least 2 (an input token and its target), got {args.max_length}")
+    if not 2 <= args.max_length <= MAX_LENGTH:  # an input token and its target, up to what RoPE tells apart
+        p.error(f"--max_length must be in [2, 2^24 = {MAX_LENGTH:,}] (an input and its target; rotary positions are "
+                f"float32, exact to 2^24), got {args.max_length}")
     if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps:
         p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
     if args.per_layer and args.grad_clipping:

@@ -60,6 +60,9 @@ SIZES = {
 # sltrain_ft's (rank, alpha, delta) at every size: the paper's fine-tuning table (RoBERTa-base on GLUE, its appendix)
 # has r = 8 throughout, and δ = 0.005 and α = 32 are the values its per-task tuning picked most often
 FINETUNE = (8, 32.0, 0.005)
+# the longest sequence: rotary angles are position x frequency in float32, whose integers are exact to 2^24 only;
+# past it two positions would share one rotation
+MAX_LENGTH = 2 ** 24
 
 
 def config_for(size, **overrides):
@@ -190,6 +193,8 @@ class RMSNorm(nn.Module):
 
 def rope_cache(T, head_dim, theta, device):
     """cos and sin of the rotary angles, each (T, head_dim), in the half-split layout of HF LLaMA."""
+    if T > MAX_LENGTH:
+        raise ValueError(f"{T:,} positions: rotary positions are float32, exact up to MAX_LENGTH = 2^24")
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs)

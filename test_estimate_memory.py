@@ -188,6 +188,25 @@ def test_activations_of_one_and_two_blocks_give_every_blocks(method, options):
     assert em.activation_bytes("60m", method, None, None, 2, 16, **options) == whole > 0
 
 
+@pytest.mark.parametrize("method,options", [("full", {}), ("sltrain", dict(activation_checkpointing=True)),
+                                            ("sltrain", dict(dtype="float32", amp=True)),
+                                            ("sltrain_ft", dict(freeze="lowrank"))],
+                         ids=["full", "checkpointed", "amp", "frozen"])
+def test_activations_of_batches_of_one_and_two_give_every_batchs(method, options):
+    """activation_bytes counts batches of one and two sequences and adds the second's bytes for each further one:
+    the bytes of the whole batch's forward (the rotary tables, the batch's once, included), so that a batch of any
+    size is counted at once; one past torch's int64 sizes (10^20 sequences) was a traceback in the fake forward."""
+    kw = dict(activation_checkpointing=False, dtype="bfloat16", amp=False, freeze=None) | options
+    config = em.config_for("tiny", method=method)
+    assert config.n_layers <= 2  # counted whole, so the batch alone is extrapolated
+    for batch in (3, 5):
+        assert em.activation_bytes("tiny", method, None, None, batch, 48, **options) == \
+            em.saved_bytes(config, batch, 48, *kw.values()) > em.activation_bytes("tiny", method, None, None, 2, 48,
+                                                                                  **options)
+    one, two = (em.activation_bytes("60m", method, None, None, b, 16, **options) for b in (1, 2))
+    assert em.activation_bytes("60m", method, None, None, 10 ** 20, 16, **options) == one + (10 ** 20 - 1) * (two - one)
+
+
 def test_a_forward_is_counted_once_a_process_for_each_config_and_options(monkeypatch):
     """A memory check that names a fix, the table and the suite ask for the same counts again: each is made once,
     keyed by the whole config (here a vocabulary that the size's name does not show) and the options."""
@@ -335,6 +354,12 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--method", "relora", "--delta", "0.1"], "--method relora has none of: drop it, or pass --method sltrain"),
     (["--freeze", "lowrank"], "--freeze lowrank trains only SLTrain's sparse values: pass --method sltrain"),
     (["--method", "full", "--freeze", "lowrank", "--measure"], "trains only SLTrain's sparse values: pass --method"),
+    (["--ffn_dim", "5464"], "--ffn_dim is one size's MLP width, at least 1: pass it with a --size"),
+    (["--size", "1b", "--ffn_dim", "0"], "--ffn_dim must be at least 1, got 0"),
+    (["--size", "60m", "--method", "sltrain", "--ffn_dim", "100"], "--size 60m: rank must be in [0, min(in, out)) = "
+                                                                    "[0, 100), got 128"),
+    (["--batch_size", "1", "--max_length", str(2 ** 24 + 1)], "--max_length must be at most 2^24 = 16,777,216, the "
+     "positions a model tells apart (its rotary positions are float32, exact to 2^24), got 16777217"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["estimate_memory.py", *argv])
@@ -367,6 +392,25 @@ def test_measure_refuses_a_model_the_machine_cannot_hold_before_building_it(monk
     err = capsys.readouterr().err
     assert "--measure sltrain at 7b needs about" in err and "more than 80% of this machine's 16.0 GB: pass a " \
         "smaller --size or --batch_size" in err, err
+
+
+def test_ffn_dim_is_honored_as_train_py_builds_it(monkeypatch, capsys):
+    """--ffn_dim (train.py's): the MLP width of the model counted, in the table and in --measure's build alike."""
+    out = run_main(monkeypatch, capsys, "--size", "tiny", "--method", "sltrain", "--ffn_dim", "200", "--batch_size",
+                   "1", "--max_length", "16", "--json")
+    (row,) = json.loads(out)
+    assert row == em.estimate("tiny", "sltrain", ffn_dim=200, batch_size=1, max_length=16) != \
+        em.estimate("tiny", "sltrain", batch_size=1, max_length=16)
+    model = LLaMA(config_for("tiny", method="sltrain", ffn_dim=200), device="meta")
+    assert row["ffn_dim"] == 200 and round(row["params_m"] * 1e6) == model.num_params()["total"]
+    assert "tiny sltrain: r=16, delta=0.03, ffn_dim=200" in run_main(monkeypatch, capsys, "--size", "tiny", "--method",
+                                                                      "sltrain", "--ffn_dim", "200")
+    assert "ffn_dim" not in run_main(monkeypatch, capsys, "--size", "tiny", "--method", "sltrain", "--ffn_dim", "176")
+    out = run_main(monkeypatch, capsys, "--measure", "--size", "tiny", "--method", "full", "--ffn_dim", "200",
+                   "--batch_size", "1", "--max_length", "16", "--steps", "1", "--device", "cpu", "--json")
+    (row,) = json.loads(out)
+    assert row["measured"]["param"] == sum(p.numel() for p in LLaMA(config_for("tiny", ffn_dim=200),
+                                                                     device="meta").parameters()) * 2  # bf16
 
 
 def test_rank_and_delta_are_honored_where_a_method_has_them(monkeypatch, capsys):

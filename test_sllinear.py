@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import ops_by_name
-from model import LLaMA, SIZES, KVCache, RMSNorm, config_for
+from model import MAX_LENGTH, LLaMA, SIZES, KVCache, RMSNorm, config_for, rope_cache
 import sllinear
 from sllinear import (PACK_BLOCK, SLLinear, pack_support, projections, sl_linear, sl_linear_group,
                       support_positions, uniform_support)
@@ -1030,6 +1030,20 @@ def test_model_matches_llama_written_out(method):
         logits = model(idx)[0]
     ref = reference_logits(weights, config, idx)
     torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{max_diff(logits, ref)} {m}")
+
+
+def test_positions_past_what_float32_rotations_tell_apart_are_refused():
+    """Rotary angles are position x frequency in float32, whose integers are exact to 2^24: past it two positions
+    share one rotation (2^24 + 1 rounds to 2^24). A model asked for more positions refuses, before any work; at the
+    bound the table is made (on the meta device: no memory)."""
+    assert torch.tensor(MAX_LENGTH + 1, dtype=torch.float32).item() == MAX_LENGTH  # why the bound is where it is
+    assert torch.tensor(MAX_LENGTH - 1, dtype=torch.float32).item() == MAX_LENGTH - 1
+    assert rope_cache(MAX_LENGTH, 16, 1e4, "meta")[0].shape == (MAX_LENGTH, 16)
+    with pytest.raises(ValueError, match=r"16,777,217 positions: rotary positions are float32, exact up to"):
+        rope_cache(MAX_LENGTH + 1, 16, 1e4, "meta")
+    model = LLaMA(config_for("tiny", vocab_size=64), device="meta")
+    with pytest.raises(ValueError, match="exact up to MAX_LENGTH"):
+        model(torch.zeros(1, MAX_LENGTH + 1, dtype=torch.long, device="meta"))
 
 
 @pytest.mark.parametrize("method", ["full", "lowrank", "relora", "sltrain"])
