@@ -8,6 +8,8 @@ arithmetic (total = micro-batch x accumulation x devices), and whether the run f
 """
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 import sys
@@ -43,6 +45,18 @@ EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "ffn_d
               "device", "batch_size", "max_length", "eval_tokens", "pack", "eval_only", "resume", "out_dir",
               "data_dir", "tokenizer", "download", "packed_support", "deterministic")
 
+
+# --model_config: the keys of an HF LLaMA config.json (the authors' configs/llama_<size>.json) this repo's model reads,
+# as LLaMAConfig's fields; those that must hold this model's own value (any other is another architecture); and
+# those that say nothing of the model's weights (HF's runtime, the file's own, token ids the tokenizer has)
+CONFIG_KEYS = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_attention_heads": "n_heads",
+               "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+               "vocab_size": "vocab_size"}
+CONFIG_FIXED = {"hidden_act": "silu", "model_type": "llama", "tie_word_embeddings": False, "attention_bias": False,
+                "mlp_bias": False, "rope_scaling": None, "pretraining_tp": 1, "initializer_range": 0.02,
+                "attention_dropout": 0.0}
+CONFIG_IGNORED = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "max_sequence_length",
+                  "max_position_embeddings", "transformers_version", "use_cache", "torch_dtype")
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest a float flag may be: the step takes it as a float32
 INT64_MAX = 2 ** 63 - 1  # the largest a count may be: tensors, torch's sizes and data positions are int64
@@ -150,7 +164,9 @@ def make_parser(description=None):
     a("--workers", type=int, default=1, help="data loader worker processes (0: load in the main process)")
     a("--log_every", type=int, default=10, help="print and record a log line every this many updates")
     a("--seed", type=int, default=42, help="seed for initialization, support and data order")
-    a("--model_config", help="the authors' configs/llama_<size>.json; sets --size")
+    a("--model_config", help="the authors' configs/llama_<size>.json: sets --size, and where the file is here its "
+      "contents are read: the shape must be the size's, intermediate_size sets --ffn_dim, vocab_size must be the "
+      "tokenizer's, and a key of another architecture is refused (a path not here is taken by its name)")
     a("--init_from", help="start a lowrank/sltrain model at a full-rank checkpoint: s·BA = its best rank-r "
       "approximation, S = the residual on the support (analyze.py); sltrain_ft: W0 = its weights, B = 0, V = 0; "
       "full: its weights (full-rank fine-tuning, also with a GaLore optimizer). "
@@ -194,6 +210,8 @@ def get_args(argv=None, description=None):
         if args.size not in (None, m.group(1)):
             p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
         args.size = m.group(1)
+        if os.path.exists(args.model_config):
+            check_model_config(p, args)
     args.size = args.size or "60m"
     if args.eval_only:
         given = [name for name in given_flags(argv) if name not in EVAL_READS]
@@ -298,6 +316,67 @@ def get_args(argv=None, description=None):
         args.warmup_steps = args.num_training_steps * warmup // steps
     args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
     return args
+
+
+def read_model_config(path, size):
+    """The LLaMAConfig fields that the HF LLaMA config.json at path sets (CONFIG_KEYS); a ValueError, in one line, for
+    a file that is not one, a key of another architecture, or a shape other than the size's (the paper's sizes are
+    what this repo builds: model.SIZES)."""
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot be read as JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"holds a JSON {type(hf).__name__}, not a config's object")
+    unknown = [k for k in hf if k not in CONFIG_KEYS and k not in CONFIG_FIXED and k not in CONFIG_IGNORED
+               and k not in ("num_key_value_heads", "head_dim")]
+    if unknown:
+        them = "them" if len(unknown) > 1 else "it"
+        raise ValueError(f"{', '.join(unknown)}: not read by this repo's LLaMA; remove {them}, or use a model that "
+                         f"reads {them}")
+    fields = {CONFIG_KEYS[k]: v for k, v in hf.items() if k in CONFIG_KEYS}
+    own = dataclasses.asdict(config_for(size))
+    n_heads = fields.get("n_heads", own["n_heads"])
+    fixed = dict(CONFIG_FIXED, num_key_value_heads=n_heads, head_dim=fields.get("dim", own["dim"]) // n_heads)
+    for key, value in hf.items():
+        if key in fixed and value != fixed[key]:
+            raise ValueError(f"{key} {value!r}: this repo's LLaMA has {fixed[key]!r} (a model it does not build)")
+    for field in ("dim", "n_heads", "n_layers", "norm_eps", "rope_theta"):
+        if field in fields and fields[field] != own[field]:
+            key = next(k for k, v in CONFIG_KEYS.items() if v == field)
+            raise ValueError(f"{key} {fields[field]!r}, where size {size} has {own[field]!r}: this repo builds the "
+                             "paper's sizes (model.SIZES; --ffn_dim sets the MLP's width)")
+    for field in ("ffn_dim", "vocab_size"):
+        if field in fields and not (isinstance(fields[field], int) and fields[field] > 0):
+            raise ValueError(f"{next(k for k, v in CONFIG_KEYS.items() if v == field)} must be a positive integer, "
+                             f"got {fields[field]!r}")
+    return fields
+
+
+def check_model_config(p, args):
+    """--model_config's file, read (read_model_config): its intermediate_size is --ffn_dim's (the two disagreeing
+    are refused); its vocab_size is checked against the tokenizer by train.py, once that is loaded."""
+    try:
+        fields = read_model_config(args.model_config, args.size)
+    except ValueError as e:
+        p.error(f"--model_config {args.model_config}: {e}")
+    ffn_dim = fields.get("ffn_dim")
+    if None not in (ffn_dim, args.ffn_dim) and ffn_dim != args.ffn_dim:
+        p.error(f"--model_config {args.model_config} has intermediate_size {ffn_dim}, --ffn_dim says {args.ffn_dim}: "
+                "drop one")
+    args.ffn_dim = args.ffn_dim if ffn_dim is None else ffn_dim
+
+
+def model_config_refusal(args, vocab_size):
+    """train.py's check, once the tokenizer is loaded, that --model_config's vocab_size is its size; None if so."""
+    if not (args.model_config and os.path.exists(args.model_config)):
+        return None
+    want = read_model_config(args.model_config, args.size).get("vocab_size", vocab_size)
+    if want != vocab_size:
+        return (f"--model_config {args.model_config} has vocab_size {want}, and the tokenizer {args.tokenizer} "
+                f"has {vocab_size} pieces: pass the tokenizer the config was made for, or a config of its size")
+    return None
 
 
 def given_flags(argv=None):

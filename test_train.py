@@ -28,6 +28,7 @@ import torch
 
 import checkpoint
 import data
+import export
 import flags
 import train
 from hostsync import HostSyncs
@@ -679,6 +680,88 @@ def test_authors_flag_names_are_accepted(corpus, tmp_path):
     assert (args.optimizer, args.per_layer, args.out_dir, args.resume) == ("adam8bit", True, "ckpts", "ckpts/ckpt.pt")
     assert (args.num_training_steps, args.lr, args.rank) == (11_000, 3e-3, 128)
     assert args.warmup_steps is None, "a resumed run keeps the warmup in its checkpoint"
+
+
+# the authors' configs/llama_7b.json (as in their repository and GaLore's), every key of it
+AUTHORS_7B = {"architectures": ["LLaMAForCausalLM"], "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu",
+              "hidden_size": 4096, "intermediate_size": 11008, "initializer_range": 0.02, "max_sequence_length": 2048,
+              "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "pad_token_id": -1,
+              "rms_norm_eps": 1e-06, "transformers_version": "4.28.1", "use_cache": True, "vocab_size": 32000}
+
+
+def test_model_config_contents_are_read_where_the_file_is(corpus, tmp_path, capsys):
+    """--model_config once set --size from its name alone: a config of another width trained the size's model without
+    a word. Where the file is, it is read: the authors' configs and export.py's config.json are the size's; its
+    intermediate_size is --ffn_dim's (one that disagrees is refused); a shape other than the size's, a key of another
+    architecture, a vocab_size other than the tokenizer's, or a file that is not a config, are refused before any
+    work. A path not here is still taken by its name (the authors' command lines)."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    path = configs / "llama_7b.json"
+    path.write_text(json.dumps(AUTHORS_7B, indent=4))
+    assert flags.read_model_config(path, "7b") == dict(dim=4096, ffn_dim=11008, n_heads=32, n_layers=32,
+                                                       norm_eps=1e-6, vocab_size=32000)
+    tiny = dict(AUTHORS_7B, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_hidden_layers=2,
+                vocab_size=96)  # the corpus's tokenizer has 96 pieces
+    path = configs / "llama_tiny.json"
+
+    def run(config, out, *extra):
+        path.write_text(json.dumps(config))
+        train.main(base_args(corpus, tmp_path / out, 2, "--model_config", str(path), *extra))
+        return final_state(tmp_path / out)
+    assert run(tiny, "a")["model_config"]["ffn_dim"] == 176
+    state = run(dict(tiny, intermediate_size=200), "b")
+    assert state["model_config"]["ffn_dim"] == state["args"]["ffn_dim"] == 200
+    assert state["model"]["layers.0.mlp.up_proj.B"].shape[0] == 200
+    assert run(dict(tiny, intermediate_size=200), "c", "--ffn_dim", "200")["args"]["ffn_dim"] == 200
+    model = LLaMA(config_for("tiny", vocab_size=96))
+    path.write_text(json.dumps(export.hf_config(model.config, 32, "float32", 1)))  # an export's config.json
+    assert train.get_args(base_args(corpus, tmp_path, 2, "--model_config", str(path))).ffn_dim == 176
+    for config, message in [
+            (dict(tiny, intermediate_size=200), "has intermediate_size 200, --ffn_dim says 168: drop one"),
+            (dict(tiny, hidden_size=80), "hidden_size 80, where size tiny has 64: this repo builds the paper's sizes"),
+            (dict(tiny, num_hidden_layers=3), "num_hidden_layers 3, where size tiny has 2"),
+            (dict(tiny, rms_norm_eps=1e-5), "rms_norm_eps 1e-05, where size tiny has 1e-06"),
+            (dict(tiny, num_key_value_heads=2), "num_key_value_heads 2: this repo's LLaMA has 4"),
+            (dict(tiny, hidden_act="gelu"), "hidden_act 'gelu': this repo's LLaMA has 'silu'"),
+            (dict(tiny, tie_word_embeddings=True), "tie_word_embeddings True: this repo's LLaMA has False"),
+            (dict(tiny, sliding_window=4096, qk_norm=True), "sliding_window, qk_norm: not read by this repo's LLaMA; "
+                                                           "remove them"),
+            (dict(tiny, intermediate_size=0), "intermediate_size must be a positive integer, got 0"),
+            ([1, 2], "holds a JSON list, not a config's object"),
+            ("{not json", "cannot be read as JSON")]:
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        extra = ["--ffn_dim", "168"] if "--ffn_dim" in message else []
+        with pytest.raises(SystemExit):
+            train.get_args(base_args(corpus, tmp_path, 2, "--model_config", str(path), *extra))
+        err = capsys.readouterr().err
+        assert f"--model_config {path}" in err and message in err and "Traceback" not in err, err
+    path.write_text(json.dumps(dict(tiny, vocab_size=32000)))
+    with pytest.raises(SystemExit, match=r"has vocab_size 32000, and the tokenizer .* has 96 pieces: pass the "
+                                         r"tokenizer the config was made for, or a config of its size"):
+        train.main(base_args(corpus, tmp_path / "d", 2, "--model_config", str(path)))
+    assert not (tmp_path / "d").exists() or not os.listdir(tmp_path / "d")
+    args = train.get_args(["--model_config", str(tmp_path / "elsewhere" / "llama_60m.json"), "--device", "cpu"])
+    assert (args.size, args.ffn_dim) == ("60m", 1376)  # not here: by its name
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(AUTHORS_7B, intermediate_size=11264), "has intermediate_size 11264, --ffn_dim says 11008: drop one"),
+    (dict(AUTHORS_7B, hidden_size=5120), "hidden_size 5120, where size 7b has 4096"),
+    (dict(AUTHORS_7B, num_key_value_heads=8), "num_key_value_heads 8: this repo's LLaMA has 32"),
+    (dict(AUTHORS_7B, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling {'type': 'linear', 'factor': "
+                                                                       "2.0}: this repo's LLaMA has None"),
+    (dict(AUTHORS_7B, sliding_window=4096), "sliding_window: not read by this repo's LLaMA; remove it"),
+    ("{not json", "cannot be read as JSON"),
+])
+def test_a_model_config_this_repo_does_not_build_is_refused_in_one_line(tmp_path, capsys, config, message):
+    path = tmp_path / "llama_7b.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    extra = ["--ffn_dim", "11008"] if "intermediate_size" in message else []
+    with pytest.raises(SystemExit):
+        train.get_args(["--model_config", str(path), "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert f"--model_config {path}" in err and message in err and "Traceback" not in err, err
 
 
 def test_download_that_fails_is_one_line(monkeypatch, tmp_path):

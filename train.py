@@ -456,6 +456,8 @@ def setup(args):
         vocab_size = load_tokenizer(args.tokenizer, args.data_dir).get_piece_size()  # 32000 for T5's, as the paper
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
+    if refusal := flags.model_config_refusal(args, vocab_size):
+        raise SystemExit(refusal)
     args.data_dir, args.tokenizer = os.path.abspath(args.data_dir), os.path.abspath(args.tokenizer)  # tools read
     with open(args.tokenizer, "rb") as f:  # them from the checkpoint, from any folder
         args.tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()  # same vocabulary size is not same tokenizer
