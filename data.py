@@ -510,7 +510,8 @@ class TrainLoader:
 def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eval_tokens=10_000_000, pack=False,
                        rank=0, world_size=1):
     """The first eval_tokens non-pad tokens of the validation shards (file order, no shuffle; all of them if
-    there are fewer), as (x, y) batches with the training layout (a Validation: a list, with the set's sha256).
+    there are fewer), as (x, y) batches with the training layout (a Validation: a list, with the set's sha256, its
+    tokens, and whether the shards ran out before eval_tokens: short).
     The last batch is filled up with rows of padding, which have no targets: every batch has one shape, so a
     compiled model (train.py --compile) compiles its evaluation once, where a short last batch would compile it
     again. The set does not depend on batch_size or world_size. Under DDP rank r gets batches r, r+w, ...: sum the
@@ -540,16 +541,18 @@ def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eva
     if len(x) < batch_size:  # rows of pad tokens without targets: the loss and the count of targets are unchanged
         fill = (batch_size - len(x), x.size(1))
         batches[-1] = torch.cat([x, x.new_full(fill, pad_id)]), torch.cat([y, y.new_full(fill, -1)])
-    return Validation(batches[rank::world_size], sha256)
+    tokens = units.numel() if pack else total  # whole windows, or the rows' non-pad tokens
+    return Validation(batches[rank::world_size], sha256, tokens, short=total < goal)
 
 
 class Validation(list):
     """validation_batches' batches, and sha256: a digest of the whole set's tokens, the same at any batch size and
-    on every rank, which a resumed run compares with its checkpoint's (train.py)."""
+    on every rank, which a resumed run compares with its checkpoint's (train.py); tokens: the set's, as eval_tokens
+    counts them; short: the shards held fewer than eval_tokens, so the set is all of them (train.py says so)."""
 
-    def __init__(self, batches, sha256):
+    def __init__(self, batches, sha256, tokens=None, short=False):
         super().__init__(batches)
-        self.sha256 = sha256
+        self.sha256, self.tokens, self.short = sha256, tokens, short
 
 
 # ----------------------------------------------------------------------------- download

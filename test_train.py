@@ -460,7 +460,8 @@ def test_ffn_dim_builds_that_width_a_resume_keeps_it_and_an_older_run_had_its_si
     train.main(base_args(corpus, tmp_path / "a", 4, "--ffn_dim", "168", "--stop_after", "2"))
     state = final_state(tmp_path / "a")
     assert state["model_config"]["ffn_dim"] == 168 and state["args"]["ffn_dim"] == 168
-    assert state["model"]["layers.0.mlp.up_proj.B"].shape[0] == 168 and "note:" not in capsys.readouterr().out
+    assert state["model"]["layers.0.mlp.up_proj.B"].shape[0] == 168 and "note: the MLP width" not in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"written by another run: ffn_dim 168 \(now 176\)"):
         train.main(base_args(corpus, tmp_path / "a", 4, "--resume"))
     with pytest.raises(SystemExit, match=r"holds another model: ffn_dim 168 \(now 176\); pass .*--ffn_dim"):
@@ -664,6 +665,27 @@ def test_bad_out_dir_validation_data_and_inherited_warmup_are_one_line(corpus, t
         train.main(base_args(corpus, tmp_path / "w", 6, "--resume"))
     train.main(base_args(corpus, tmp_path / "w", 6, "--resume", "--warmup_steps", "3"))
     assert final_state(tmp_path / "w")["step"] == 6
+
+
+def test_a_short_validation_set_and_a_second_pass_over_the_data_are_said(corpus, tmp_path, capsys):
+    """Two things a run once did without a word: evaluate on fewer tokens than --eval_tokens (the shards hold fewer:
+    all of them are taken), and go round the training shards again (each document seen twice). Both are said, once,
+    when they happen; a resume already in the second pass does not say it again."""
+    folder, tokenizer = corpus
+    val = data.validation_batches(folder, tokenizer, 4, 32, eval_tokens=3000)
+    assert val.short and 0 < val.tokens < 3000
+    # the corpus's 300 training documents, one padded row each: 9 updates of 32 rows, and the 10th goes round
+    batch = ("--total_batch_size", "32", "--batch_size", "16")
+    train.main(base_args(corpus, tmp_path, 12, *batch, "--stop_after", "11"))
+    out = capsys.readouterr().out
+    assert out.count(f"note: the validation shards in {folder} hold {val.tokens:,} tokens at --max_length 32, fewer "
+                     f"than --eval_tokens 3,000: every evaluation covers those {val.tokens:,}; for more, fetch more "
+                     "shards (python data.py download --validation_shards N)") == 1, out
+    assert out.count("note: by update 10 the training data has reached pass 2 over the shards in") == 1, out
+    assert "each document is seen again, in a new order" in out
+    train.main(base_args(corpus, tmp_path, 12, *batch, "--resume", "--eval_tokens", "300"))
+    out = capsys.readouterr().out
+    assert "note:" not in out and not data.validation_batches(folder, tokenizer, 4, 32, eval_tokens=300).short, out
 
 
 def test_missing_data_names_the_fix(tmp_path):

@@ -586,6 +586,10 @@ def prepare(args, held, given=()):
         print(describe(run.raw_model))
         if device.type == "cuda" and (note := slow_width(config)):
             print(note)
+        if val.short:  # --eval_tokens is honored as far as the shards go: said, not left to be found
+            print(f"note: the validation shards in {args.data_dir} hold {val.tokens:,} tokens at --max_length "
+                  f"{args.max_length}, fewer than --eval_tokens {args.eval_tokens:,}: every evaluation covers those "
+                  f"{val.tokens:,}; for more, fetch more shards (python data.py download --validation_shards N)")
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
         exact = " | deterministic" if args.deterministic else ""
@@ -779,7 +783,7 @@ class Loop:
         rank, world = run.rank, run.world
         self.rank, self.world, self.master, self.lrs = rank, world, rank == 0, run.per_layer or run.scheduler
         self.start, self.total = ckpt["step"] if ckpt else 0, args.num_training_steps
-        self.loader = loader
+        self.loader, self.epoch = loader, loader.epoch  # the pass over the training shards the data is in
         if ckpt:
             torch.set_rng_state(ckpt["rng"])
         self.keeper = Keeper(args, run, ckpt, val)
@@ -846,6 +850,12 @@ class Loop:
         """Log (the only host syncs of the loop), evaluate, save, stop; True when the run stops here. The row has
         update `done`'s gradient norm and learning rate, and the mean loss since the last row."""
         args = self.args
+        if self.loader.epoch != self.epoch:  # a second pass: the documents come again, said as it happens
+            self.epoch = self.loader.epoch
+            if self.master:
+                print(f"note: by update {done} the training data has reached pass {self.epoch + 1} over the shards in "
+                      f"{args.data_dir}: each document is seen again, in a new order (fetch more train shards for a "
+                      "run that sees each once)", flush=True)
         planned = args.stop_after and done - self.start >= args.stop_after and done < self.total  # same on all ranks
         # stop on a signal where all ranks agree (here, or in evaluation): a later one waits for the next update
         signalled = stopping(self.stop, self.world)
