@@ -798,9 +798,26 @@ def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit, match="python data.py download --out .* --train_shards 17"):
+    with pytest.raises(SystemExit, match="python data.py download --out .* --train_shards 17 --validation_shards 2$"):
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path)])
     assert not (tmp_path / "c4").exists()
+
+
+@pytest.mark.parametrize("extra,shards", [([], (17, 2)), (["--eval_tokens", "100000"], (17, 1)),
+                                          (["--eval_tokens", "10**9"], (17, 8)),
+                                          (["--num_training_steps", "10", "--eval_tokens", "16000001"], (1, 3))])
+def test_download_fetches_the_shards_the_run_reads(monkeypatch, tmp_path, capsys, extra, shards):
+    """Train shards enough that no document comes twice; validation shards enough for --eval_tokens: one holds about
+    8.9M tokens at 256 a row, so the paper's 10M once came from a shard that holds fewer."""
+    fetched = []
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
+    extra = [str(10 ** 9) if e == "10**9" else e for e in extra]
+    with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path),
+                    *extra])
+    assert fetched == [data.shard_names(*shards)]
+    assert f"--download: {shards[0]} C4 train shard(s), {shards[1]} validation shard(s) and the T5 tokenizer" in \
+        capsys.readouterr().out
 
 
 

@@ -73,6 +73,7 @@ from per_layer import attach_per_layer
 MODEL_FIELDS = ("method", "rank", "alpha", "delta", "ffn_dim")
 # a checkpoint write longer than this is said once: schedulers commonly allow 30 s between SIGTERM and SIGKILL
 SLOW_SAVE_S = 20
+VALIDATION_SHARD_TOKENS = 8_000_000  # --download's reckoning of a C4 validation shard's tokens, a little under (setup)
 
 
 def get_args(argv=None):
@@ -436,14 +437,19 @@ def setup(args):
     rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
                                int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
     if args.download:
-        # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents)
+        # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents), and
+        # validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
+        # documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two
         n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
+        n_val = min(8, math.ceil(args.eval_tokens / VALIDATION_SHARD_TOKENS))
         if ddp:  # the other ranks would wait on a barrier for the whole download, past the process group's timeout
             raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
-                             f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {n_train}")
-        print(f"--download: {n_train} C4 train shard(s), 1 validation shard and the T5 tokenizer into {args.data_dir}")
+                             f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {n_train} "
+                             f"--validation_shards {n_val}")
+        print(f"--download: {n_train} C4 train shard(s), {n_val} validation shard(s) and the T5 tokenizer into "
+              f"{args.data_dir}")
         try:
-            download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=1))
+            download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=n_val))
         except (OSError, ValueError) as e:  # offline, a failing server, a file that fails its checksum
             raise SystemExit(f"--download: {e}") from None
     device = torch.device(args.device)
