@@ -32,7 +32,8 @@ import torch.nn as nn
 
 from checkpoint import atomic_file, load_model, make_folder, remove_empty
 from data import load_tokenizer, validation_batches
-from model import RMSNorm, freeze_all_but_values
+from estimate_memory import estimate, memory_there
+from model import SIZES, RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -245,6 +246,29 @@ def prune_weights(model, rank, delta, seed=0):
     return variants
 
 
+def prune_memory_refusal(model, run, batch_size):
+    """Why prune at batch_size would not fit in this machine's memory (estimate_memory.memory_there), naming a batch
+    that would; None where it fits, or where the checkpoint names no size to estimate. What it holds: the float32
+    model, four copies of its projections (the original and the three variants) and an evaluation forward."""
+    there, size = memory_there(torch.device("cpu")), run.get("size")
+    if there is None or size not in SIZES:
+        return None
+    available, share, where = there
+    copies = 4 * sum(m.weight.nbytes for _, _, _, m in projections(model))
+    config = model.config
+
+    def need(b):  # affine in the batch, as estimate's activations are
+        return copies + 1e9 * estimate(size, "full", batch_size=b, max_length=run.get("max_length", 256),
+                                       dtype="float32", vocab_size=config.vocab_size, ffn_dim=config.ffn_dim)["eval_gb"]
+    if need(batch_size) <= share * available:
+        return None
+    per_row = need(2) - need(1)
+    fits = int((share * available - need(1)) // per_row) + 1 if need(1) <= share * available else 0
+    fix = f"pass --batch_size {fits}" if fits else "use a machine with more memory"
+    return (f"--batch_size {batch_size} needs about {need(batch_size) / 1e9:.1f} GB (the model, four copies of its "
+            f"projections and an evaluation forward), more than {share:.0%} of {where}; {fix}")
+
+
 def prune(model, batches, rank, delta, seed=0):
     """Table 2: validation (loss, perplexity) of the full model and of its three pruned variants."""
     from train import evaluate  # the evaluation of training itself
@@ -399,9 +423,9 @@ def get_args(argv=None):
     args = p.parse_args(argv)
 
     positive = {"spectrum": ("rank",), "prune": ("rank", "eval_tokens", "batch_size"), "curves": ()}[args.command]
-    for name in positive:
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in positive:  # counts become int64 sizes
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < 2 ** 63:
+            p.error(f"--{name} must be positive and at most 2^63 - 1, got {getattr(args, name)}")
     if args.command == "spectrum" and args.threshold is not None and not 0 < args.threshold < math.inf:
         p.error(f"--threshold must be a positive number, got {args.threshold}")  # `not <`: NaN is refused too
     if args.command == "spectrum" and args.figures and os.path.exists(args.figures) and not os.path.isdir(args.figures):
@@ -521,6 +545,8 @@ def weights(args):
         raise SystemExit(f"analyze.py prune: {args.ckpt} does not record its validation data; pass --data_dir and "
                          "--tokenizer")
     eval_tokens = run.get("eval_tokens", 10_000_000) if args.eval_tokens is None else args.eval_tokens
+    if refusal := prune_memory_refusal(model, run, args.batch_size):
+        raise SystemExit(f"analyze.py prune: {refusal}")
     try:
         load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     except (OSError, ValueError) as e:

@@ -89,6 +89,29 @@ def test_prune_variants_and_evaluation(dense_ckpt, capsys):
     assert all(torch.equal(before[k], after[k]) for k in before), "pruning must restore the weights it evaluated"
 
 
+def test_prune_refuses_a_batch_beyond_the_memory_before_reading_the_data(dense_ckpt, monkeypatch):
+    """--batch_size 10^12 once padded the validation set up to 10^12 rows. Refused before the data is read, naming
+    the largest batch that fits: the model, four copies of its projections and an evaluation forward."""
+    model, ckpt = load_model(dense_ckpt)
+    run = ckpt["args"]
+    need = lambda b: analyze.prune_memory_refusal(model, run, b)  # noqa: E731
+    copies = 4 * sum(m.weight.nbytes for _, _, _, m in analyze.projections(model))
+    one = copies + 1e9 * analyze.estimate("tiny", "full", batch_size=1, max_length=32, dtype="float32",
+                                          vocab_size=96)["eval_gb"]
+    row = 1e9 * analyze.estimate("tiny", "full", batch_size=2, max_length=32, dtype="float32",
+                                 vocab_size=96)["eval_gb"] + copies - one
+    monkeypatch.setattr(analyze, "memory_there", lambda device: ((one + 6.5 * row) / 0.8, 0.8, "a small machine"))
+    assert need(7) is None and "--batch_size 8 needs about" in need(8) and need(8).endswith("pass --batch_size 7")
+    monkeypatch.setattr(analyze, "validation_batches", lambda *a, **k: pytest.fail("read the data first"))
+    with pytest.raises(SystemExit, match=r"^analyze.py prune: --batch_size 1000000000000 needs about .* GB \(the "
+                                         r"model, four copies of its projections and an evaluation forward\), more "
+                                         r"than 80% of a small machine; pass --batch_size 7$"):
+        analyze.main(["prune", dense_ckpt, "--rank", "4", "--batch_size", str(10 ** 12)])
+    monkeypatch.setattr(analyze, "memory_there", lambda device: (one / 2, 0.8, "a tiny machine"))
+    with pytest.raises(SystemExit, match=r"more than 80% of a tiny machine; use a machine with more memory$"):
+        analyze.main(["prune", dense_ckpt, "--rank", "4"])
+
+
 def test_prune_refuses_a_factored_checkpoint(sltrain_ckpt):
     with pytest.raises(SystemExit, match="full-rank checkpoint"):
         analyze.main(["prune", sltrain_ckpt, "--rank", "4", "--eval_tokens", "1000"])
@@ -280,15 +303,17 @@ def test_init_from_refuses_a_relora_model(dense_ckpt):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["spectrum", "--rank", "-3"], "--rank must be positive, got -3"),
-    (["spectrum", "--rank", "0"], "--rank must be positive, got 0"),
+    (["spectrum", "--rank", "-3"], "--rank must be positive and at most 2^63 - 1, got -3"),
+    (["spectrum", "--rank", "0"], "--rank must be positive and at most 2^63 - 1, got 0"),
     (["spectrum", "--threshold", "0"], "--threshold must be a positive number"),
     (["spectrum", "--threshold", "nan"], "--threshold must be a positive number"),
     (["spectrum", "--threshold", "inf"], "--threshold must be a positive number"),
-    (["prune", "--rank", "0"], "--rank must be positive, got 0"),
-    (["prune", "--batch_size", "0"], "--batch_size must be positive, got 0"),
-    (["prune", "--eval_tokens", "-5"], "--eval_tokens must be positive, got -5"),
-    (["prune", "--eval_tokens", "0"], "--eval_tokens must be positive, got 0"),
+    (["prune", "--rank", "0"], "--rank must be positive and at most 2^63 - 1, got 0"),
+    (["prune", "--batch_size", "0"], "--batch_size must be positive and at most 2^63 - 1, got 0"),
+    (["prune", "--eval_tokens", "-5"], "--eval_tokens must be positive and at most 2^63 - 1, got -5"),
+    (["prune", "--eval_tokens", "0"], "--eval_tokens must be positive and at most 2^63 - 1, got 0"),
+    (["prune", "--eval_tokens", str(10 ** 23)], f"--eval_tokens must be positive and at most 2^63 - 1, got {10 ** 23}"),
+    (["prune", "--batch_size", str(2 ** 63)], f"--batch_size must be positive and at most 2^63 - 1, got {2 ** 63}"),
     (["prune", "--delta", "1"], "--delta must be in [0, 1), got 1.0"),
     (["prune", "--delta", "nan"], "--delta must be in [0, 1), got nan"),
     (["prune", "--seed", str(2**64)], "--seed must fit in 64 bits"),

@@ -735,6 +735,14 @@ def test_commands(corpus, tok, capsys):
     (["stats", "--max_length", "0"], "--max_length must be at least 2, got 0"),
     (["bench", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
     (["bench", "--seconds", "0"], "--seconds must be positive"),
+    (["stats", "--max_length", str(10 ** 20)], "--max_length must be at most 2^24 = 16,777,216, the positions a model "
+                                               f"tells apart (its rotary positions are float32, exact to 2^24), got "
+                                               f"{10 ** 20}"),
+    (["bench", "--max_length", str(2 ** 24 + 1)], "--max_length must be at most 2^24 = 16,777,216"),
+    (["bench", "--batch_size", str(10 ** 11)], f"--batch_size {10 ** 11} rows of 257 tokens need about 616800.0 GB, more "
+                                               "than 80% of this machine's"),
+    (["bench", "--num_workers", str(os.cpu_count() + 1)], f"--num_workers must be at most {data._cpus()}, this "
+                                                          "machine's CPUs"),
     (["bench", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),
     (["download", "--shards", "c4-train.00005-of-01024.json.gz", "--train_shards", "3"],
      "--shards names the shards to fetch, --train_shards and --validation_shards count them: pass one or the other"),
