@@ -66,7 +66,7 @@ import sample
 from checkpoint import atomic_file
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
-from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection
+from model import MAX_LENGTH, LLaMA, PRETRAINING, SIZES, config_for, is_projection
 from per_layer import attach_per_layer
 from sllinear import SLLinear
 
@@ -604,6 +604,9 @@ def check_args(parser, args):
     device = pick_device(parser.error, args.device)
     if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
         parser.error("--batch_size, --max_length and --rounds must be >= 1")
+    if args.max_length is not None and args.max_length > MAX_LENGTH:
+        parser.error(f"--max_length must be at most 2^24 = {MAX_LENGTH:,}, the positions a model tells apart (its "
+                     f"rotary positions are float32, exact to 2^24), got {args.max_length}")
     if args.quick and args.size:
         parser.error("--quick picks the tiny model and --size the sizes: pass one of them")
     for flag, users in USED_BY.items():
@@ -617,25 +620,29 @@ def check_args(parser, args):
     return device
 
 
-def memory_needed(section, size, dtype):
-    """The least a section holds at its peak, in bytes, by estimate_memory's rows without activations (which take
-    seconds to count at 7b): `model` keeps its five models and their AdamW states at once and steps one at a time;
-    `optimizer` three copies of sltrain's tensors with their states, beside the originals and one set of gradients;
-    `inference` full, sltrain and the merged model."""
-    row = lambda method, **kw: estimate(size, method, index_dtype="int32", dtype=dtype, **kw)  # noqa: E731
+def memory_needed(section, size, dtype, batch_size=0, max_length=256):
+    """The least a section holds at its peak, in bytes, by estimate_memory's rows: `model` keeps its five models and
+    their AdamW states at once and steps one at a time, with one set of gradients and one step's activations of
+    batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states, beside the
+    originals and one set of gradients; `inference` full, sltrain and the merged model, and one forward's."""
+    def row(method, **kw):
+        return estimate(size, method, index_dtype="int32", dtype=dtype, **dict(dict(batch_size=batch_size,
+                                                                                      max_length=max_length), **kw))
     if section == "model":
         rows = [row(m) for m in ("full", "lowrank", "relora", "sltrain", "galore")]
-        return (sum(r["held_gb"] + r["optim_gb"] for r in rows) + max(r["grad_gb"] for r in rows)) * 1e9
+        return (sum(r["held_gb"] + r["optim_gb"] for r in rows) + max(r["grad_gb"] + r["act_gb"] for r in rows)) * 1e9
     if section == "optimizer":
-        plain, eight_bit = row("sltrain"), row("sltrain", optimizer="adam8bit")
+        plain, eight_bit = row("sltrain", batch_size=0), row("sltrain", batch_size=0, optimizer="adam8bit")
         return (5 * plain["held_gb"] + 2 * plain["optim_gb"] + eight_bit["optim_gb"]) * 1e9
-    return (2 * row("full")["held_gb"] + row("sltrain")["held_gb"]) * 1e9  # inference
+    full, sltrain = row("full"), row("sltrain")  # inference: a forward without gradients beside the three models
+    forward = max(r["eval_gb"] - r["held_gb"] for r in (full, sltrain)) if batch_size else 0
+    return (2 * full["held_gb"] + sltrain["held_gb"] + forward) * 1e9
 
 
-def refuse_what_would_not_fit(error, sections, sizes, dtype, device):
+def refuse_what_would_not_fit(error, sections, sizes, dtype, device, batch=lambda section, size: 0, max_length=256):
     """A section that cannot fit is refused before any runs: on CPU the kernel's out-of-memory killer would end the
-    command without a word, and on a GPU the section would fail after the ones before it. The activations are left
-    out: what is refused cannot fit at any batch size."""
+    command without a word, and on a GPU the section would fail after the ones before it. batch(section, size): the
+    sequences of its steps (of max_length tokens), whose activations count too."""
     guarded = [s for s in ("model", "optimizer", "inference") if s in sections]
     there = memory_there(device) if guarded else None
     if there is None:
@@ -644,11 +651,13 @@ def refuse_what_would_not_fit(error, sections, sizes, dtype, device):
     name = str(dtype).removeprefix("torch.")
     for section in guarded:
         for size in sizes:
-            need = memory_needed(section, size, name)
+            b = 0 if section == "optimizer" else batch(section, size)
+            need = memory_needed(section, size, name, b, max_length)
             if need > share * available:
+                acts = f", and {b} x {max_length} tokens' activations" if b else ""
                 error(f"--size {size}: the {section} section needs at least {need / 1e9:.1f} GB by the estimate (its "
-                      f"weights, gradients and optimizer states), more than {share:.0%} of {where}; pass a smaller "
-                      "--size, or drop the section (--only)")
+                      f"weights, gradients and optimizer states{acts}), more than {share:.0%} of {where}; pass a "
+                      f"smaller --size{' or --batch_size' * bool(b)}, or drop the section (--only)")
 
 
 def check_out(error, out):
@@ -715,15 +724,17 @@ def main():
     sizes = args.size or (["tiny"] if args.quick else ["350m", "1b"] if cuda else ["60m"])
     batch_size = args.batch_size or (16 if cuda else 8 if args.quick else 4)
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
-    refuse_what_would_not_fit(parser.error, sections, sizes, dtype, device)
+    inference_batch = lambda s: args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else batch_size)  # noqa: E731
+    refuse_what_would_not_fit(parser.error, sections, sizes, dtype, device,
+                              lambda section, s: inference_batch(s) if section == "inference" else batch_size,
+                              args.max_length)
     result = start(device)
     run = {
         "layer": lambda: bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds),
         "model": lambda: [bench_model(s, batch_size, args.max_length, device, dtype, args.rounds) for s in sizes],
         "optimizer": lambda: [bench_optimizer(s, device, dtype, args.rounds) for s in sizes],
-        "inference": lambda: [bench_inference(s, args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else
-                                                                     batch_size), args.max_length, device, dtype,
-                                              args.rounds) for s in sizes],
+        "inference": lambda: [bench_inference(s, inference_batch(s), args.max_length, device, dtype, args.rounds)
+                              for s in sizes],
         "generate": lambda: [bench_generate(s, args.batch_size or 4, 128, device, dtype, rounds_given or 3)
                              for s in sizes],
         "step": lambda: bench_step(rounds=rounds_given or 3),

@@ -110,14 +110,27 @@ def test_a_section_that_cannot_fit_is_refused_before_any_runs(monkeypatch, capsy
     before anything is built, and so is 1b's optimizer section in float32; 7b's host section, at toy width, runs."""
     monkeypatch.setattr(bench, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
     monkeypatch.setattr(bench, "start", lambda device: pytest.fail("a section started"))
-    for argv, size, section in ((["--size", "7b", "--only", "model"], "7b", "model"),
-                                (["--size", "60m", "1b", "--only", "layer", "optimizer"], "1b", "optimizer")):
+    for argv, size, section, what in (
+            (["--size", "7b", "--only", "model"], "7b", "model", ", and 4 x 256 tokens' activations), more than 80% "
+                                                                 "of this machine's 16.0 GB; pass a smaller --size or "
+                                                                 "--batch_size, or drop"),
+            (["--size", "60m", "--only", "inference", "--batch_size", str(10 ** 9)], "60m", "inference",
+             ", and 1000000000 x 256 tokens' activations), more than 80% of this machine's 16.0 GB; pass a smaller "
+             "--size or --batch_size, or drop"),  # once it ran, to be killed: the activations were left out
+            (["--size", "60m", "1b", "--only", "layer", "optimizer"], "1b", "optimizer",
+             "optimizer states), more than 80% of this machine's 16.0 GB; pass a smaller --size, or drop the section "
+             "(--only)")):
         monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", *argv])
         with pytest.raises(SystemExit):
             bench.main()
         err = capsys.readouterr().err
-        assert f"--size {size}: the {section} section needs at least" in err and "more than 80% of this machine's " \
-            "16.0 GB; pass a smaller --size, or drop the section (--only)" in err, err
+        assert f"--size {size}: the {section} section needs at least" in err and what in err, err
+    assert bench.memory_needed("model", "60m", "float32", 4) < 12.8e9 < bench.memory_needed("model", "60m", "float32",
+                                                                                             400)
+    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", "--only", "model", "--max_length", str(2 ** 24 + 1)])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--max_length must be at most 2^24 = 16,777,216" in capsys.readouterr().err
     assert bench.memory_needed("optimizer", "60m", "float32") < 12.8e9 < bench.memory_needed("optimizer", "1b",
                                                                                               "float32")
     monkeypatch.setattr(bench, "start", lambda device: (_ for _ in ()).throw(SystemExit("started")))
