@@ -556,6 +556,9 @@ def weights(args):
                                      eval_tokens=eval_tokens, pack=run.get("pack", False))
     except (OSError, ValueError) as e:
         raise SystemExit(f"analyze.py prune: validation data: {e}") from None  # data.py's errors name the fix
+    if batches.short:  # honored as far as the shards go, and said
+        print(f"analyze.py prune: note: the validation shards in {data_dir} hold {batches.tokens:,} tokens, fewer "
+              f"than --eval_tokens {eval_tokens:,}: every evaluation covers those {batches.tokens:,}", file=sys.stderr)
     try:
         results = prune(model, batches, rank, args.delta, args.seed)
     except ValueError as e:

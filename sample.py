@@ -29,6 +29,7 @@ import argparse
 import atexit
 import gc
 import math
+import sys
 
 import torch
 
@@ -141,6 +142,9 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
     ids = sp.encode(prompt)
     prompted = bool(ids)
     ids = ids if prompted else [sp.eos_id()]
+    if len(ids) > context:  # the model would see its last context tokens: said, not left to be found
+        print(f"sample.py: note: the prompt is {len(ids)} tokens, more than the {context} positions the model was "
+              f"trained on; it sees the last {context}", file=sys.stderr)
     g = torch.Generator().manual_seed(seed)
     eos = sp.eos_id()
     typed = sp.decode(ids) if prompted else ""

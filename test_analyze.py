@@ -15,6 +15,7 @@ import analyze
 import checkpoint
 import train
 from checkpoint import load_model
+from data import validation_batches
 from sllinear import SLLinear
 from test_train import base_args, corpus, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
@@ -110,6 +111,18 @@ def test_prune_refuses_a_batch_beyond_the_memory_before_reading_the_data(dense_c
     monkeypatch.setattr(analyze, "memory_there", lambda device: (one / 2, 0.8, "a tiny machine"))
     with pytest.raises(SystemExit, match=r"more than 80% of a tiny machine; use a machine with more memory$"):
         analyze.main(["prune", dense_ckpt, "--rank", "4"])
+
+
+def test_prune_says_when_the_validation_shards_hold_fewer_than_eval_tokens(dense_ckpt, capsys):
+    """As train.py does: --eval_tokens past what the shards hold is every token they hold, and said."""
+    _, ckpt = load_model(dense_ckpt)
+    run = ckpt["args"]
+    analyze.main(["prune", dense_ckpt, "--rank", "4", "--eval_tokens", "600", "--json"])
+    assert "note" not in capsys.readouterr().err
+    analyze.main(["prune", dense_ckpt, "--rank", "4", "--eval_tokens", "100000", "--json"])
+    held = validation_batches(run["data_dir"], run["tokenizer"], 8, run["max_length"], eval_tokens=100000).tokens
+    assert f"analyze.py prune: note: the validation shards in {run['data_dir']} hold {held:,} tokens, fewer than " \
+        f"--eval_tokens 100,000: every evaluation covers those {held:,}" in capsys.readouterr().err
 
 
 def test_prune_refuses_a_factored_checkpoint(sltrain_ckpt):

@@ -61,6 +61,14 @@ def test_samples_are_drawn_a_batch_at_a_time_and_each_batch_shown_as_it_ends(sl_
     monkeypatch.setattr(sample, "generate", spy)
     sample.main([sl_ckpt, "--prompt", "the", "--num_samples", "5", "--max_new_tokens", "3", "--batch_size", "2"])
     assert batches == [(2, 0), (2, 2), (1, 2)] and capsys.readouterr().out.count("-" * 40) == 1
+    monkeypatch.undo()
+    long = " ".join(["the"] * 40)  # past the 31 positions the run trained (its --max_length is 32)
+    n = len(sample.load_tokenizer(load_model(sl_ckpt)[1]["args"]["tokenizer"]).encode(long))
+    sample.sample(sl_ckpt, long, max_new_tokens=2)
+    assert f"sample.py: note: the prompt is {n} tokens, more than the 31 positions the model was trained on; it sees " \
+        "the last 31" in capsys.readouterr().err and n > 31
+    sample.sample(sl_ckpt, "the", max_new_tokens=2)
+    assert "note" not in capsys.readouterr().err
 
 
 def test_sample_refuses_a_batch_that_cannot_fit_before_the_merge(sl_ckpt, monkeypatch):
