@@ -54,6 +54,9 @@ KNOWN_SHA256 = {  # from ../shared/data/SOURCES.md
     "spiece.model": "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86",
 }
 SHARD_GLOBS = ("*.json.gz", "*.jsonl.gz", "*.json", "*.jsonl")
+# the bytes of a C4 en shard, about: shard 00000's of each split (SOURCES.md: 319,308,785 and 40,471,190); the others
+# are cut to the same number of documents. What a download needs on disk is reckoned from them before it starts
+SHARD_BYTES = {"train": 320e6, "validation": 41e6}
 
 
 def _cpus():
@@ -676,6 +679,7 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
     if any(not p.is_dir() for p in above):
         raise ValueError(f"{next(p for p in above if not p.is_dir())} is a file where a folder of the paths should be; "
                          "pass other paths")
+    check_room(data_dir, [n for n in names if recheck or not (Path(data_dir) / n).exists()])
     fetched = 0
     for name in names:
         path = Path(data_dir) / name
@@ -693,6 +697,22 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
     if not fetched:
         tokenizer = f" and {tokenizer_path}" if tokenizer_path is not None else ""
         print(f"nothing to fetch: the {len(names)} shard(s) in {data_dir}{tokenizer} are there already", flush=True)
+
+
+def check_room(data_dir, names):
+    """Refuse, before the first byte, shards that the disk of data_dir cannot hold (SHARD_BYTES each, less what a
+    .part of each already holds): a full disk would otherwise stop the download part way, hours in at 1b."""
+    def bytes_of(name):
+        part = Path(data_dir) / (name + ".part")
+        return max(0.0, SHARD_BYTES[name.split(".")[0].removeprefix("c4-")] - (part.stat().st_size if part.exists()
+                                                                                else 0))
+    need = sum(bytes_of(n) for n in names)
+    disk = next(p for p in [Path(data_dir), *Path(data_dir).absolute().parents] if p.exists())
+    free = shutil.disk_usage(disk).free
+    if need > free:
+        raise ValueError(f"the {len(names)} shard(s) to fetch need about {need / 1e9:.1f} GB, and the disk of {disk} "
+                         f"has {free / 1e9:.1f} GB free; free some, pass a --data_dir on a larger disk, or fetch fewer "
+                         "shards (train.py fetches enough for --num_training_steps x --total_batch_size)")
 
 
 # ----------------------------------------------------------------------------- tokenizer training

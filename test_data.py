@@ -20,6 +20,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sentencepiece as spm
@@ -599,6 +600,39 @@ class Server:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(autouse=True)
+def small_shards(monkeypatch):
+    """The shards these tests fetch are small: a download's room is reckoned at theirs, not a real C4 shard's, so
+    that a machine with less disk free than 320 MB a shard still runs them (test_download_refuses_... sets its own)."""
+    monkeypatch.setattr(data, "SHARD_BYTES", {"train": 1e3, "validation": 1e3})
+
+
+def test_download_refuses_shards_the_disk_cannot_hold_before_fetching_any(tmp_path, monkeypatch):
+    """A full disk stopped a download part way (hours in, at 1b's 205 shards). What the missing shards need, at a real
+    shard's size less a .part's bytes, is checked against the disk first; shards present are not counted."""
+    fetched = []
+    monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(url))
+    monkeypatch.setattr(data, "SHARD_BYTES", {"train": 320e6, "validation": 41e6})
+    free = 700e6
+    monkeypatch.setattr(data.shutil, "disk_usage", lambda path: SimpleNamespace(total=1e12, used=0, free=free))
+    folder = tmp_path / "c4"
+    names = data.shard_names(2, 1)  # 681 MB: fits
+    data.download(folder, None, names)
+    assert len(fetched) == 3
+    fetched.clear()
+    with pytest.raises(ValueError, match=r"^the 4 shard\(s\) to fetch need about 1.0 GB, and the disk of .* has 0.7 GB "
+                                         r"free; free some, pass a --data_dir on a larger disk, or fetch fewer shards"):
+        data.download(folder, None, data.shard_names(3, 1))
+    assert not fetched
+    folder.mkdir()
+    (folder / names[0]).write_bytes(b"")  # present: not fetched again, not counted
+    (folder / (data.shard_names(4, 0)[3] + ".part")).write_bytes(b"x" * 100)  # a .part's bytes are there already
+    data.download(folder, None, names[:1] + data.shard_names(4, 0)[2:4])
+    assert len(fetched) == 2
+    with pytest.raises(SystemExit, match="need about 1.0 GB"):  # the command line says it in one line
+        data.main(["download", "--out", str(tmp_path / "other"), "--tokenizer", "", "--train_shards", "3"])
 
 
 @pytest.fixture
