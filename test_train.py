@@ -711,7 +711,7 @@ AUTHORS_7B = {"architectures": ["LLaMAForCausalLM"], "bos_token_id": 0, "eos_tok
               "rms_norm_eps": 1e-06, "transformers_version": "4.28.1", "use_cache": True, "vocab_size": 32000}
 
 
-def test_model_config_contents_are_read_where_the_file_is(corpus, tmp_path, capsys):
+def test_model_config_contents_are_read_where_the_file_is(corpus, tmp_path, capsys, monkeypatch):
     """--model_config once set --size from its name alone: a config of another width trained the size's model without
     a word. Where the file is, it is read: the authors' configs and export.py's config.json are the size's; its
     intermediate_size is --ffn_dim's (one that disagrees is refused); a shape other than the size's, a key of another
@@ -763,6 +763,9 @@ def test_model_config_contents_are_read_where_the_file_is(corpus, tmp_path, caps
                                          r"tokenizer the config was made for, or a config of its size"):
         train.main(base_args(corpus, tmp_path / "d", 2, "--model_config", str(path)))
     assert not (tmp_path / "d").exists() or not os.listdir(tmp_path / "d")
+    monkeypatch.setattr(train, "download", lambda *a, **k: pytest.fail("downloaded before the config was checked"))
+    with pytest.raises(SystemExit, match=r"has vocab_size 32000, and the tokenizer .* has 96 pieces"):
+        train.main(base_args(corpus, tmp_path / "e", 2, "--model_config", str(path), "--download"))
     args = train.get_args(["--model_config", str(tmp_path / "elsewhere" / "llama_60m.json"), "--device", "cpu"])
     assert (args.size, args.ffn_dim) == ("60m", 1376)  # not here: by its name
 

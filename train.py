@@ -436,6 +436,10 @@ def setup(args):
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
                                int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
+    if args.download and args.model_config and os.path.isfile(args.tokenizer):  # before the download's minutes
+        with suppress(OSError, ValueError):  # a tokenizer that cannot be read is said below, once it is fetched
+            if refusal := flags.model_config_refusal(args, load_tokenizer(args.tokenizer).get_piece_size()):
+                raise SystemExit(refusal)
     if args.download:
         # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents), and
         # validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
