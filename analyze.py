@@ -260,13 +260,14 @@ def prune_memory_refusal(model, run, batch_size):
     def need(b):  # affine in the batch, as estimate's activations are
         return copies + 1e9 * estimate(size, "full", batch_size=b, max_length=run.get("max_length", 256),
                                        dtype="float32", vocab_size=config.vocab_size, ffn_dim=config.ffn_dim)["eval_gb"]
-    if need(batch_size) <= share * available:
+    room, asked = share * available, need(batch_size)
+    if asked <= room:
         return None
-    per_row = need(2) - need(1)
-    fits = int((share * available - need(1)) // per_row) + 1 if need(1) <= share * available else 0
+    one, two = need(1), need(2)
+    fits = int((room - one) // (two - one)) + 1 if one <= room else 0
     fix = f"pass --batch_size {fits}" if fits else "use a machine with more memory"
-    return (f"--batch_size {batch_size} needs about {need(batch_size) / 1e9:.1f} GB (the model, four copies of its "
-            f"projections and an evaluation forward), more than {share:.0%} of {where}; {fix}")
+    return (f"--batch_size {batch_size} needs about {asked / 1e9:.1f} GB (the model, four copies of its projections "
+            f"and an evaluation forward), more than {share:.0%} of {where}; {fix}")
 
 
 def prune(model, batches, rank, delta, seed=0):

@@ -66,7 +66,7 @@ import sample
 from checkpoint import atomic_file
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
-from model import MAX_LENGTH, LLaMA, PRETRAINING, SIZES, config_for, is_projection
+from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection, length_refusal
 from per_layer import attach_per_layer
 from sllinear import SLLinear
 
@@ -604,9 +604,8 @@ def check_args(parser, args):
     device = pick_device(parser.error, args.device)
     if any(value is not None and value < 1 for value in (args.batch_size, args.max_length, args.rounds)):
         parser.error("--batch_size, --max_length and --rounds must be >= 1")
-    if args.max_length is not None and args.max_length > MAX_LENGTH:
-        parser.error(f"--max_length must be at most 2^24 = {MAX_LENGTH:,}, the positions a model tells apart (its "
-                     f"rotary positions are float32, exact to 2^24), got {args.max_length}")
+    if args.max_length is not None and (refusal := length_refusal(args.max_length)):
+        parser.error(refusal)
     if args.quick and args.size:
         parser.error("--quick picks the tiny model and --size the sizes: pass one of them")
     for flag, users in USED_BY.items():
@@ -625,14 +624,13 @@ def memory_needed(section, size, dtype, batch_size=0, max_length=256):
     their AdamW states at once and steps one at a time, with one set of gradients and one step's activations of
     batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states, beside the
     originals and one set of gradients; `inference` full, sltrain and the merged model, and one forward's."""
-    def row(method, **kw):
-        return estimate(size, method, index_dtype="int32", dtype=dtype, **dict(dict(batch_size=batch_size,
-                                                                                      max_length=max_length), **kw))
+    def row(method, batch=batch_size, **kw):
+        return estimate(size, method, index_dtype="int32", dtype=dtype, batch_size=batch, max_length=max_length, **kw)
     if section == "model":
         rows = [row(m) for m in ("full", "lowrank", "relora", "sltrain", "galore")]
         return (sum(r["held_gb"] + r["optim_gb"] for r in rows) + max(r["grad_gb"] + r["act_gb"] for r in rows)) * 1e9
     if section == "optimizer":
-        plain, eight_bit = row("sltrain", batch_size=0), row("sltrain", batch_size=0, optimizer="adam8bit")
+        plain, eight_bit = row("sltrain", batch=0), row("sltrain", batch=0, optimizer="adam8bit")
         return (5 * plain["held_gb"] + 2 * plain["optim_gb"] + eight_bit["optim_gb"]) * 1e9
     full, sltrain = row("full"), row("sltrain")  # inference: a forward without gradients beside the three models
     forward = max(r["eval_gb"] - r["held_gb"] for r in (full, sltrain)) if batch_size else 0

@@ -901,18 +901,19 @@ def check_args(p, args):
         if getattr(args, name) < low:
             p.error(f"--{name} must be at least {low}, got {getattr(args, name)}")
     if args.command in ("stats", "bench"):
-        from estimate_memory import memory_there  # here only: the loader's workers import this module
-        from model import MAX_LENGTH
-        if args.max_length > MAX_LENGTH:
-            p.error(f"--max_length must be at most 2^24 = {MAX_LENGTH:,}, the positions a model tells apart (its "
-                    f"rotary positions are float32, exact to 2^24), got {args.max_length}")
+        from model import length_refusal  # here only: the loader's workers import this module
+        if refusal := length_refusal(args.max_length):
+            p.error(refusal)
+    if args.command == "bench":
+        from estimate_memory import memory_there
         there = memory_there(torch.device("cpu"))
-        rows = 3 * 8 * args.batch_size * (args.max_length + 1) if args.command == "bench" else 0  # x, y and a row
-        if there and rows > there[1] * there[0]:  # buffer of int64 tokens per row, at least
-            fits = int(there[1] * there[0] // (3 * 8 * (args.max_length + 1)))
-            p.error(f"--batch_size {args.batch_size} rows of {args.max_length + 1} tokens need about {rows / 1e9:.1f} "
-                    f"GB, more than {there[1]:.0%} of {there[2]}; pass --batch_size {fits} or less")
-        if args.command == "bench" and args.num_workers > _cpus():
+        row = 3 * 8 * (args.max_length + 1)  # x, y and the row they are cut from, of int64 tokens, at least
+        if there and args.batch_size * row > there[1] * there[0]:
+            available, share, where = there
+            p.error(f"--batch_size {args.batch_size} rows of {args.max_length + 1} tokens need about "
+                    f"{args.batch_size * row / 1e9:.1f} GB, more than {share:.0%} of {where}; pass --batch_size "
+                    f"{int(share * available // row)} or less")
+        if args.num_workers > _cpus():
             p.error(f"--num_workers must be at most {_cpus()}, this machine's CPUs, got {args.num_workers}")
     if args.command == "train-tokenizer" and args.vocab_size < 4:  # pad, eos, unk and one piece
         p.error(f"--vocab_size must be at least 4 (pad, eos, unk and a piece), got {args.vocab_size}")

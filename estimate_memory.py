@@ -54,8 +54,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import galore
 import optim
 from devices import device_from_flag
-from model import (MAX_LENGTH, LLaMA, LLaMAConfig, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values,
-                   frozen_base_to, is_projection)
+from model import (LLaMA, LLaMAConfig, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values,
+                   frozen_base_to, is_projection, length_refusal)
 from per_layer import attach_per_layer
 from sllinear import SLLinear
 
@@ -294,9 +294,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     n = model.num_params()
     kept = grads_kept(per_layer, accumulation, ddp, cuda_graph)
     row = dict(size=size, method=method, rank=rank, delta=delta, ffn_dim=config.ffn_dim, freeze=freeze,
-               optimizer=optimizer,
-               index_dtype=index_dtype, per_layer=per_layer, batch_size=batch_size, max_length=max_length,
-               activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, accumulation=accumulation,
+               optimizer=optimizer, index_dtype=index_dtype, per_layer=per_layer, batch_size=batch_size,
+               max_length=max_length, activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, accumulation=accumulation,
                ddp=ddp, cuda_graph=cuda_graph, grads_kept=kept,
                params_m=n["total"] / 1e6,
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
@@ -360,8 +359,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"],
                                                                  adds_up(row))
-    paper = (optimizer, index_dtype, dtype, vocab_size, freeze, ffn_dim) == ("adamw", "int64", "bfloat16", None, None,
-                                                                         None)
+    paper = (optimizer, index_dtype, dtype, vocab_size, freeze, ffn_dim) == ("adamw", "int64", "bfloat16", *[None] * 3)
     row["footnote"] = slip(size, method, rank, delta) if paper else None
     return row
 
@@ -725,9 +723,8 @@ def check_args(parser, args):
             or (args.max_length is not None and args.max_length < 1) or (args.steps is not None and args.steps < 1)):
         parser.error("--batch_size must be >= 0 (>= 1 with --measure, which runs training steps), --max_length and "
                      "--steps >= 1")
-    if args.max_length is not None and args.max_length > MAX_LENGTH:
-        parser.error(f"--max_length must be at most 2^24 = {MAX_LENGTH:,}, the positions a model tells apart (its "
-                     f"rotary positions are float32, exact to 2^24), got {args.max_length}")
+    if args.max_length is not None and (refusal := length_refusal(args.max_length)):
+        parser.error(refusal)
     if args.ffn_dim is not None and (args.size == "all" or args.ffn_dim < 1):
         parser.error("--ffn_dim is one size's MLP width, at least 1: pass it with a --size" if args.size == "all"
                      else f"--ffn_dim must be at least 1, got {args.ffn_dim}")

@@ -20,7 +20,7 @@ import adam8bit_kernel
 import checkpoint
 from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
-from model import MAX_LENGTH, METHODS, SPARSE, LLaMA, SIZES, config_for
+from model import METHODS, SPARSE, LLaMA, SIZES, config_for, length_refusal
 
 # size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
 # whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share
@@ -203,15 +203,7 @@ def get_args(argv=None, description=None):
         if getattr(args, name) is not None and not getattr(args, name).strip():
             p.error(f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
     if args.model_config:
-        m = re.search(r"llama_(\w+)\.json$", args.model_config)
-        if not m or m.group(1) not in SIZES:
-            p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in "
-                    f"{list(SIZES)}")
-        if args.size not in (None, m.group(1)):
-            p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
-        args.size = m.group(1)
-        if os.path.exists(args.model_config):
-            check_model_config(p, args)
+        check_model_config(p, args)
     args.size = args.size or "60m"
     if args.eval_only:
         given = [name for name in given_flags(argv) if name not in EVAL_READS]
@@ -224,32 +216,7 @@ def get_args(argv=None, description=None):
     args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
     galore = args.optimizer.startswith("galore")
     args.lr = (GALORE[args.size][0] if galore else lr) if args.lr is None else args.lr
-    positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
-                "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim", "galore_scale")
-    # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there; a count
-    # becomes an int64 (a tensor's size, a data position): beyond it torch overflows
-    top = lambda v: FLOAT32_MAX if isinstance(v, float) else INT64_MAX  # noqa: E731
-    bound = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else " and at most 2^63 - 1"  # noqa
-    for name in positive:
-        value = getattr(args, name)
-        if value is not None and not 0 < value <= top(value):  # `not <` refuses NaN
-            p.error(f"--{name} must be positive{bound(value)}, got {value}")
-    for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
-        value = getattr(args, name)
-        if value is not None and not 0 <= value <= top(value):
-            p.error(f"--{name} must be >= 0{bound(value)}, got {value}")
-    if args.workers > (os.cpu_count() or 1):  # each a process reading shards: more than the CPUs only crowd them
-        p.error(f"--workers must be at most {os.cpu_count() or 1}, this machine's CPUs, got {args.workers}")
-    for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2 ** 63:
-            p.error(f"--{name} must be in [0, 2^63), got {getattr(args, name)}")
-    for name, low, high in (("min_lr_ratio", 0, 1), ("beta1", 0, 0.999999), ("beta2", 0, 0.999999)):
-        if not low <= getattr(args, name) <= high:
-            p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
-                    f"got {getattr(args, name)}")
-    if not 2 <= args.max_length <= MAX_LENGTH:  # an input token and its target, up to what RoPE tells apart
-        p.error(f"--max_length must be in [2, 2^24 = {MAX_LENGTH:,}] (an input and its target; rotary positions are "
-                f"float32, exact to 2^24), got {args.max_length}")
+    check_ranges(p, args)
     if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps:
         p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
     if args.per_layer and args.grad_clipping:
@@ -318,6 +285,39 @@ def get_args(argv=None, description=None):
     return args
 
 
+def check_ranges(p, args):
+    """Each number within its range: counts positive (or >= 0) and at most int64's, floats at most float32's (NaN
+    refused), seeds 64-bit, the betas in [0, 1), --min_lr_ratio in [0, 1], --workers at most the CPUs, --max_length
+    in [2, 2^24]."""
+    positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
+                "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim", "galore_scale")
+    # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there; a count
+    # becomes an int64 (a tensor's size, a data position): beyond it torch overflows
+    top = lambda v: FLOAT32_MAX if isinstance(v, float) else INT64_MAX  # noqa: E731
+    bound = lambda v: f" and at most {FLOAT32_MAX:.3g}" if isinstance(v, float) else " and at most 2^63 - 1"  # noqa
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and not 0 < value <= top(value):  # `not <` refuses NaN
+            p.error(f"--{name} must be positive{bound(value)}, got {value}")
+    for name in ("grad_clipping", "weight_decay", "workers", "warmup_steps"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= top(value):
+            p.error(f"--{name} must be >= 0{bound(value)}, got {value}")
+    if args.workers > (os.cpu_count() or 1):  # each a process reading shards: more than the CPUs only crowd them
+        p.error(f"--workers must be at most {os.cpu_count() or 1}, this machine's CPUs, got {args.workers}")
+    for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2 ** 63:
+            p.error(f"--{name} must be in [0, 2^63), got {getattr(args, name)}")
+    for name, low, high in (("min_lr_ratio", 0, 1), ("beta1", 0, 0.999999), ("beta2", 0, 0.999999)):
+        if not low <= getattr(args, name) <= high:
+            p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
+                    f"got {getattr(args, name)}")
+    if args.max_length < 2:
+        p.error(f"--max_length must be at least 2 (an input token and its target), got {args.max_length}")
+    if refusal := length_refusal(args.max_length):
+        p.error(refusal)
+
+
 def read_model_config(path, size):
     """The LLaMAConfig fields that the HF LLaMA config.json at path sets (CONFIG_KEYS); a ValueError, in one line, for
     a file that is not one, a key of another architecture, or a shape other than the size's (the paper's sizes are
@@ -329,34 +329,38 @@ def read_model_config(path, size):
         raise ValueError(f"cannot be read as JSON: {e}") from None
     if not isinstance(hf, dict):
         raise ValueError(f"holds a JSON {type(hf).__name__}, not a config's object")
-    unknown = [k for k in hf if k not in CONFIG_KEYS and k not in CONFIG_FIXED and k not in CONFIG_IGNORED
-               and k not in ("num_key_value_heads", "head_dim")]
+    own = dataclasses.asdict(config_for(size))
+    fixed = dict(CONFIG_FIXED, num_key_value_heads=own["n_heads"], head_dim=own["dim"] // own["n_heads"])
+    unknown = [k for k in hf if k not in CONFIG_KEYS and k not in fixed and k not in CONFIG_IGNORED]
     if unknown:
         them = "them" if len(unknown) > 1 else "it"
         raise ValueError(f"{', '.join(unknown)}: not read by this repo's LLaMA; remove {them}, or use a model that "
                          f"reads {them}")
-    fields = {CONFIG_KEYS[k]: v for k, v in hf.items() if k in CONFIG_KEYS}
-    own = dataclasses.asdict(config_for(size))
-    n_heads = fields.get("n_heads", own["n_heads"])
-    fixed = dict(CONFIG_FIXED, num_key_value_heads=n_heads, head_dim=fields.get("dim", own["dim"]) // n_heads)
+    for key, field in CONFIG_KEYS.items():  # the shape is the size's; the MLP width and vocabulary are the file's
+        value = hf.get(key, own[field])
+        if field in ("ffn_dim", "vocab_size") and not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if field not in ("ffn_dim", "vocab_size") and value != own[field]:
+            raise ValueError(f"{key} {value!r}, where size {size} has {own[field]!r}: this repo builds the paper's "
+                             "sizes (model.SIZES; --ffn_dim sets the MLP's width)")
     for key, value in hf.items():
         if key in fixed and value != fixed[key]:
             raise ValueError(f"{key} {value!r}: this repo's LLaMA has {fixed[key]!r} (a model it does not build)")
-    for field in ("dim", "n_heads", "n_layers", "norm_eps", "rope_theta"):
-        if field in fields and fields[field] != own[field]:
-            key = next(k for k, v in CONFIG_KEYS.items() if v == field)
-            raise ValueError(f"{key} {fields[field]!r}, where size {size} has {own[field]!r}: this repo builds the "
-                             "paper's sizes (model.SIZES; --ffn_dim sets the MLP's width)")
-    for field in ("ffn_dim", "vocab_size"):
-        if field in fields and not (isinstance(fields[field], int) and fields[field] > 0):
-            raise ValueError(f"{next(k for k, v in CONFIG_KEYS.items() if v == field)} must be a positive integer, "
-                             f"got {fields[field]!r}")
-    return fields
+    return {field: hf[key] for key, field in CONFIG_KEYS.items() if key in hf}
 
 
 def check_model_config(p, args):
-    """--model_config's file, read (read_model_config): its intermediate_size is --ffn_dim's (the two disagreeing
-    are refused); its vocab_size is checked against the tokenizer by train.py, once that is loaded."""
+    """--model_config: its name sets --size (configs/llama_<size>.json); where the file is here it is read
+    (read_model_config): its intermediate_size is --ffn_dim's (the two disagreeing are refused); its vocab_size is
+    checked against the tokenizer by train.py, once that is loaded."""
+    m = re.search(r"llama_(\w+)\.json$", args.model_config)
+    if not m or m.group(1) not in SIZES:
+        p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in {list(SIZES)}")
+    if args.size not in (None, m.group(1)):
+        p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
+    args.size = m.group(1)
+    if not os.path.exists(args.model_config):  # the authors' command lines name their own configs/ folder
+        return
     try:
         fields = read_model_config(args.model_config, args.size)
     except ValueError as e:

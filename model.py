@@ -65,6 +65,14 @@ FINETUNE = (8, 32.0, 0.005)
 MAX_LENGTH = 2 ** 24
 
 
+def length_refusal(max_length):
+    """The one line refusing a --max_length past MAX_LENGTH, as every command that takes one says it; None if not."""
+    if max_length <= MAX_LENGTH:
+        return None
+    return (f"--max_length must be at most 2^24 = {MAX_LENGTH:,}, the positions a model tells apart (its rotary "
+            f"positions are float32, exact to 2^24), got {max_length}")
+
+
 def config_for(size, **overrides):
     """The config of a named size; keyword overrides (method, rank, alpha, delta, ...) win. None means default."""
     if size not in SIZES:

@@ -172,13 +172,12 @@ def check_batch(model, batch_size, context, device):
     dtype = next(model.parameters()).dtype
     # the merge's dense model, at most twice an SLTrain one's; on a GPU the loaded weights are out of its free memory
     weights = sum(p.nbytes for p in model.parameters()) * (1 if device.type == "cuda" else 2)
-    room = share * available - weights
-    if batch_bytes(model.config, batch_size, context, dtype) > room:
+    room, need = share * available - weights, batch_bytes(model.config, batch_size, context, dtype)
+    if need > room:
         fits = int(room // batch_bytes(model.config, 1, context, dtype))
         fix = f"pass --batch_size {fits}" if fits >= 1 else "pass a smaller model, or use a machine with more memory"
-        raise ValueError(f"a batch of {batch_size} samples holds a KV cache and logits of about "
-                         f"{batch_bytes(model.config, batch_size, context, dtype) / 1e9:.1f} GB, beside the weights, "
-                         f"more than {share:.0%} of {where}; {fix}")
+        raise ValueError(f"a batch of {batch_size} samples holds a KV cache and logits of about {need / 1e9:.1f} GB, "
+                         f"beside the weights, more than {share:.0%} of {where}; {fix}")
 
 
 def main(argv=None):

@@ -127,7 +127,8 @@ def test_a_section_that_cannot_fit_is_refused_before_any_runs(monkeypatch, capsy
         assert f"--size {size}: the {section} section needs at least" in err and what in err, err
     assert bench.memory_needed("model", "60m", "float32", 4) < 12.8e9 < bench.memory_needed("model", "60m", "float32",
                                                                                              400)
-    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", "--only", "model", "--max_length", str(2 ** 24 + 1)])
+    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", "--only", "model", "--max_length",
+                                     str(2 ** 24 + 1)])
     with pytest.raises(SystemExit):
         bench.main()
     assert "--max_length must be at most 2^24 = 16,777,216" in capsys.readouterr().err

@@ -773,8 +773,8 @@ def test_commands(corpus, tok, capsys):
                                                f"tells apart (its rotary positions are float32, exact to 2^24), got "
                                                f"{10 ** 20}"),
     (["bench", "--max_length", str(2 ** 24 + 1)], "--max_length must be at most 2^24 = 16,777,216"),
-    (["bench", "--batch_size", str(10 ** 11)], f"--batch_size {10 ** 11} rows of 257 tokens need about 616800.0 GB, more "
-                                               "than 80% of this machine's"),
+    (["bench", "--batch_size", str(10 ** 11)], f"--batch_size {10 ** 11} rows of 257 tokens need about 616800.0 GB, "
+                                               "more than 80% of this machine's"),
     (["bench", "--num_workers", str(os.cpu_count() + 1)], f"--num_workers must be at most {data._cpus()}, this "
                                                           "machine's CPUs"),
     (["bench", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),

@@ -892,11 +892,10 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--lr", "-1"], "--lr must be positive"),
     (["--beta1", "1.5"], "--beta1 must be in [0, 1)"),
     (["--weight_decay", "-1"], "--weight_decay must be >= 0"),
-    (["--max_length", "1"], "--max_length must be in [2, 2^24 = 16,777,216] (an input and its target; rotary "
-                            "positions are float32, exact to 2^24), got 1"),
-    (["--max_length", str(2 ** 24 + 1)], "--max_length must be in [2, 2^24 = 16,777,216]"),
-    (["--max_length", str(10 ** 20)], f"--max_length must be in [2, 2^24 = 16,777,216] (an input and its target; "
-                                      f"rotary positions are float32, exact to 2^24), got {10 ** 20}"),
+    (["--max_length", "1"], "--max_length must be at least 2 (an input token and its target), got 1"),
+    (["--max_length", str(2 ** 24 + 1)], "--max_length must be at most 2^24 = 16,777,216"),
+    (["--max_length", str(10 ** 20)], f"--max_length must be at most 2^24 = 16,777,216, the positions a model tells "
+                                      f"apart (its rotary positions are float32, exact to 2^24), got {10 ** 20}"),
     (["--eval_tokens", str(10 ** 23)], f"--eval_tokens must be positive and at most 2^63 - 1, got {10 ** 23}"),
     (["--total_batch_size", str(10 ** 20), "--batch_size", "4"],
      f"--total_batch_size must be positive and at most 2^63 - 1, got {10 ** 20}"),

@@ -436,10 +436,9 @@ def setup(args):
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
                                int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
-    if args.download and args.model_config and os.path.isfile(args.tokenizer):  # before the download's minutes
-        with suppress(OSError, ValueError):  # a tokenizer that cannot be read is said below, once it is fetched
-            if refusal := flags.model_config_refusal(args, load_tokenizer(args.tokenizer).get_piece_size()):
-                raise SystemExit(refusal)
+    # a tokenizer already there is read before a download's minutes (which keeps it): a --model_config of another
+    # vocabulary, or a file that is no tokenizer, is refused first
+    vocab_size = tokenizer_pieces(args) if os.path.isfile(args.tokenizer) else None
     if args.download:
         # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents), and
         # validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
@@ -463,11 +462,9 @@ def setup(args):
     try:
         find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
-        vocab_size = load_tokenizer(args.tokenizer, args.data_dir).get_piece_size()  # 32000 for T5's, as the paper
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
-    if refusal := flags.model_config_refusal(args, vocab_size):
-        raise SystemExit(refusal)
+    vocab_size = vocab_size or tokenizer_pieces(args)
     args.data_dir, args.tokenizer = os.path.abspath(args.data_dir), os.path.abspath(args.tokenizer)  # tools read
     with open(args.tokenizer, "rb") as f:  # them from the checkpoint, from any folder
         args.tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()  # same vocabulary size is not same tokenizer
@@ -475,6 +472,17 @@ def setup(args):
         # through gloo, on the host: reading a flag then never waits for a GPU to finish its queue
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     return ddp, rank, world, device, vocab_size
+
+
+def tokenizer_pieces(args):
+    """The tokenizer's number of pieces (32000 for T5's, as the paper), which --model_config's vocab_size must be."""
+    try:
+        vocab_size = load_tokenizer(args.tokenizer, args.data_dir).get_piece_size()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"train.py --size {args.size}: {e}") from None
+    if refusal := flags.model_config_refusal(args, vocab_size):
+        raise SystemExit(refusal)
+    return vocab_size
 
 
 @dataclass
