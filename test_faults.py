@@ -1081,6 +1081,18 @@ def test_a_signal_before_the_first_update_or_in_eval_only_is_one_line(corpus, tm
                 train.main(base_args(corpus, tmp_path / sig.name, 2))
         assert not (tmp_path / sig.name).exists(), "a run stopped before its first update leaves no folder"
         assert {s: signal.getsignal(s) for s in data.STOP_SIGNALS} == before, "main restores the handlers it found"
+    # while a checkpoint is read (tens of seconds at 7b): the stop is said as a stop, not as a damaged checkpoint,
+    # and the checkpoint stays as it was
+    ckpt = tmp_path / "ckpt.pt"
+    before = ckpt.read_bytes()
+    for extra in (["--resume"], ["--init_from", str(ckpt), "--out_dir", str(tmp_path / "from")], None):
+        with monkeypatch.context() as m:
+            load = torch.load
+            m.setattr(torch, "load", lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), load(*a, **k))[1])
+            argv = eval_args(corpus, tmp_path) if extra is None else base_args(corpus, tmp_path, 4, *extra)
+            with pytest.raises(SystemExit, match="^stopped by SIGTERM before the first update: nothing was saved$"):
+                train.main(argv)
+    assert ckpt.read_bytes() == before and not (tmp_path / "from").exists()
     with monkeypatch.context() as m:  # a signal in --eval_only's evaluation: no result, and an exit that says so
         evaluate = train.evaluate
         m.setattr(train, "evaluate", lambda *a: (os.kill(os.getpid(), signal.SIGTERM), evaluate(*a))[1])

@@ -619,8 +619,10 @@ def prepare(args, held, given=()):
     return ddp, ckpt, ckpt_path, (val, loader), run
 
 
-class StoppedBeforeTheRun(Exception):
-    """A stop signal while the data loads or the model is built (minutes at 7b): nothing is trained yet to save."""
+class StoppedBeforeTheRun(BaseException):
+    """A stop signal while the data loads, the checkpoint is read or the model is built (minutes at 7b): nothing is
+    trained yet to save. A BaseException, as Ctrl-C's KeyboardInterrupt is: code that turns an Exception into its own
+    error (a checkpoint that cannot be read is "damaged") must not turn a stop into that error."""
 
 
 class Early:
