@@ -29,7 +29,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from checkpoint import SaveFailed, atomic_file, load_model, make_folder, remove_empty, save
+from checkpoint import SaveFailed, atomic_file, checkpoint_file, load_model, make_folder, remove_empty, save
 from data import load_tokenizer
 from model import ReLoRALinear
 from sllinear import SLLinear
@@ -187,8 +187,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
-    both = args.merged and os.path.exists(args.merged) and os.path.exists(args.ckpt)  # else samefile would raise
-    if both and os.path.samefile(args.merged, args.ckpt):
+    source = checkpoint_file(args.ckpt)  # a run's folder stands for its ckpt.pt
+    both = args.merged and os.path.exists(args.merged) and os.path.exists(source)  # else samefile would raise
+    if both and os.path.samefile(args.merged, source):
         p.error(f"--merged {args.merged} is the checkpoint being exported: its optimizer and resume state would be "
                 "lost; pass another file")
     if args.merged and os.path.isfile(args.merged) and not args.overwrite:  # another run's ckpt.pt, say

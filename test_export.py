@@ -475,10 +475,14 @@ def test_every_method_exports_merged_weights_rounded_once(corpus, tmp_path):  # 
 
 
 def test_export_never_writes_over_the_checkpoint_it_reads(sl_ckpt, capsys):
-    before = open(sl_ckpt, "rb").read()
-    with pytest.raises(SystemExit):
-        export.main([sl_ckpt, "--merged", sl_ckpt])
-    assert "is the checkpoint being exported" in capsys.readouterr().err and open(sl_ckpt, "rb").read() == before
+    """Named as a file or by its run's folder, and with --overwrite too (which another file's refusal names)."""
+    before, folder = open(sl_ckpt, "rb").read(), os.path.dirname(sl_ckpt)
+    for source in (sl_ckpt, folder):
+        for extra in ([], ["--overwrite"]):
+            with pytest.raises(SystemExit):
+                export.main([source, "--merged", sl_ckpt, *extra])
+            assert "is the checkpoint being exported" in capsys.readouterr().err, (source, extra)
+            assert open(sl_ckpt, "rb").read() == before
 
 
 def test_transformers_loads_the_export_with_our_logits(sl_ckpt, tmp_path):
