@@ -182,7 +182,10 @@ def nice_ticks(lo, hi, n=5):
 
 def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
     """A line chart of series [(label, xs, ys)] with axes, ticks, grid and a legend, as one SVG file."""
-    esc = lambda s: str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
+    # a name from the command line or a folder is kept by Python as bytes that are not UTF-8 where it is not: shown
+    # with U+FFFD there, as a file browser does, since an SVG is UTF-8 text
+    esc = lambda s: (str(s).encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # noqa: E731
+                     .replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
     left, right, top, bottom = 70, 20, 40, 50
     legend_w = 10 + 7 * max(len(label) for label, _, _ in series) + 30
     plot_w, plot_h = width - left - right - legend_w, height - top - bottom

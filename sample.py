@@ -124,6 +124,11 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
     come from a CPU generator, so a seed repeats on any device, at the same batch_size. merge=False generates from
     the weights as trained: less memory, slower. A batch_size whose cache and logits cannot fit is refused (a
     ValueError naming one that fits) before the merge."""
+    try:  # a shell passes the bytes it was given, and Python keeps those that are not UTF-8 as it cannot encode them
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"--prompt is not UTF-8 text (byte {ord(prompt[e.start]) & 0xFF:#x} at character {e.start}): "
+                         "pass it in UTF-8") from None
     model, ckpt = load_model(ckpt_path, device=device)
     run = ckpt.get("args", {})
     del ckpt  # its tensors (the optimizer's state too) would stay in memory through the run

@@ -414,6 +414,18 @@ def test_curves_creates_its_folder_and_leaves_out_non_finite_points(tmp_path, ca
     assert len(polyline.get("points").split()) == 2 and "nan" not in polyline.get("points")
 
 
+def test_curves_takes_folder_names_and_labels_that_are_not_utf8(tmp_path):
+    """A run folder named in another encoding (Latin-1's é) is the default label: shown with U+FFFD in the SVG,
+    which is UTF-8 text, where it raised UnicodeEncodeError; so is a --labels of such bytes."""
+    name = b"caf\xe9".decode("utf-8", "surrogateescape")
+    path = write_metrics(tmp_path / name / "metrics.jsonl", [{"step": 10, "val_ppl": 50.0}])
+    for extra, shown in (([], "caf\ufffd"), (["--labels", name + " <2>"], "caf\ufffd <2>")):
+        out = tmp_path / "curves.svg"
+        analyze.main(["curves", path, "--out", str(out), *extra])
+        texts = [t.text for t in ET.parse(out).getroot().iter("{http://www.w3.org/2000/svg}text")]
+        assert shown in texts, texts
+
+
 def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, capsys):
     """A write the filesystem refuses (a file past the process's size limit, as a full disk) is one line, and the
     SVG written before stays whole: figures are written through checkpoint.atomic_file."""

@@ -102,6 +102,16 @@ def test_sample_keeps_the_factors_when_asked(sl_ckpt, monkeypatch):
     assert sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, temperature=0, merge=False) == merged
 
 
+def test_a_prompt_that_is_not_utf8_is_one_line_before_the_model_loads(sl_ckpt, monkeypatch, capsys):
+    """A shell passes the bytes typed in another encoding (Latin-1's é, 0xe9), which Python keeps as a lone
+    surrogate that sentencepiece cannot take: a traceback, after the merge (minutes at 7b)."""
+    prompt = b"caf\xe9".decode("utf-8", "surrogateescape")
+    monkeypatch.setattr(sample, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match=r"^sample.py: --prompt is not UTF-8 text \(byte 0xe9 at character 3\): "
+                                         "pass it in UTF-8$"):
+        sample.main([sl_ckpt, "--prompt", prompt])
+
+
 def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     """A prompt of spaces (it encodes to nothing) starts a document as an empty one does; a prompt is shown as typed,
     characters outside the vocabulary included; a tiny temperature is greedy, not NaN; the context never passes the
