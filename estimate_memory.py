@@ -295,8 +295,8 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
     kept = grads_kept(per_layer, accumulation, ddp, cuda_graph)
     row = dict(size=size, method=method, rank=rank, delta=delta, ffn_dim=config.ffn_dim, freeze=freeze,
                optimizer=optimizer, index_dtype=index_dtype, per_layer=per_layer, batch_size=batch_size,
-               max_length=max_length, activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp, accumulation=accumulation,
-               ddp=ddp, cuda_graph=cuda_graph, grads_kept=kept,
+               max_length=max_length, activation_checkpointing=activation_checkpointing, dtype=dtype, amp=amp,
+               accumulation=accumulation, ddp=ddp, cuda_graph=cuda_graph, grads_kept=kept,
                params_m=n["total"] / 1e6,
                dense_m=n["dense"] / 1e6, lowrank_m=n["lowrank"] / 1e6, sparse_m=n["sparse"] / 1e6)
     width = DTYPE_BYTES[dtype]  # bytes of a parameter, a gradient and an AdamW moment

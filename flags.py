@@ -415,6 +415,10 @@ def check_baseline_flags(p, args, config):
         p.error(f"--galore_rank must be in [1, {min(config.dim, config.ffn_dim)}], got {args.galore_rank}")
     if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
         p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
+    if args.method == "relora" and args.relora_warmup >= args.relora_reset:  # else no jag ever reaches the cosine
+        p.error(f"--relora_warmup {args.relora_warmup} must be shorter than --relora_reset {args.relora_reset}: each "
+                "restart's warmup ends before the next restart, else the learning rate never climbs back to the "
+                "cosine; pass a smaller --relora_warmup")
     if not 0 <= args.relora_prune <= 1:
         p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
 

@@ -116,7 +116,7 @@ def test_a_restart_in_training_prunes_the_restarted_factors_moments():
     """train.relora_restart, as the loop calls it: at a reset step it merges, restarts the factors and prunes 99% of
     their moments (the smallest); the other parameters' moments stay; between resets it does nothing."""
     args = train.get_args(["--size", "tiny", "--method", "relora", "--num_training_steps", "10", "--relora_reset",
-                           "2", "--relora_prune", "0.99"])
+                           "2", "--relora_warmup", "1", "--relora_prune", "0.99"])
     torch.manual_seed(0)
     model = LLaMA(config_for("tiny", method="relora", vocab_size=64))
     opt = AdamW(model.parameters(), lr=1e-2)
