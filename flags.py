@@ -217,7 +217,8 @@ def get_args(argv=None, description=None):
     galore = args.optimizer.startswith("galore")
     args.lr = (GALORE[args.size][0] if galore else lr) if args.lr is None else args.lr
     check_ranges(p, args)
-    if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps:
+    # a resume checks it once the run's own --num_training_steps is known (train.load_for_resume)
+    if args.warmup_steps is not None and args.warmup_steps > args.num_training_steps and not args.resume:
         p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
     if args.per_layer and args.grad_clipping:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
@@ -479,7 +480,8 @@ def resolve_device_and_batch(p, args):
         p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size {args.batch_size} x "
                 f"{world} devices; pass {fix}")
     args.gradient_accumulation = args.total_batch_size // per_micro
-    check_memory(p, args, device, world)
+    if not args.resume:  # a resume is checked once it has taken the run's own batch and dtype (load_for_resume)
+        check_memory(p, args, device, world)
 
 
 def run_dtype(args, device):

@@ -242,26 +242,54 @@ def test_on_a_gpu_deterministic_runs_agree_and_resume_to_the_bit(corpus, tmp_pat
 
 
 def test_a_resume_without_the_runs_flags_takes_the_runs_own(corpus, tmp_path, capsys):
-    """--resume alone continues the run as it was: the learning rate, schedule, betas, decay, clipping, length and
-    intervals it was started with, not the size's defaults, nothing said changed; a flag given is honored."""
+    """--resume alone continues the run as it was: the learning rate, schedule, betas, decay, clipping, length,
+    intervals and micro-batch it was started with, not the size's or the device's defaults, nothing said changed;
+    a flag given is honored. The memory check is made once, at the run's own micro-batch and dtype."""
     own = ["--lr", "1e-3", "--min_lr_ratio", "0.2", "--beta2", "0.95", "--weight_decay", "0.01", "--grad_clipping",
-           "0.5", "--eval_every", "3"]
+           "0.5", "--eval_every", "3", "--batch_size", "2"]  # 2 x 4 micro-batches, where the CPU's default is 8 x 1
     straight, split = tmp_path / "straight", tmp_path / "split"
     train.main(base_args(corpus, straight, 6, *own))
     train.main(base_args(corpus, split, 6, "--stop_after", "2", *own))
     folder, tokenizer = corpus
     bare = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(split),
-            "--total_batch_size", "8", "--batch_size", "4", "--max_length", "32", "--workers", "0"]
+            "--total_batch_size", "8", "--max_length", "32", "--workers", "0"]
     capsys.readouterr()
-    train.main(bare + ["--resume"])
+    checked, check = [], flags.check_memory
+    spy = lambda p, args, *rest: (checked.append((args.batch_size, args.dtype)), check(p, args, *rest))  # noqa: E731
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(flags, "check_memory", spy)
+        train.main(bare + ["--resume"])
     said = capsys.readouterr().out
     assert "resuming from" in said and "changed" not in said, said
+    assert checked == [(2, "float32")], checked
     step = lambda rows: [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows[0]]  # noqa: E731
     assert step(metrics(straight)) == step(metrics(split)) and metrics(straight)[1] == metrics(split)[1]
     assert final_state(split)["args"]["lr"] == 1e-3
     train.main(bare + ["--resume", "--num_training_steps", "8", "--log_every", "4"])
     assert "changed and honored: num_training_steps 6 -> 8, log_every 1 -> 4" in capsys.readouterr().out
     assert final_state(split)["step"] == 8 and final_state(split)["args"]["beta2"] == 0.95
+    train.main(bare + ["--resume", "--num_training_steps", "9", "--gradient_accumulation", "1"])  # given: honored
+    assert "batch_size 2 -> 8, gradient_accumulation 4 -> 1" in capsys.readouterr().out
+
+
+def test_a_resumed_warmup_is_checked_against_the_runs_own_updates(corpus, tmp_path):
+    """--warmup_steps on a resume without --num_training_steps is checked against the run's updates, not the size's
+    default (tiny's 1000): a warmup within a long run is taken, one past a short run's end refused."""
+    def resume(out, *extra):  # base_args less --num_training_steps and --eval_every: the run's own
+        argv = base_args(corpus, out, 0, "--resume", *extra)
+        for flag in ("--num_training_steps", "--eval_every"):
+            argv = argv[:argv.index(flag)] + argv[argv.index(flag) + 2:]
+        return argv
+    long, short = tmp_path / "long", tmp_path / "short"
+    train.main(base_args(corpus, long, 2000, "--stop_after", "1"))
+    train.main(resume(long, "--warmup_steps", "1500", "--stop_after", "1"))  # one update more
+    args = final_state(long)["args"]
+    assert final_state(long)["step"] == 2 and (args["warmup_steps"], args["num_training_steps"]) == (1500, 2000)
+    train.main(base_args(corpus, short, 6, "--stop_after", "2"))
+    with pytest.raises(SystemExit, match=r"^--resume: --warmup_steps must be in \[0, 6\] \(the run's "
+                                         r"--num_training_steps\), got 10$"):
+        train.main(resume(short, "--warmup_steps", "10"))
+    assert final_state(short)["step"] == 2
 
 
 def test_a_decay_a_resumed_bf16_run_cannot_take_is_refused(corpus, tmp_path):
@@ -279,11 +307,15 @@ def test_a_decay_a_resumed_bf16_run_cannot_take_is_refused(corpus, tmp_path):
 
 def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
     """A bf16 run (a GPU's default) resumed on a CPU, whose default is float32, goes on in bf16 when --dtype is not
-    given; given, another dtype is refused."""
+    given, and its memory is checked in bf16; given, another dtype is refused."""
     train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2", "--dtype", "bfloat16"))
     with pytest.raises(SystemExit, match=r"dtype bfloat16 \(now float32\)"):
         train.main(base_args(corpus, tmp_path, 4, "--resume", "--dtype", "float32"))
-    train.main(base_args(corpus, tmp_path, 4, "--resume"))
+    checked, check = [], flags.check_memory
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(flags, "check_memory", lambda p, args, *rest: (checked.append(args.dtype), check(p, args, *rest)))
+        train.main(base_args(corpus, tmp_path, 4, "--resume"))
+    assert checked == ["bfloat16"], checked
     state = final_state(tmp_path)
     assert state["step"] == 4 and state["args"]["dtype"] == "bfloat16"
     assert {t.dtype for k, t in state["model"].items() if k.endswith(".A")} == {torch.bfloat16}

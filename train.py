@@ -161,11 +161,13 @@ RESUME_KEPT = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_cli
                "eval_every", "eval_tokens", "save_every", "log_every")
 
 
-def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, given=()):
+def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=True, given=()):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
     listed in one refusal) or is honored and said so (by the master); args then records what this run does. A
     resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU; so does
-    each flag of RESUME_KEPT not in `given` (the flags on the command line)."""
+    each flag of RESUME_KEPT not in `given` (the flags on the command line), and the micro-batch where neither
+    --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
+    new run (flags.check_memory, on `device`), at the run's own settings."""
     path = resume_path(args)
     if not os.path.exists(path):
         flag = "--eval_only" if args.eval_only else "--resume"
@@ -208,6 +210,10 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, give
     for k in RESUME_KEPT:
         if k not in given and k in old:
             setattr(args, k, old[k])
+    micro = old.get("batch_size")  # the run's micro-batch, not this device's default: the same sums, the same memory
+    fits = micro and args.total_batch_size % (micro * world) == 0  # (on another number of processes it may not)
+    if fits and not {"batch_size", "gradient_accumulation"} & set(given):
+        args.batch_size, args.gradient_accumulation = micro, args.total_batch_size // (micro * world)
     refusal = flags.bf16_decay_refusal(args, args.dtype)  # the run's dtype, lr and decay, known only now
     if refusal:
         raise SystemExit(f"--resume: {path} holds bf16 parameters, and {refusal}")
@@ -219,6 +225,10 @@ def load_for_resume(args, vocab_size, world, master=True, dtype_given=True, give
         if args.warmup_steps > args.num_training_steps:
             raise SystemExit(f"--resume: the run's warmup of {args.warmup_steps} updates is longer than "
                              f"--num_training_steps {args.num_training_steps}: pass --warmup_steps too")
+    elif args.warmup_steps > args.num_training_steps:  # against the run's updates, known only now
+        raise SystemExit(f"--resume: --warmup_steps must be in [0, {args.num_training_steps}] (the run's "
+                         f"--num_training_steps), got {args.warmup_steps}")
+    flags.check_memory(flags.make_parser(), args, device, world)
     args.lr_restart = old.get("lr_restart")
     if args.num_training_steps != old["num_training_steps"] and step >= min(old["warmup_steps"], args.warmup_steps):
         # continue the cosine from where it stood; at a ReLoRA restart its jag is at 0, the cosine is not
@@ -586,7 +596,7 @@ def prepare(args, held, given=()):
         lock_out_dir(args, held, rank, world)
     refuse_overwrite(args)
     if args.resume or args.eval_only:
-        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, rank == 0, dtype_given, given)
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, device, rank == 0, dtype_given, given)
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
