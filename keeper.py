@@ -57,9 +57,11 @@ def refuse_overwrite(args):
                              "new --out_dir") from None
         return
     rows = os.path.join(args.out_dir, "metrics.jsonl")
-    if not (args.resume or args.eval_only or os.path.exists(path)) and os.path.isfile(rows) and os.path.getsize(rows):
-        raise SystemExit(f"{rows} holds the rows of a run that saved no checkpoint (it stopped before its first): "
-                         "pass a new --out_dir, or --overwrite to replace them")
+    if not (args.eval_only or os.path.exists(path)) and os.path.isfile(rows) and os.path.getsize(rows) and \
+            not (args.resume and continued_here(rows, resume_path(args))):
+        into = f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, and " if args.resume else ""
+        raise SystemExit(f"{into}{rows} holds the rows of a run that saved no checkpoint (it stopped before its "
+                         "first): pass a new --out_dir, or --overwrite to replace them")
     if not os.path.exists(path) or args.eval_only:  # --eval_only writes nothing
         return
     if args.resume and not os.path.exists(resume_path(args)):
@@ -70,6 +72,21 @@ def refuse_overwrite(args):
     if not same_file(path, resume_path(args)):
         raise SystemExit(f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, which holds "
                          f"another checkpoint: pass a new --out_dir, or --overwrite to replace {path}")
+
+
+def continued_here(rows, resumed):
+    """Whether rows (an out_dir's metrics.jsonl, beside no checkpoint) are those of a resume of the checkpoint at
+    `resumed` into that out_dir that stopped before its first save: they begin with the same row as the rows beside
+    that checkpoint (a row holds its step's time, so two runs never write the same one), and this resume rewrites
+    them. Rows of any other run there would be replaced without a word."""
+    beside = os.path.join(os.path.dirname(resumed), "metrics.jsonl")
+    if same_file(beside, rows) or not os.path.exists(resumed):  # its own folder's; or no such checkpoint (said later)
+        return True
+    try:
+        with open(rows) as mine, open(beside) as theirs:
+            return mine.readline().strip() == theirs.readline().strip() != ""
+    except OSError:  # no rows beside the checkpoint: none to tell these apart by
+        return False
 
 
 def trim_metrics(source, step, path, eval_pending=False, resume_from=None):

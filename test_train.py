@@ -591,6 +591,19 @@ def test_resume_into_another_out_dir_brings_its_metrics_and_never_overwrites_sil
         assert [r["step"] for r in rows] == list(range(1, 7)) and rows[:2] == first, out
     same = [[(r["step"], r["loss"], r["lr"]) for r in metrics(out)[0]] for out in (b, c)]
     assert same[0] == same[1] and final_state(b)["step"] == final_state(c)["step"] == 6
+    # a folder holding another run's rows and no checkpoint (it stopped before its first save): refused, as a fresh
+    # run there is; rows of this same resume, killed there before its first save, are its own to write again
+    d, e = tmp_path / "d", tmp_path / "e"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(SystemExit, match=f"^--resume {a}/ckpt.pt would train on into --out_dir {d}, and {d}/metrics"
+                                         r".jsonl holds the rows of a run that saved no checkpoint .* --overwrite"):
+        train.main(base_args(corpus, d, 6, "--resume", str(a)))
+    assert (d / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
+    train.main(base_args(corpus, e, 6, "--resume", str(a)))
+    (e / "ckpt.pt").unlink()  # as if killed before its first save
+    train.main(base_args(corpus, e, 6, "--resume", str(a)))
+    assert [(r["step"], r["loss"]) for r in metrics(e)[0]] == [(r["step"], r["loss"]) for r in metrics(c)[0]]
 
 
 def test_weights_only_checkpoint_is_evaluated_but_not_resumed(corpus, tmp_path, capsys):
