@@ -232,6 +232,15 @@ def load(path):
     return state
 
 
+def peek(path):
+    """The checkpoint at path with its tensors mapped from the file, not read, and its checksum not checked: a quick
+    look at its run (args, data positions) before the real load; None where it cannot be read that way."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - load() says what is wrong with it, when it comes to that
+        return None
+
+
 def load_model(path, device="cpu"):
     """A model from a checkpoint that train.py (or export.py --merged) wrote, verified -> (model in eval mode,
     checkpoint). path may be the run's folder (its ckpt.pt), as for train.py --resume. Refuses, with the reason, a

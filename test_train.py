@@ -868,6 +868,24 @@ def test_download_fetches_the_shards_the_run_reads(monkeypatch, tmp_path, capsys
         capsys.readouterr().out
 
 
+def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_path, capsys):
+    """On a resume --download fetches the shards the checkpoint's data position names (3 of a short run, here), not
+    as many as the size's default --num_training_steps would read (17 at 60m): those would be fetched for minutes and
+    then refused as not the checkpoint's. A checkpoint that cannot be read falls back to the count (the resume then
+    says what is wrong with it)."""
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    names = data.shard_names(train=3, validation=0)
+    checkpoint.save(str(ckpt), {"data": [{"shards": names, "rank": r} for r in range(2)], "step": 5})
+    fetched = []
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
+    for resume, want in ((ckpt, names), (tmp_path / "nothing.pt", data.shard_names(train=17, validation=0))):
+        with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
+            train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
+                        str(tmp_path / "out"), "--resume", str(resume)])
+        assert fetched.pop() == want + data.shard_names(train=0, validation=2)
+        assert f"--download: {len(want)} C4 train shard(s) (the resumed run's), 2 validation" in capsys.readouterr().out
+
 
 @pytest.mark.parametrize("extra", [[], ["--packed_support"]], ids=["flat", "packed"])
 def test_every_rank_trains_rank_0s_supports(corpus, tmp_path, extra):

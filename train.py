@@ -441,6 +441,20 @@ def peak_mem_gb(device):
 
 # ----------------------------------------------------------------------------- setup
 
+def download_shards(args):
+    """What --download fetches: the train shard names, and how many validation shards. Enough train shards that the
+    run sees no document twice (a C4 en shard holds ~356k documents); on a resume the checkpoint's own, which its
+    data position needs, whatever this command line's --num_training_steps (the run's own is taken later) says. And
+    validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
+    documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two."""
+    n_val = min(8, math.ceil(args.eval_tokens / VALIDATION_SHARD_TOKENS))
+    ckpt = checkpoint.peek(resume_path(args)) if args.resume else None  # none there: load_for_resume says so
+    if isinstance(ckpt, dict) and ckpt.get("data"):
+        return list(ckpt["data"][0]["shards"]), n_val  # every rank's state names the same shards
+    n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
+    return shard_names(train=n_train, validation=0), n_val
+
+
 def setup(args):
     """DDP (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE), the download, the device, and cheap data checks."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -450,19 +464,16 @@ def setup(args):
     # vocabulary, or a file that is no tokenizer, is refused first
     vocab_size = tokenizer_pieces(args) if os.path.isfile(args.tokenizer) else None
     if args.download:
-        # enough train shards that the run sees no document twice (a C4 en shard holds ~356k documents), and
-        # validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
-        # documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two
-        n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
-        n_val = min(8, math.ceil(args.eval_tokens / VALIDATION_SHARD_TOKENS))
+        train_shards, n_val = download_shards(args)
         if ddp:  # the other ranks would wait on a barrier for the whole download, past the process group's timeout
             raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
-                             f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {n_train} "
+                             f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {len(train_shards)} "
                              f"--validation_shards {n_val}")
-        print(f"--download: {n_train} C4 train shard(s), {n_val} validation shard(s) and the T5 tokenizer into "
-              f"{args.data_dir}")
+        whose = " (the resumed run's)" if args.resume else ""
+        print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) and the T5 "
+              f"tokenizer into {args.data_dir}")
         try:
-            download(args.data_dir, args.tokenizer, shards=shard_names(train=n_train, validation=n_val))
+            download(args.data_dir, args.tokenizer, shards=train_shards + shard_names(train=0, validation=n_val))
         except (OSError, ValueError) as e:  # offline, a failing server, a file that fails its checksum
             raise SystemExit(f"--download: {e}") from None
     device = torch.device(args.device)
