@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import random
-import re
 import shutil
 import socket
 import signal
@@ -568,6 +567,9 @@ def shard_names(train=1, validation=1):
             + [f"c4-validation.{i:05d}-of-00008.json.gz" for i in range(validation)])
 
 
+C4_NAMES = frozenset(shard_names(1024, 8))  # every allenai/c4 en shard, which download takes by name
+
+
 def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
     """Download url to dest through dest.part: resumed with an HTTP Range request after a dropped connection
     (also by a later call), checked (size, sha256 if given, gzip stream, sentencepiece model), then renamed."""
@@ -665,7 +667,7 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
     base = (base_url or os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
     names = shard_names() if shards is None else list(shards)
     # every name checked before the first fetch: a typo in the last one must not cost the ~320 MB shards before it
-    bad = [n for n in names if not re.fullmatch(r"c4-(train\.\d{5}-of-01024|validation\.\d{5}-of-00008)\.json\.gz", n)]
+    bad = [n for n in names if n not in C4_NAMES]
     if bad:
         what = "is not a C4 en shard name" if len(bad) == 1 else "are not C4 en shard names"
         raise ValueError(f"{', '.join(map(repr, bad))} {what}; they look like c4-train.00000-of-01024.json.gz "
@@ -679,11 +681,14 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
     if any(not p.is_dir() for p in above):
         raise ValueError(f"{next(p for p in above if not p.is_dir())} is a file where a folder of the paths should be; "
                          "pass other paths")
-    check_room(data_dir, [n for n in names if recheck or not (Path(data_dir) / n).exists()])
+    # what is to be fetched, known before the room for it is counted: the missing shards, and with recheck the present
+    # ones that fail their gzip check (a whole one stays, and needs no room)
+    broken = [n for n in names if recheck and (Path(data_dir) / n).exists() and not _gzip_ok(Path(data_dir) / n)]
+    check_room(data_dir, [n for n in names if n in broken or not (Path(data_dir) / n).exists()])
     fetched = 0
     for name in names:
         path = Path(data_dir) / name
-        if recheck and path.exists() and not _gzip_ok(path):
+        if name in broken:
             print(f"{path} is truncated or corrupt: downloading it again", flush=True)
             path.unlink()
         if not path.exists():
@@ -701,11 +706,11 @@ def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards
 
 def check_room(data_dir, names):
     """Refuse, before the first byte, shards that the disk of data_dir cannot hold (SHARD_BYTES each, less what a
-    .part of each already holds): a full disk would otherwise stop the download part way, hours in at 1b."""
+    .part of each already holds, and less a broken copy's bytes, removed before its fetch): a full disk would
+    otherwise stop the download part way, hours in at 1b."""
     def bytes_of(name):
-        part = Path(data_dir) / (name + ".part")
-        return max(0.0, SHARD_BYTES[name.split(".")[0].removeprefix("c4-")] - (part.stat().st_size if part.exists()
-                                                                                else 0))
+        held = sum(p.stat().st_size for p in (Path(data_dir) / (name + ".part"), Path(data_dir) / name) if p.exists())
+        return max(0.0, SHARD_BYTES[name.split(".")[0].removeprefix("c4-")] - held)
     need = sum(bytes_of(n) for n in names)
     disk = next(p for p in [Path(data_dir), *Path(data_dir).absolute().parents] if p.exists())
     free = shutil.disk_usage(disk).free

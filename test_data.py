@@ -633,6 +633,18 @@ def test_download_refuses_shards_the_disk_cannot_hold_before_fetching_any(tmp_pa
     assert len(fetched) == 2
     with pytest.raises(SystemExit, match="need about 1.0 GB"):  # the command line says it in one line
         data.main(["download", "--out", str(tmp_path / "other"), "--tokenizer", "", "--train_shards", "3"])
+    # --shards rechecks the named shards (what a truncated shard's message says to run): a whole one stays and needs
+    # no room; a broken one is fetched again, its own bytes counted as freed
+    fetched.clear()
+    monkeypatch.setattr(data, "SHARD_BYTES", {"train": 3000, "validation": 3000})  # shards of 3 kB, 2 kB free
+    free = 2000
+    shard = folder / names[1]
+    shard.write_bytes(gzip.compress(b'{"text": "a whole shard"}\n'))
+    data.main(["download", "--out", str(folder), "--tokenizer", "", "--shards", names[1]])
+    assert not fetched and shard.exists()
+    shard.write_bytes(gzip.compress(bytes(range(256)) * 8, compresslevel=0)[:1500])  # cut short: 1.5 kB of 3
+    data.main(["download", "--out", str(folder), "--tokenizer", "", "--shards", names[1]])
+    assert len(fetched) == 1 and not shard.exists()  # (the fake fetch writes nothing)
 
 
 @pytest.fixture
@@ -737,10 +749,14 @@ def test_train_tokenizer_replaces_a_model_only_when_asked_and_whole(corpus, tmp_
 def test_download_checks_every_shard_name_before_fetching_any(tmp_path, monkeypatch, capsys):
     fetched = []
     monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(url))  # no network
-    names = data.shard_names(3, 1) + ["c4-train.00003-of-1024.json.gz"]  # a typo in the last name only
-    with pytest.raises(SystemExit, match="'c4-train.00003-of-1024.json.gz' is not a C4 en shard name"):
-        data.main(["download", "--out", str(tmp_path / "c4"), "--tokenizer", "", "--shards", *names])
-    assert not fetched and not (tmp_path / "c4").exists(), f"fetched before the bad name was seen: {fetched}"
+    # a typo in the last name only; then indexes past C4 en's 1024 train and 8 validation shards, of the right form
+    for typo in ("c4-train.00003-of-1024.json.gz", "c4-train.01024-of-01024.json.gz",
+                 "c4-validation.00008-of-00008.json.gz"):
+        with pytest.raises(SystemExit, match=f"'{typo}' is not a C4 en shard name"):
+            data.main(["download", "--out", str(tmp_path / "c4"), "--tokenizer", "", "--shards",
+                       *data.shard_names(3, 1), typo])
+        assert not fetched and not (tmp_path / "c4").exists(), f"fetched before the bad name was seen: {fetched}"
+    assert len(data.C4_NAMES) == 1032 and set(data.shard_names(1024, 8)) == data.C4_NAMES
 
 
 # ----------------------------------------------------------------------------- commands
