@@ -323,6 +323,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
         stored = n["total"] + frozen  # W0 in bf16 also under amp (model.frozen_base_to)
         param_bytes = width * n["total"] + (BF16 if amp else width) * frozen + index_bytes
+        held = param_bytes  # W0 included: train.py's memory check counts it
 
     if method == "galore":  # <-- not ours: full-rank weights, moments of projected gradients
         weights = [p.shape for name, p in model.named_parameters() if is_projection(name)]
