@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
@@ -270,6 +271,28 @@ def test_a_resume_without_the_runs_flags_takes_the_runs_own(corpus, tmp_path, ca
     assert final_state(split)["step"] == 8 and final_state(split)["args"]["beta2"] == 0.95
     train.main(bare + ["--resume", "--num_training_steps", "9", "--gradient_accumulation", "1"])  # given: honored
     assert "batch_size 2 -> 8, gradient_accumulation 4 -> 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam8bit_per_layer"])
+def test_a_resumed_run_frees_the_checkpoints_tensors_once_loaded(corpus, tmp_path, monkeypatch, optimizer):
+    """The checkpoint's model weights and optimizer state, once loaded into the model and optimizer, are not held
+    through the run (at 7b on a GPU they were the whole checkpoint in host memory, on every rank, to the end)."""
+    train.main(base_args(corpus, tmp_path, 4, "--optimizer", optimizer, "--stop_after", "2"))
+    held, build, run_training = [], train.build, train.train
+
+    def spy_build(args, config, device, dtype, ddp, ckpt):
+        held.extend(weakref.ref(t) for t in ckpt["model"].values())
+        return build(args, config, device, dtype, ddp, ckpt)
+
+    def spy_train(*a):
+        gc.collect()
+        alive = [r for r in held if r() is not None]
+        assert held and not alive, f"{len(alive)} of the checkpoint's {len(held)} weights alive in the run"
+        return run_training(*a)
+    monkeypatch.setattr(train, "build", spy_build)
+    monkeypatch.setattr(train, "train", spy_train)
+    train.main(base_args(corpus, tmp_path, 4, "--optimizer", optimizer, "--resume"))
+    assert final_state(tmp_path)["step"] == 4
 
 
 def test_a_resumed_warmup_is_checked_against_the_runs_own_updates(corpus, tmp_path):

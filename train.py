@@ -619,6 +619,8 @@ def prepare(args, held, given=()):
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         ffn_dim=args.ffn_dim, vocab_size=vocab_size, packed_support=args.packed_support)
     run = build(args, config, device, getattr(torch, args.dtype), ddp, ckpt)
+    for key in ("model", "optimizer", "scheduler") if ckpt else ():  # loaded: the rest of the run needs its step,
+        ckpt.pop(key, None)  # args, data and RNG only, and these would sit in host memory to its end, on every rank
     if rank == 0:
         read = flags.EVAL_READS + ("tokenizer_sha256",) if args.eval_only else vars(args)  # what this run uses
         print(json.dumps({k: v for k, v in vars(args).items() if k in read}))
