@@ -237,7 +237,8 @@ def _bitsandbytes():
 def bench_step(size=4096, steps=10, warmup=3, rounds=3):
     """One step on a size x size float32 tensor on CPU for each optimizer, each in its own block of steps after a
     warm-up (interleaving single steps would time the allocator), as ratios to torch's foreach AdamW. Each round keeps
-    the median step of each block; the best round counts, and range is the ratio's spread over rounds."""
+    the median step of each block, the variants' order alternating from round to round; ratio is the median over
+    rounds of each round's ratio, range its lowest and highest round, ms the median round's time."""
     makers = {
         "torch.optim.AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=True),
         "AdamW": lambda ps: optim.AdamW(ps, weight_decay=0.1),
@@ -248,8 +249,8 @@ def bench_step(size=4096, steps=10, warmup=3, rounds=3):
     if bnb is not None:  # the authors' 8-bit optimizer, where installed: its CPU kernels beside ours
         makers["bitsandbytes Adam8bit"] = lambda ps: bnb.optim.Adam8bit(ps, weight_decay=0.1)
     medians = {name: [] for name in makers}
-    for _ in range(rounds):
-        for name, make in makers.items():
+    for i in range(rounds):
+        for name, make in (list(makers.items()) if i % 2 == 0 else list(makers.items())[::-1]):
             torch.manual_seed(0)
             p = nn.Parameter(torch.randn(size, size) * 0.02)
             p.grad = torch.randn(size, size) * 1e-3
@@ -266,7 +267,7 @@ def bench_step(size=4096, steps=10, warmup=3, rounds=3):
     variants = {}
     for name, seconds in medians.items():
         ratios = [s / r for s, r in zip(seconds, reference)]
-        variants[name] = dict(ms=min(seconds) * 1e3, ratio=min(seconds) / min(reference),
+        variants[name] = dict(ms=statistics.median(seconds) * 1e3, ratio=statistics.median(ratios),
                               range=(min(ratios), max(ratios)), rounds_ms=[s * 1e3 for s in seconds])
     return dict(size=size, steps=steps, warmup=warmup, rounds=rounds, threads=torch.get_num_threads(),
                 variants=variants)
@@ -515,7 +516,8 @@ def machine(device):
 def report_step(r):
     S = r["step"]
     print(f"one optimizer step on a {S['size']}x{S['size']} tensor, CPU, {S['threads']} threads, median of "
-          f"{S['steps']} steps after {S['warmup']} warm-up, best of {S['rounds']} rounds")
+          f"{S['steps']} steps after {S['warmup']} warm-up; the median of {S['rounds']} rounds' ratios "
+          "[lowest-highest]")
     for name, v in S["variants"].items():
         print(f"{name:>32}: {v['ms']:7.1f} ms/step  {v['ratio']:5.2f}x [{v['range'][0]:.2f}-{v['range'][1]:.2f}]")
 
