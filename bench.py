@@ -170,14 +170,18 @@ def bench_layer(device, tokens, dtype, rounds, dim=2048, rank=128, delta=0.03):
                 floor=1 + 4 * rank / (3 * tokens), variants=summary(times, "dense"))
 
 
+# the model section's variants, each a model of its own with its optimizer state, all held at once: the method each
+# builds (sltrain/separate: each projection its own call)
+MODEL_VARIANTS = {**{m: m for m in PRETRAINING}, "sltrain/separate": "sltrain", "galore": "full"}
+
+
 def bench_model(size, batch_size, max_length, device, dtype, rounds):
     """Train-step tokens/s of each method (forward, backward, optim.AdamW step; GaLore's own step), and ÷ full;
     sltrain also with each projection its own call ("sltrain/separate"; by default q, k, v and gate, up share one,
     sllinear.projections). Each step's aten operations too, views included: on a GPU, what the host issues."""
     variants, steps = {}, {}
-    for method in (*PRETRAINING, "sltrain/separate", "galore"):
+    for method, ours in MODEL_VARIANTS.items():
         torch.manual_seed(0)
-        ours = {"galore": "full", "sltrain/separate": "sltrain"}.get(method, method)
         model = LLaMA(config_for(size, method=ours), device=device).to(dtype)
         model.fuse_projections(method != "sltrain/separate")
         hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -622,14 +626,14 @@ def check_args(parser, args):
 
 
 def memory_needed(section, size, dtype, batch_size=0, max_length=256):
-    """The least a section holds at its peak, in bytes, by estimate_memory's rows: `model` keeps its five models and
-    their AdamW states at once and steps one at a time, with one set of gradients and one step's activations of
+    """The least a section holds at its peak, in bytes, by estimate_memory's rows: `model` keeps its six models
+    (MODEL_VARIANTS) and their AdamW states at once and steps one at a time, with one set of gradients and one step's activations of
     batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states, beside the
     originals and one set of gradients; `inference` full, sltrain and the merged model, and one forward's."""
     def row(method, batch=batch_size, **kw):
         return estimate(size, method, index_dtype="int32", dtype=dtype, batch_size=batch, max_length=max_length, **kw)
     if section == "model":
-        rows = [row(m) for m in ("full", "lowrank", "relora", "sltrain", "galore")]
+        rows = [row("galore" if m == "galore" else built) for m, built in MODEL_VARIANTS.items()]
         return (sum(r["held_gb"] + r["optim_gb"] for r in rows) + max(r["grad_gb"] + r["act_gb"] for r in rows)) * 1e9
     if section == "optimizer":
         plain, eight_bit = row("sltrain", batch=0), row("sltrain", batch=0, optimizer="adam8bit")

@@ -76,6 +76,29 @@ def test_the_optimizer_tools_run_and_report(monkeypatch, capsys, tmp_path):
 
 
 
+def test_the_model_sections_memory_guard_counts_every_model_it_holds(monkeypatch):
+    """The model section holds all its variants at once (six: sltrain/separate too, which the guard left out, about
+    10% of the section at 1b): their weights, buffers and optimizer states, counted after a step of each, are within
+    the guard's figure (which adds one step's gradients and activations)."""
+    class Counted(Exception):
+        pass
+
+    def count(steps, *args, **kwargs):  # bench_model's interleave: every variant built and alive by then
+        held = 0
+        for step in steps.values():
+            model, opt = step.__defaults__[:2]
+            step()  # the optimizer's state is made at its first step
+            held += sum(t.nbytes for t in model.state_dict().values())
+            held += sum(t.nbytes for state in opt.state.values() for t in state.values() if torch.is_tensor(t))
+        raise Counted(held, len(steps))
+    monkeypatch.setattr(bench, "interleave", count)
+    with pytest.raises(Counted) as got:
+        bench.bench_model("tiny", 2, 32, torch.device("cpu"), torch.float32, 1)
+    held, variants = got.value.args
+    assert variants == len(bench.MODEL_VARIANTS) == 6
+    assert held <= bench.memory_needed("model", "tiny", "float32", 0) < 1.1 * held
+
+
 def test_the_generate_section_runs_and_reports(monkeypatch, capsys, tmp_path):
     """--only generate: sample.py's generation as trained and merged, each with and without the KV cache, at each
     --size, with --batch_size samples and --rounds rounds (8 new tokens here, where the command generates 128)."""
