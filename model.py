@@ -89,6 +89,9 @@ def config_for(size, **overrides):
             setattr(config, key, value)
     if config.method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {config.method!r}")
+    if config.method in ("lowrank", "relora") and not config.rank >= 1:  # (sltrain may be sparse alone)
+        raise ValueError(f"methods lowrank and relora train rank-r factors, so they need a rank of at least 1, got "
+                         f"{config.rank}; pass --rank 1 or more")
     return config
 
 

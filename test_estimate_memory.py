@@ -346,6 +346,8 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--method", "galore", "--size", "1b", "--rank", "2049"], "--size 1b: GaLore's rank must be in [1, 2048]"),
     (["--method", "galore", "--size", "60m", "--rank", "0"], "--size 60m: GaLore's rank must be in [1, 512]"),
     (["--size", "1b", "--rank", "2048"], "--size 1b: rank must be in [0, min(in, out))"),  # lowrank's, not GaLore's
+    *[(["--size", "60m", "--method", method, "--rank", "0"], "--size 60m: methods lowrank and relora train rank-r "
+       "factors, so they need a rank of at least 1, got 0; pass --rank 1 or more") for method in ("lowrank", "relora")],
     (["--delta", "1.5"], "delta must be in [0, 1), got 1.5"),
     (["--size", "7b", "--method", "sltrain", "--delta", "-0.1"], "--size 7b: delta must be in [0, 1)"),
     (["--measure", "--rank", "100"], "--size tiny: rank must be in"),  # --measure's default size

@@ -1018,6 +1018,8 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     *[(["--method", "relora", "--relora_reset", "50", "--relora_warmup", warmup], f"--relora_warmup {warmup} must be "
        "shorter than --relora_reset 50: each restart's warmup ends before the next restart")
       for warmup in ("50", "60")],
+    *[(["--method", method, "--rank", "0"], "methods lowrank and relora train rank-r factors, so they need a rank of "
+       "at least 1, got 0") for method in ("lowrank", "relora")],
     (["--galore_rank", "4"], "--galore_rank: not read by --method sltrain with --optimizer adamw; drop it, or pass a "
                              "galore_* --optimizer"),
     (["--method", "full", "--galore_scale", "9"], "--galore_scale: not read by --method full"),
