@@ -53,6 +53,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -63,7 +64,7 @@ import adam8bit_kernel
 import galore
 import optim
 import sample
-from checkpoint import atomic_file
+from checkpoint import atomic_file, make_folder, remove_empty
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection, length_refusal
@@ -672,10 +673,15 @@ def check_out(error, out):
     if os.path.isdir(out):
         error(f"--out {out} is a folder; pass a file in it, such as {os.path.join(out, 'results.json')}")
     folder = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(folder):  # write_json makes the folders missing: the first one there must take them
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        error(f"--out {out}: cannot write in {folder}; pass a file in a folder you can write")
+    try:  # tried, not guessed from permissions (root passes os.access where the filesystem refuses, as in /proc)
+        made = make_folder(folder)
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError:
+            remove_empty(made)
+            raise
+    except OSError as e:
+        error(f"--out {out}: cannot write in {folder} ({e.strerror or e}); pass a file in a folder you can write")
 
 
 def start(device):

@@ -29,7 +29,11 @@ import bench
     (["--quick", "--size", "60m"], "--quick picks the tiny model and --size the sizes: pass one of them"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--only", "layer", "--out", "."], "--out . is a folder; pass a file in it"),
-    (["--only", "layer", "--out", "README.md/x/y.json"], "README.md; pass a file in a folder you can write"),
+    (["--only", "layer", "--out", "README.md/x/y.json"], "README.md/x (Not a directory); pass a file in a folder you "
+                                                         "can write"),
+    # tried, not read off the permissions, which let root through where the filesystem refuses
+    (["--only", "layer", "--out", "/proc/self/results/x.json"], "--out /proc/self/results/x.json: cannot write in "
+                                                                "/proc/self/results"),
 ])
 def test_every_flag_is_honored_or_refused(monkeypatch, capsys, argv, message):
     monkeypatch.setattr("sys.argv", ["bench.py", *argv])
