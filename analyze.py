@@ -449,6 +449,9 @@ def get_args(argv=None):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")
         if os.path.isdir(args.out):
             p.error(f"--out {args.out} is a folder; pass a file in it, such as {os.path.join(args.out, 'curves.svg')}")
+        if not args.out.lower().endswith(".svg"):  # an earlier figure is replaced; a run's metrics.jsonl or ckpt.pt not
+            p.error(f"--out {args.out}: the figure is an SVG, written over any file of that name; pass a name ending "
+                    "in .svg")
     # the folder written into, made now: one that cannot be is refused before any SVD or file is read
     folder = {"spectrum": getattr(args, "figures", None), "curves": os.path.dirname(getattr(args, "out", "") or "")}
     args.made_folders = []  # removed again if the command fails and leaves them empty

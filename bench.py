@@ -672,6 +672,8 @@ def check_out(error, out):
         return
     if os.path.isdir(out):
         error(f"--out {out} is a folder; pass a file in it, such as {os.path.join(out, 'results.json')}")
+    if not out.lower().endswith(".json"):  # earlier results are replaced; a run's ckpt.pt or metrics.jsonl must not be
+        error(f"--out {out}: the results are JSON, written over any file of that name; pass a name ending in .json")
     folder = os.path.dirname(os.path.abspath(out))
     try:  # tried, not guessed from permissions (root passes os.access where the filesystem refuses, as in /proc)
         made = make_folder(folder)

@@ -399,6 +399,11 @@ def test_curves_bad_inputs_are_one_line_naming_the_fix(tmp_path, capsys):
         got = refusal(capsys, ["curves", good, path, "--out", str(tmp_path / "c.svg")])
         assert got.startswith("analyze.py curves: ") and message in got, got
     assert "is a folder" in refusal(capsys, ["curves", good, "--out", str(tmp_path)])
+    before = open(good).read()  # the run's own metrics (or checkpoint) as --out: refused, never written over
+    for out in (good, str(binary)):
+        assert "the figure is an SVG, written over any file of that name; pass a name ending in .svg" in \
+            refusal(capsys, ["curves", good, "--out", out])
+    assert open(good).read() == before and binary.read_bytes() == bytes(range(256)) * 4
     assert "--labels for 1 files" in refusal(capsys, ["curves", good, "--labels", "a", "b"])
     (tmp_path / "file").write_text("")
     assert "cannot create" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])

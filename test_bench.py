@@ -29,6 +29,8 @@ import bench
     (["--quick", "--size", "60m"], "--quick picks the tiny model and --size the sizes: pass one of them"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--only", "layer", "--out", "."], "--out . is a folder; pass a file in it"),
+    (["--only", "layer", "--out", "README.md"], "--out README.md: the results are JSON, written over any file of that "
+                                                "name; pass a name ending in .json"),
     (["--only", "layer", "--out", "README.md/x/y.json"], "README.md/x (Not a directory); pass a file in a folder you "
                                                          "can write"),
     # tried, not read off the permissions, which let root through where the filesystem refuses
