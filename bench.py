@@ -628,8 +628,8 @@ def check_args(parser, args):
 
 def memory_needed(section, size, dtype, batch_size=0, max_length=256):
     """The least a section holds at its peak, in bytes, by estimate_memory's rows: `model` keeps its six models
-    (MODEL_VARIANTS) and their AdamW states at once and steps one at a time, with one set of gradients and one step's activations of
-    batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states, beside the
+    (MODEL_VARIANTS) and their AdamW states at once and steps one at a time, with one set of gradients and one step's
+    activations of batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states, beside the
     originals and one set of gradients; `inference` full, sltrain and the merged model, and one forward's."""
     def row(method, batch=batch_size, **kw):
         return estimate(size, method, index_dtype="int32", dtype=dtype, batch_size=batch, max_length=max_length, **kw)
