@@ -629,8 +629,9 @@ def check_args(parser, args):
 def memory_needed(section, size, dtype, batch_size=0, max_length=256):
     """The least a section holds at its peak, in bytes, by estimate_memory's rows: `model` keeps its six models
     (MODEL_VARIANTS) and their AdamW states at once and steps one at a time, with one set of gradients and one step's
-    activations of batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states, beside the
-    originals and one set of gradients; `inference` full, sltrain and the merged model, and one forward's."""
+    activations of batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states,
+    beside the originals and one set of gradients; `inference` full, sltrain and the merged model, and one
+    forward's."""
     def row(method, batch=batch_size, **kw):
         return estimate(size, method, index_dtype="int32", dtype=dtype, batch_size=batch, max_length=max_length, **kw)
     if section == "model":
@@ -675,14 +676,12 @@ def check_out(error, out):
     if not out.lower().endswith(".json"):  # earlier results are replaced; a run's ckpt.pt or metrics.jsonl must not be
         error(f"--out {out}: the results are JSON, written over any file of that name; pass a name ending in .json")
     folder = os.path.dirname(os.path.abspath(out))
+    made = []
     try:  # tried, not guessed from permissions (root passes os.access where the filesystem refuses, as in /proc)
-        made = make_folder(folder)
-        try:
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError:
-            remove_empty(made)
-            raise
+        made = make_folder(folder)  # (which removes what it made, if it fails part way)
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
+        remove_empty(made)
         error(f"--out {out}: cannot write in {folder} ({e.strerror or e}); pass a file in a folder you can write")
 
 
