@@ -313,11 +313,11 @@ def one_line(error):
 
 
 # The signals that end a job, which train.py answers with a checkpoint and a clean exit: SIGTERM (timeout, SLURM,
-# Kubernetes, torchrun), SIGINT (Ctrl-C), SIGHUP (a closed terminal; torchrun passes it on), SIGUSR1 and SIGUSR2 (the
-# warnings SLURM's --signal and other schedulers send before a kill). By default each would kill the process unsaved.
-# Windows has the first two only.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
-                     if hasattr(signal, name))
+# Kubernetes, torchrun), SIGINT (Ctrl-C), SIGHUP (a closed terminal), SIGQUIT (Ctrl-\; torchrun passes these three
+# on), SIGUSR1 and SIGUSR2 (the warnings SLURM's --signal and other schedulers send before a kill). By default each
+# would kill the process unsaved (SIGQUIT with a core dump). Windows has the first two only.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
+                                                        "SIGUSR2") if hasattr(signal, name))
 
 
 def _leave_signals_to_main(_):

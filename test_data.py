@@ -935,7 +935,7 @@ def test_a_shard_link_to_nothing_is_refused(tok, tmp_path):
 def test_modules_import_where_the_os_lacks_sighup_and_sigusr():
     """Windows has SIGTERM and SIGINT only: data.py (and the tools that read data with it) must still import."""
     here = str(Path(__file__).resolve().parent)
-    code = ("import signal\nfor name in ('SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n    delattr(signal, name)\n"
+    code = ("import signal\nfor name in ('SIGHUP', 'SIGQUIT', 'SIGUSR1', 'SIGUSR2'):\n    delattr(signal, name)\n"
             "import data, analyze, export, sample\nprint([s.name for s in data.STOP_SIGNALS])")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=here)
     assert run.stdout.strip() == "['SIGTERM', 'SIGINT']", run.stderr[-2000:]

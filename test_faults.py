@@ -29,6 +29,7 @@ import torch
 
 import checkpoint
 import data
+import flags
 import keeper
 import train
 from model import LLaMA, config_for
@@ -291,6 +292,17 @@ def test_sigterm_to_torchrun_group_saves_on_both_ranks_and_the_resume_is_bit_exa
     sa, sb = final_state(straight)["model"], final_state(split)["model"]
     for name, t in sa.items():
         assert torch.equal(t, sb[name]), f"{name} differs by {(t - sb[name]).abs().max()}"
+
+
+def test_sigquit_to_torchrun_group_saves_on_both_ranks(corpus, tmp_path):
+    """torchrun passes SIGQUIT (Ctrl-\\) on to its ranks as it does SIGTERM: by default it dumped their core and lost
+    every update since the last checkpoint."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(HERE / "train.py"),
+           *base_args(corpus, tmp_path, 100_000, "--workers", "1")]
+    output = signal_group_at(start(cmd), "step 2/", signal.SIGQUIT)
+    assert "stopped by SIGQUIT" in output and "killed by signal" not in output, output[-3000:]
+    state = final_state(tmp_path)
+    assert 2 <= state["step"] < 100_000 and state["world"] == 2 and all(state["data"])
 
 
 def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path):
@@ -1117,6 +1129,17 @@ def test_a_stop_signal_before_the_run_raises_once_and_one_after_preparing_is_ans
     out = capsys.readouterr().out
     assert "stopped by SIGTERM within update 1, which the resumed run makes again" in out, out[-2000:]
     assert final_state(tmp_path)["step"] == 0 and "before the first update" not in out
+
+
+def test_a_stop_signal_while_the_flags_are_checked_is_one_line(corpus, tmp_path, monkeypatch):
+    """The flags' memory check builds a model to count its activations (seconds at 7b): a stop signal there is the
+    same line as one while the data loads, not a silent kill by the default action."""
+    estimate = flags.estimate
+    monkeypatch.setattr(flags, "estimate", lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM),
+                                                            estimate(*a, **k))[1])
+    with pytest.raises(SystemExit, match="^stopped by SIGTERM before the first update: nothing was saved$"):
+        train.main(base_args(corpus, tmp_path, 6))
+    assert not (tmp_path / "ckpt.pt").exists()
 
 
 def test_a_late_signal_does_not_turn_a_finished_run_into_a_kill(corpus, tmp_path):

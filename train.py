@@ -666,16 +666,17 @@ class Early:
 def main(argv=None, exiting=False):
     """exiting: the process ends after main (python train.py), so a stop signal after the run is ignored, not
     answered by the default handler, which would turn a saved run's exit 0 into a kill."""
-    args = get_args(argv)
     stop_when_torchrun_ends()
-    set_deterministic(args.deterministic)  # before the first GEMM; and off, for a run after one with it
     # a stop signal before the run answers them is one line, as Ctrl-C is, where the default action killed the
-    # process without a word; one the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`)
+    # process without a word; one the process started ignoring stays ignored (nohup's SIGHUP, `trap '' USR1`). Armed
+    # first: the flags' checks build a model for the memory estimate (seconds)
     early = Early()
     original = {sig: signal.signal(sig, early) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         with ExitStack() as held:  # out_dir's lock, released as main ends, however it ends
             try:
+                args = get_args(argv)
+                set_deterministic(args.deterministic)  # before the first GEMM; and off, for a run after one with it
                 prepared = prepare(args, held, flags.given_flags(argv))
             except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
                 raise SystemExit(f"stopped by {str(e) or 'Ctrl-C'} before the first update: nothing was saved") \
