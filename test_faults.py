@@ -393,6 +393,32 @@ def test_ranks_whose_torchrun_is_killed_while_they_import_torch_end_too(corpus, 
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_cpu_allocation_refused_mid_run_is_one_line_and_keeps_the_checkpoint(corpus, tmp_path):
+    """Under a limit on the address space (`ulimit -v`, a scheduler's h_vmem) a CPU's allocator raises where a GPU's
+    raises OutOfMemoryError: the same line, not a traceback. At update 4 the process is held to the size it has and
+    the model's forward asks for a GiB more, as a longer batch's activations would; the run ends under that limit."""
+    script = ("import resource, runpy, sys, torch, model\n"
+              "forward, calls = model.LLaMA.forward, []\n"
+              "def limited(self, *a, **k):\n"
+              "    calls.append(self.training and a[0].shape[0] == 4)  # a micro-batch's (not the flags' estimate)\n"
+              "    if calls.count(True) == 7:  # update 4's first (two an update)\n"
+              "        size = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize'))\n"
+              "        resource.setrlimit(resource.RLIMIT_AS, (size * 1024, resource.RLIM_INFINITY))\n"
+              "        torch.empty(2**30, dtype=torch.uint8)\n"
+              "    return forward(self, *a, **k)\n"
+              "model.LLaMA.forward = limited\n"
+              f"sys.argv = ['train.py'] + {base_args(corpus, tmp_path, 6, '--save_every', '2')!r}\n"
+              "runpy.run_path('train.py', run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ckpt = tmp_path / "ckpt.pt"
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"out of memory in update 4; the last checkpoint is {ckpt}, step 2: rerun with --resume {ckpt} and "
+        "--batch_size 2 (the same 8 sequences per update, in more micro-batches)"), run.stderr[-3000:]
+    assert final_state(tmp_path)["step"] == 2 and "step 3/6" in run.stdout and "step 4/6" not in run.stdout
+
+
 def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path, monkeypatch):
     """A GPU's OutOfMemoryError after the checks passed (here raised in update 3, then in an evaluation): one line
     naming where, the last checkpoint and a micro-batch that divides the update; following it finishes the run."""
@@ -436,10 +462,11 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
             train.main(eval_args(corpus, tmp_path))
         with pytest.raises(SystemExit, match=r"rerun --eval_only with --batch_size 2$"):  # any batch: half of 5
             train.main(eval_args(corpus, tmp_path, "--batch_size", "5"))
-        with pytest.raises(SystemExit, match=r"rerun --eval_only with a GPU with more memory$"):
+        with pytest.raises(SystemExit, match=r"rerun --eval_only with more memory \(a higher address-space limit\)$"):
             train.main(eval_args(corpus, tmp_path, "--batch_size", "1"))
         m.setattr(train, "train_step", oom_at(3))  # at batch 1, recomputing: --resume keeps the size
-        with pytest.raises(SystemExit, match=r"step 2: rerun with --resume .* and a GPU with more memory$"):
+        with pytest.raises(SystemExit, match=r"step 2: rerun with --resume .* and more memory \(a higher "
+                                             r"address-space limit\)$"):  # (a CPU's run: a GPU's names a GPU)
             train.main(base_args(corpus, tmp_path / "ac", 4, "--batch_size", "1", "--activation_checkpointing",
                                  "--save_every", "2"))
     train.main(eval_args(corpus, tmp_path, "--batch_size", "1"))

@@ -276,8 +276,11 @@ def causes(error):
 
 
 def ran_out_of_memory(error):
-    """Whether a GPU's OutOfMemoryError is this error or its cause (a CPU's allocator raises none: the OS kills)."""
-    return any(isinstance(e, torch.OutOfMemoryError) for e in causes(error))
+    """Whether running out of memory is this error or its cause: a GPU's OutOfMemoryError, or on a CPU an allocation
+    refused under a limit on the address space (`ulimit -v`, a scheduler's h_vmem): torch's RuntimeError, or
+    Python's MemoryError. Without a limit the OS kills the process instead, and nothing is said."""
+    return any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) or
+               (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)) for e in causes(error))
 
 
 def lost_a_rank(error):
@@ -296,7 +299,7 @@ def rank_lost(run, where, error, fix):
 
 
 def out_of_memory(args, run, where, last_good):
-    """The line for a GPU out of memory mid-run (the check before the first update went by an estimate): where, the
+    """The line for running out of memory mid-run (the check before the first update went by an estimate): where, the
     peak, and the fix from the last checkpoint. Nothing since that checkpoint is saved: with per-layer updates an
     update cut short is half applied."""
     if args.eval_only:  # any batch size evaluates the same tokens
@@ -304,15 +307,16 @@ def out_of_memory(args, run, where, last_good):
     else:  # a smaller micro-batch must divide the rank's share of the update, as flags checks; accumulation makes up
         share = args.total_batch_size // run.world  # the rest
         smaller = next((b for b in range(args.batch_size - 1, 0, -1) if share % b == 0), None)
+    more = "a GPU with more memory" if run.device.type == "cuda" else "more memory (a higher address-space limit)"
     if smaller:
         fix = f"--batch_size {smaller}" + ("" if args.eval_only else f" (the same {args.total_batch_size} sequences "
                                                                      "per update, in more micro-batches)")
     elif args.eval_only:
-        fix = "a GPU with more memory"
+        fix = more
     elif not args.activation_checkpointing:
         fix = "--activation_checkpointing"
     else:  # --resume refuses another --size
-        fix = "a GPU with more memory" if last_good else "a GPU with more memory (or a smaller --size)"
+        fix = more if last_good else f"{more} (or a smaller --size)"
     peak = ""
     if run.device.type == "cuda":
         total = torch.cuda.get_device_properties(run.device).total_memory
