@@ -83,7 +83,7 @@ def continued_here(rows, resumed):
     if same_file(beside, rows) or not os.path.exists(resumed):  # its own folder's; or no such checkpoint (said later)
         return True
     try:
-        with open(rows) as mine, open(beside) as theirs:
+        with open(rows, errors="replace") as mine, open(beside, errors="replace") as theirs:
             return mine.readline().strip() == theirs.readline().strip() != ""
     except OSError:  # no rows beside the checkpoint: none to tell these apart by
         return False
@@ -100,12 +100,16 @@ def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
               f"step {step}")
     if not os.path.exists(source) and same_file(source, path):
         return
-    with open(source) if os.path.exists(source) else nullcontext([]) as f:
+    # a torn line may end within a character, or another program may have damaged the file: undecodable bytes are
+    # read as U+FFFD, so that such a line is dropped as torn (the run itself writes ASCII)
+    with open(source, errors="replace") if os.path.exists(source) else nullcontext([]) as f:
         for line in f:
             try:
                 row = json.loads(line) if line.strip() else None
             except json.JSONDecodeError:
-                torn += 1
+                row = False
+            if row is not None and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+                torn += 1  # cut short, or not a row of this program's
                 continue
             redone = eval_pending and row is not None and row["step"] == step and "val_loss" in row  # made again
             if row is not None and row["step"] <= step and not redone:
@@ -254,11 +258,30 @@ class Keeper:
         self.master_writes(lambda: self._write_row(row))
 
     def _write_row(self, row):
+        self._check_out_dir(row["step"])
         try:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
         except OSError as e:  # a full disk: stop with what is saved (resume drops the torn line)
             raise self._metrics_failed(row["step"], e) from None
+
+    def _check_out_dir(self, step):
+        """Stop if metrics.jsonl is no longer at its path (out_dir removed, moved or replaced while the run wrote
+        into it): the rows would go on into a file no one can read, and a checkpoint would be written beside no rows
+        and no lock, where another run may have started."""
+        try:
+            there = os.stat(self.metrics_path)
+        except OSError:
+            there = None
+        mine = os.fstat(self.metrics.fileno())
+        if there is not None and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+            return
+        path, good = (self.last_good or [None, None])
+        then = f"rerun with --resume {path} (step {good})" if path and os.path.exists(path) else \
+            f"the last checkpoint, {path} (step {good}), is gone too: {START_AGAIN}" if path else START_AGAIN
+        raise SystemExit(f"{self.metrics_path} was removed or replaced while the run wrote to it (was --out_dir "
+                         f"{self.args.out_dir} deleted or moved?): stopping at step {step}, writing nothing more "
+                         f"there; {then}")
 
     def _metrics_failed(self, step, e):
         return SystemExit(f"cannot write {self.metrics_path} at step {step} ({e.strerror or e}); "
@@ -288,6 +311,7 @@ class Keeper:
         self.on_disk = (step, eval_pending)
 
     def _write_checkpoint(self, state):
+        self._check_out_dir(state["step"])
         try:  # the rows up to this step reach the disk before the checkpoint that says they were written
             os.fsync(self.metrics.fileno())  # (a power cut could otherwise keep the checkpoint and lose them)
         except OSError as e:

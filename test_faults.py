@@ -962,6 +962,39 @@ def test_resume_after_kill_drops_metrics_past_the_checkpoint(corpus, tmp_path, c
     assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("made_again", [False, True], ids=["removed", "removed_and_made_again"])
+def test_an_out_dir_removed_under_the_run_stops_it_in_one_line(corpus, tmp_path, monkeypatch, made_again):
+    """`rm -rf out_dir` (and perhaps `mkdir out_dir`) while the run trains: its rows went on into a file no one could
+    read, and its checkpoints into a folder without rows or lock (or a failed write named a checkpoint that is gone)."""
+    out, step, calls = tmp_path / "out", train.train_step, []
+
+    def removing(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # update 4, after the checkpoint of step 2
+            shutil.rmtree(out)
+            if made_again:
+                out.mkdir()
+        return step(*a, **k)
+    monkeypatch.setattr(train, "train_step", removing)
+    with pytest.raises(SystemExit, match=rf"^{out}/metrics.jsonl was removed or replaced while the run wrote to it "
+                                         rf"\(was --out_dir {out} deleted or moved\?\): stopping at step 4, writing "
+                                         rf"nothing more there; the last checkpoint, {out}/ckpt.pt \(step 2\), is gone "
+                                         r"too: start again with --overwrite"):
+        train.main(base_args(corpus, out, 8, "--save_every", "2"))
+    assert list(out.iterdir()) == [] if made_again else not out.exists()
+
+
+def test_resume_drops_metrics_lines_that_are_not_text_or_not_rows(corpus, tmp_path, capsys):
+    """A damaged tail (bytes that are no UTF-8, as a failing disk or another program leaves them; JSON that is not
+    a row) is dropped and said, as a torn line is: not a UnicodeDecodeError or a KeyError out of --resume."""
+    train.main(base_args(corpus, tmp_path, 6, "--stop_after", "3"))
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 4, "loss": 1.0}\n[4]\n{"loss": 2.0}\n\xff\xfe\x00{"st\n')
+    train.main(base_args(corpus, tmp_path, 6, "--resume"))
+    assert "dropped 3 line(s) cut short" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(tmp_path)[0]] == [1, 2, 3, 4, 5, 6]
+
+
 def test_ctrl_c_during_evaluation_is_acknowledged_and_stops_it(corpus, tmp_path):
     folder = tmp_path / "c4"
     folder.mkdir()
