@@ -78,13 +78,48 @@ class Parser(argparse.ArgumentParser):
     room) is said by that rank: error_here."""
 
     def error(self, message):
-        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        if not local_rank_0():
             self.exit(2)
         super().error(message)
 
     def error_here(self, message):
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def local_rank_0():
+    """Whether this process says the faults that every rank meets: local rank 0 under torchrun, or any process
+    without it (a LOCAL_RANK that is no number is refused by torchrun_ranks, which every process says)."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    except ValueError:
+        return True
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def torchrun_ranks():
+    """(rank, local rank, world size) from the variables torchrun sets, (0, 0, 1) where none is set. A ValueError,
+    in one line, where they are set in part or not as torchrun sets them (a job script's leftovers, an export by
+    hand): DDP would halve each update in silence, or fail in its rendezvous after the data checks."""
+    named = [n for n in TORCHRUN_VARIABLES if n in os.environ]
+    if not named:
+        return 0, 0, 1
+    now = " ".join(f"{n}={os.environ[n]!r}" for n in named)
+    if len(named) < len(TORCHRUN_VARIABLES) or not all(os.environ.get(n) for n in ("MASTER_ADDR", "MASTER_PORT")):
+        missing = [n for n in TORCHRUN_VARIABLES + ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+        raise ValueError(f"{now} is set without {', '.join(missing)}: torchrun sets them all; start the run with "
+                         "torchrun, or unset those variables for one process")
+    try:
+        rank, local_rank, world = (int(os.environ[n]) for n in TORCHRUN_VARIABLES)
+    except ValueError:
+        raise ValueError(f"{now}: torchrun sets whole numbers; start the run with torchrun, or unset those variables "
+                         "for one process") from None
+    if not (world >= 1 and 0 <= local_rank <= rank < world):
+        raise ValueError(f"{now}: not a process of a torchrun job (0 <= LOCAL_RANK <= RANK < WORLD_SIZE); start the "
+                         "run with torchrun, or unset those variables for one process")
+    return rank, local_rank, world
 
 
 def make_parser(description=None):
@@ -199,6 +234,10 @@ def get_args(argv=None, description=None):
     --help's text above the flags (train.py's usage)."""
     p = make_parser(description)
     args = p.parse_args(argv)
+    try:
+        torchrun_ranks()
+    except ValueError as e:
+        p.error_here(str(e))  # every process says it: the rank it would be said by is in doubt
     for name in PATHS:  # "$CKPT" of an unset variable: --resume "" trained afresh, with --overwrite over the run
         if getattr(args, name) is not None and not getattr(args, name).strip():
             p.error(f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
@@ -256,6 +295,15 @@ def get_args(argv=None, description=None):
         p.error("--resume continues the checkpoint in --out_dir and --overwrite replaces it: drop one of them")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir} is a file: pass a folder")
+    if same_file(args.out_dir, args.data_dir) and not args.eval_only:  # data.SHARD_GLOBS would take metrics.jsonl
+        p.error(f"--out_dir {args.out_dir} is --data_dir too: the run's metrics.jsonl would be read as a shard, and "
+                "the data folder would hold checkpoints; pass another --out_dir")
+    if args.init_from and not args.eval_only and same_file(args.init_from, os.path.join(args.out_dir, "ckpt.pt")):
+        p.error(f"--init_from {args.init_from} is the checkpoint in --out_dir {args.out_dir}, which this run's own "
+                "checkpoints replace: pass another --out_dir (or start from a copy)")
+    if args.eval_only and args.resume and "out_dir" in given_flags(argv):  # --resume PATH names what is evaluated
+        p.error(f"--eval_only evaluates --resume's checkpoint ({resume_path(args)}) and writes nothing: drop "
+                "--out_dir, or drop --resume's path to evaluate --out_dir's")
     given = [name for name in unused_flags(args.method, args.optimizer) if getattr(args, name) is not None]
     if given:
         fixes = " or ".join(dict.fromkeys(READ_BY[name] for name in given))
@@ -265,18 +313,26 @@ def get_args(argv=None, description=None):
         args.block_size = BLOCK_SIZE if args.block_size is None else args.block_size
         if args.block_size < 1:
             p.error(f"--block_size must be >= 1, got {args.block_size}")
+    rank_given = args.rank  # (None where not given: config_for gives the size's)
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                                   ffn_dim=args.ffn_dim)
-        LLaMA(model_config, device="meta")  # checks rank and delta against every layer shape, for free
-    except ValueError as e:
+        largest = max(t.numel() for t in LLaMA(model_config, device="meta").parameters())  # (and checks rank and
+    except ValueError as e:  # delta against every layer shape, for free)
         p.error(str(e))
+    if args.optimizer.endswith("adam8bit") and args.block_size > largest:  # each moment pads to whole blocks
+        p.error(f"--block_size {args.block_size} is larger than any tensor of the {args.size} model (the largest has "
+                f"{largest:,} entries), and each tensor's 8-bit moments fill whole blocks: pass at most {largest}")
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
     args.ffn_dim = model_config.ffn_dim
     if args.freeze and args.delta == 0:
         p.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above 0, or "
                 "drop --freeze")
-    check_baseline_flags(p, args, model_config)
+    for name in ("packed_support", "support_seed"):  # both are of the supports, which --delta 0 removes
+        if args.delta == 0 and getattr(args, name) not in (None, False):
+            p.error(f"--{name} is of the sparse supports, which --delta 0 removes: pass a --delta above 0, or drop "
+                    f"--{name}")
+    check_baseline_flags(p, args, model_config, rank_given)
     resolve_device_and_batch(p, args)
     check_adam8bit_kernel(p, args)
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
@@ -404,16 +460,24 @@ def unused_flags(method, optimizer):
     return [name for name in READ_BY if name not in read]
 
 
-def check_baseline_flags(p, args, config):
-    """GaLore's and ReLoRA's flags (the baselines of Table 1)."""
+def check_baseline_flags(p, args, config, rank_given=None):
+    """GaLore's and ReLoRA's flags (the baselines of Table 1). GaLore's rank is --galore_rank, or --rank (the
+    authors' name for it), or the size's rank; rank_given: --rank as given, None if not."""
     galore = args.optimizer.startswith("galore")
+    relora_given = [name for name in ("relora_reset", "relora_warmup", "relora_prune")
+                    if getattr(args, name) is not None]
+    if galore and None not in (rank_given, args.galore_rank) and rank_given != args.galore_rank:
+        p.error(f"--rank {rank_given} and --galore_rank {args.galore_rank}: both set GaLore's projection rank; drop "
+                "one")
+    rank_flag = "--galore_rank" if args.galore_rank is not None else "--rank"
     for name, default in dict(BASELINES, galore_update_gap=GALORE[args.size][1]).items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     args.galore_rank = args.rank if args.galore_rank is None else args.galore_rank  # an explicit 0 is refused below
     if galore and args.method != "full":
         p.error(f"--optimizer {args.optimizer} projects the gradients of full-rank weights: pass --method full")
     if galore and not 0 < args.galore_rank <= min(config.dim, config.ffn_dim):
-        p.error(f"--galore_rank must be in [1, {min(config.dim, config.ffn_dim)}], got {args.galore_rank}")
+        p.error(f"{rank_flag} (GaLore's rank) must be in [1, {min(config.dim, config.ffn_dim)}], got "
+                f"{args.galore_rank}")
     if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
         p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
     if args.method == "relora" and args.relora_warmup >= args.relora_reset:  # else no jag ever reaches the cosine
@@ -422,6 +486,10 @@ def check_baseline_flags(p, args, config):
                 "cosine; pass a smaller --relora_warmup")
     if not 0 <= args.relora_prune <= 1:
         p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
+    if args.method == "relora" and relora_given and not args.resume and args.relora_reset >= args.num_training_steps:
+        p.error(f"{', '.join('--' + name for name in relora_given)}: --relora_reset {args.relora_reset} restarts "
+                f"nothing in a run of {args.num_training_steps} updates; pass a --relora_reset below "
+                "--num_training_steps, or drop them")
 
 
 def check_adam8bit_kernel(p, args):
@@ -439,7 +507,7 @@ def check_adam8bit_kernel(p, args):
 
 def resolve_device_and_batch(p, args):
     """The device, then the batch arithmetic (total = batch_size x accumulation x world, exactly), then memory."""
-    local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    _, local_rank, world = torchrun_ranks()  # checked in get_args
     if args.cuda_graph and world > 1:
         p.error("--cuda_graph is for one process: DDP's all-reduce inside a captured backward is not supported "
                 "here; drop --cuda_graph under torchrun")
@@ -572,6 +640,14 @@ def check_memory(p, args, device, world):
     say = p.error_here if device.type == "cuda" else p.error  # a GPU's free memory is its rank's own to say
     say(f"--size {args.size} with --batch_size {args.batch_size} needs about {needed / 1e9:.1f} GB per process, "
         f"more than {share:.0%} of {where}; {fix}")
+
+
+def no_checkpoint(args):
+    """The refusal of a --resume or --eval_only whose checkpoint is not there, or None."""
+    if (args.resume or args.eval_only) and not os.path.exists(resume_path(args)):
+        flag = "--eval_only" if args.eval_only else "--resume"
+        return f"{flag}: no checkpoint at {resume_path(args)}; pass its path with --resume or drop {flag}"
+    return None
 
 
 def resume_path(args):

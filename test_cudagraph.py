@@ -405,8 +405,9 @@ def test_train_py_with_cuda_graph_stops_resumes_and_ends_as_without(corpus, tmp_
      "update, and GaLore's projector is remade on the host every --galore_update_gap updates: drop --cuda_graph, or "
      "use --optimizer adamw or adam8bit"),
     (["--cuda_graph", "--device", "cpu"], {}, "--cuda_graph needs a CUDA GPU; --device is cpu: drop --cuda_graph"),
-    (["--cuda_graph"], {"WORLD_SIZE": "2"}, "--cuda_graph is for one process: DDP's all-reduce inside a captured "
-     "backward is not supported here; drop --cuda_graph under torchrun"),
+    (["--cuda_graph"], dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"),
+     "--cuda_graph is for one process: DDP's all-reduce inside a captured backward is not supported here; drop "
+     "--cuda_graph under torchrun"),
 ])
 def test_what_cuda_graph_cannot_do_is_refused_before_any_work(corpus, tmp_path, capsys, monkeypatch, extra, env,
                                                               message):

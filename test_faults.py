@@ -1037,7 +1037,8 @@ def test_ranks_agree_on_a_signal_and_a_bad_line_on_the_host(monkeypatch, corpus)
     backends = []
     monkeypatch.setattr(train.dist, "init_process_group", lambda backend: backends.append(backend))
     one_gpu(monkeypatch, 80e9)
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1").items():
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29500").items():
         monkeypatch.setenv(k, v)
     train.setup(train.get_args(["--size", "tiny", "--device", "cuda", "--data_dir", corpus[0], "--tokenizer",
                                 corpus[1]]))

@@ -426,6 +426,8 @@ def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_
     (["--block_size", "2048"], "--block_size: not read by --method sltrain with --optimizer adamw; drop it, or pass an "
                                "8-bit --optimizer"),
     (["--optimizer", "adam8bit", "--block_size", "0"], "--block_size must be >= 1, got 0"),
+    (["--optimizer", "adam8bit", "--block_size", "1000000000000"], "--block_size 1000000000000 is larger than any "
+     "tensor of the tiny model (the largest has 2,048,000 entries), and each tensor's 8-bit moments fill whole blocks"),
     (["--adam8bit_kernel", "off"], "--adam8bit_kernel: not read by --method sltrain with --optimizer adamw; drop it, "
                                    "or pass an 8-bit --optimizer"),
     (["--optimizer", "adam8bit", "--adam8bit_kernel", "on"], "--adam8bit_kernel on: the one-kernel 8-bit step cannot "
@@ -638,7 +640,8 @@ def test_weights_only_checkpoint_is_evaluated_but_not_resumed(corpus, tmp_path, 
     with pytest.raises(SystemExit, match="holds weights only .*evaluate it with --eval_only, or start a new"):
         train.main(base_args(corpus, tmp_path / "new", 4, "--resume", str(tmp_path / "weights.pt")))
     capsys.readouterr()
-    train.main(eval_args(corpus, tmp_path, "--resume", str(tmp_path / "weights.pt")))
+    without_out_dir = [a for a in eval_args(corpus, tmp_path) if a not in ("--out_dir", str(tmp_path))]
+    train.main([*without_out_dir, "--resume", str(tmp_path / "weights.pt")])
     assert f"{metrics(tmp_path)[1][-1]['val_loss']:.4f}" in capsys.readouterr().out
 
 
@@ -866,9 +869,7 @@ def test_download_that_fails_is_one_line(monkeypatch, tmp_path):
 
 
 def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_path):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    torchrun_variables(monkeypatch, rank=0, local_rank=0, world=2)
     with pytest.raises(SystemExit, match="python data.py download --out .* --train_shards 17 --validation_shards 2$"):
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path)])
     assert not (tmp_path / "c4").exists()
@@ -895,19 +896,24 @@ def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_
     """On a resume --download fetches the shards the checkpoint's data position names (3 of a short run, here), not
     as many as the size's default --num_training_steps would read (17 at 60m): those would be fetched for minutes and
     then refused as not the checkpoint's. A checkpoint that cannot be read falls back to the count (the resume then
-    says what is wrong with it)."""
+    says what is wrong with it); one that is not there is refused before any fetch."""
     ckpt = tmp_path / "run" / "ckpt.pt"
     ckpt.parent.mkdir()
     names = data.shard_names(train=3, validation=0)
     checkpoint.save(str(ckpt), {"data": [{"shards": names, "rank": r} for r in range(2)], "step": 5})
     fetched = []
     monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
-    for resume, want in ((ckpt, names), (tmp_path / "nothing.pt", data.shard_names(train=17, validation=0))):
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    for resume, want in ((ckpt, names), (tmp_path / "junk.pt", data.shard_names(train=17, validation=0))):
         with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
             train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
                         str(tmp_path / "out"), "--resume", str(resume)])
         assert fetched.pop() == want + data.shard_names(train=0, validation=2)
         assert f"--download: {len(want)} C4 train shard(s) (the resumed run's), 2 validation" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="^--resume: no checkpoint at .*nothing.pt"):
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
+                    str(tmp_path / "out"), "--resume", str(tmp_path / "nothing.pt")])
+    assert not fetched
 
 
 @pytest.mark.parametrize("extra", [[], ["--packed_support"]], ids=["flat", "packed"])
@@ -1025,6 +1031,13 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--method", "full", "--galore_scale", "9"], "--galore_scale: not read by --method full"),
     (["--method", "lowrank", "--packed_support"], "--packed_support stores the sparse supports: it needs --method "
                                                   "sltrain or sltrain_ft, not lowrank"),
+    *[(["--delta", "0", *flag], f"{flag[0]} is of the sparse supports, which --delta 0 removes: pass a --delta above "
+       f"0, or drop {flag[0]}") for flag in (["--packed_support"], ["--support_seed", "3"])],
+    (["--method", "full", "--optimizer", "galore_adamw", "--rank", "8", "--galore_rank", "4"],
+     "--rank 8 and --galore_rank 4: both set GaLore's projection rank; drop one"),
+    (["--method", "full", "--optimizer", "galore_adamw", "--rank", "1000"], "--rank (GaLore's rank) must be in [1, "),
+    (["--method", "relora", "--relora_reset", "5000", "--relora_prune", "0.5"], "--relora_reset, --relora_prune: "
+     "--relora_reset 5000 restarts nothing in a run of 4 updates; pass a --relora_reset below --num_training_steps"),
 ])
 def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
     if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
@@ -1034,6 +1047,34 @@ def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_paths_that_would_mix_a_run_with_its_data_or_its_start_are_refused(corpus, tmp_path, capsys):
+    """--out_dir on --data_dir: the run's metrics.jsonl is a *.jsonl shard to the next read (the resume's: a bad
+    shard line whose fix was to delete the rows). --eval_only --resume PATH with an --out_dir it never reads."""
+    for extra, said in ((["--out_dir", corpus[0]], f"--out_dir {corpus[0]} is --data_dir too"),
+                        (["--eval_only", "--resume", str(tmp_path / "a.pt")], "--eval_only evaluates --resume's "
+                         f"checkpoint ({tmp_path}/a.pt) and writes nothing: drop --out_dir")):
+        with pytest.raises(SystemExit):
+            train.get_args([*eval_args(corpus, tmp_path)[:-1], *extra] if "--eval_only" in extra else
+                           base_args(corpus, tmp_path, 4, *extra))
+        assert said in capsys.readouterr().err
+    assert not any(Path(corpus[0]).glob("*.jsonl"))
+
+
+def test_eval_only_reads_no_train_shard(corpus, tmp_path, capsys):
+    """An evaluation needs the validation shards alone: a folder without train shards was refused, and --download
+    planned train shards for it (or a TypeError, its update size being none)."""
+    train.main(base_args(corpus, tmp_path, 2))
+    val_only = tmp_path / "val"
+    val_only.mkdir()
+    for shard in Path(corpus[0]).glob("*validation*"):
+        (val_only / shard.name).write_bytes(shard.read_bytes())
+    capsys.readouterr()
+    train.main([*eval_args(corpus, tmp_path), "--data_dir", str(val_only)])
+    assert f"{tmp_path}/ckpt.pt at step 2 | val loss" in capsys.readouterr().out
+    args = train.get_args([*eval_args(corpus, tmp_path), "--download"])
+    assert train.download_shards(args) == ([], 1)
 
 
 def test_an_empty_resume_path_never_starts_afresh_over_the_run(corpus, tmp_path):
@@ -1075,7 +1116,7 @@ def test_a_gpu_is_always_named_with_its_index(monkeypatch, capsys, device, env, 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80e9, 80e9))
     chosen = []  # torch.cuda.set_device's argument check, without its CUDA call
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.cuda._utils._get_device_index(d)))
-    for k, v in env.items():
+    for k, v in dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items() if env else ():  # as torchrun sets
         monkeypatch.setenv(k, v)
     argv = ["--size", "60m", "--device", device]
     if expected.startswith("cuda:"):
@@ -1113,7 +1154,7 @@ def test_the_memory_check_counts_gradients_kept_between_micro_batches_and_in_ddp
     monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
     argv = ["--size", "60m", "--device", "cpu", "--optimizer", "adam8bit", "--per_layer", "--batch_size", "8"]
     assert train.get_args(argv + ["--total_batch_size", "8"]).gradient_accumulation == 1
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+    torchrun_variables(monkeypatch, rank=0, local_rank=0, world=world)
     with pytest.raises(SystemExit):
         train.get_args(argv + ["--total_batch_size", "16"])  # two micro-batches an update, or two ranks of one
     assert f"needs about {kept:.1f} GB per process" in capsys.readouterr().err
@@ -1555,18 +1596,49 @@ def test_a_resume_over_changed_validation_shards_is_refused_unless_it_asks_for_a
 def test_under_torchrun_only_rank_0_says_what_is_wrong(corpus, tmp_path, monkeypatch, capsys):
     """Once per machine: local rank 0 says it (a path may be on one machine's disk only: rank 8 of two machines of 8
     says its own)."""
-    monkeypatch.setenv("RANK", "1")  # what torchrun sets; without WORLD_SIZE no process group is made
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    torchrun_variables(monkeypatch, rank=1, local_rank=1, world=2)  # refused before any process group is made
     with pytest.raises(SystemExit) as e:
         train.main(base_args(corpus, tmp_path, 2, "--lr", "0"))
     assert e.value.code == 2 and capsys.readouterr().err == ""
     with pytest.raises(SystemExit) as e:
         train.main(base_args(corpus, tmp_path, 2, "--resume"))  # no checkpoint there
     assert e.value.code == 1
-    monkeypatch.setenv("RANK", "8")
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    torchrun_variables(monkeypatch, rank=8, local_rank=0, world=16)
     with pytest.raises(SystemExit, match="--resume: no checkpoint at"):
-        train.main(base_args(corpus, tmp_path, 2, "--resume"))
+        train.main(base_args(corpus, tmp_path, 2, "--resume", "--total_batch_size", "64"))
+
+
+def torchrun_variables(monkeypatch, rank, local_rank, world):
+    """The variables torchrun sets for a process (none of these tests makes a process group)."""
+    for name, value in dict(RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=29500).items():
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize("variables,said", [
+    (dict(WORLD_SIZE="2"), "WORLD_SIZE='2' is set without RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: torchrun sets "
+                           "them all"),
+    (dict(RANK="0", WORLD_SIZE="2"), "is set without LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+    (dict(LOCAL_RANK="1"), "LOCAL_RANK='1' is set without RANK, WORLD_SIZE"),
+    (dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"), "is set without MASTER_ADDR, MASTER_PORT"),
+    (dict(RANK="0", LOCAL_RANK="abc", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1"), "torchrun sets whole numbers"),
+    (dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="0", MASTER_ADDR="h", MASTER_PORT="1"), "not a process of a torchrun"),
+    (dict(RANK="2", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1"), "not a process of a torchrun"),
+])
+def test_torchrun_variables_set_in_part_or_unsound_are_one_line_from_every_process(monkeypatch, capsys, variables,
+                                                                                   said):
+    """A job script's leftovers: WORLD_SIZE alone halved each update in silence (the batch arithmetic counted two
+    processes, and one ran); others were a traceback (int(), a KeyError, a ZeroDivisionError), or no word at all
+    from a LOCAL_RANK 1 that muted the refusal."""
+    for name in flags.TORCHRUN_VARIABLES + ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--size", "tiny", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and "start the run with torchrun, or unset those variables" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_checkpoint_that_stored_an_unused_flag_still_resumes(corpus, tmp_path):

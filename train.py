@@ -452,6 +452,8 @@ def download_shards(args):
     validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
     documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two."""
     n_val = min(8, math.ceil(args.eval_tokens / VALIDATION_SHARD_TOKENS))
+    if args.eval_only:  # an evaluation reads no train shard
+        return [], n_val
     ckpt = checkpoint.peek(resume_path(args)) if args.resume else None  # none there: load_for_resume says so
     if isinstance(ckpt, dict) and ckpt.get("data"):
         return list(ckpt["data"][0]["shards"]), n_val  # every rank's state names the same shards
@@ -461,9 +463,8 @@ def download_shards(args):
 
 def setup(args):
     """DDP (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE), the download, the device, and cheap data checks."""
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                               int(os.environ["WORLD_SIZE"])) if ddp else (0, 0, 1)
+    ddp = "RANK" in os.environ  # then every variable of torchrun's is there, and sound (flags.torchrun_ranks)
+    rank, _, world = flags.torchrun_ranks()
     # a tokenizer already there is read before a download's minutes (which keeps it): a --model_config of another
     # vocabulary, or a file that is no tokenizer, is refused first
     vocab_size = tokenizer_pieces(args) if os.path.isfile(args.tokenizer) else None
@@ -473,7 +474,7 @@ def setup(args):
             raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
                              f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {len(train_shards)} "
                              f"--validation_shards {n_val}")
-        whose = " (the resumed run's)" if args.resume else ""
+        whose = " (the resumed run's)" if args.resume and train_shards else ""
         print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) and the T5 "
               f"tokenizer into {args.data_dir}")
         try:
@@ -485,7 +486,8 @@ def setup(args):
         torch.cuda.set_device(device)
     args.dtype = flags.run_dtype(args, device)
     try:
-        find_shards(args.data_dir, "train")
+        if not args.eval_only:  # which reads no train shard
+            find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
@@ -593,7 +595,7 @@ def rank_0_speaks(fn):
         try:
             return fn(*args, **kwargs)
         except SystemExit as e:
-            if isinstance(e.code, str) and int(os.environ.get("LOCAL_RANK", "0")) != 0 and not isinstance(e, RankFault):
+            if isinstance(e.code, str) and not flags.local_rank_0() and not isinstance(e, RankFault):
                 raise SystemExit(1) from None
             raise
     return said_once
@@ -605,6 +607,8 @@ def prepare(args, held, given=()):
     this rank's training loader), run). The data is read before the model is built: a bad shard is one line, not a
     traceback after minutes of work. given: the flags on the command line (a resume keeps the run's others)."""
     dtype_given = args.dtype is not None  # else the device's default, or a resumed run's own
+    if refusal := flags.no_checkpoint(args):  # before the tokenizer, a download and the process group
+        raise SystemExit(refusal)
     ddp, rank, world, device, vocab_size = setup(args)
     ckpt = ckpt_path = None
     if not args.eval_only:  # which writes nothing
