@@ -299,6 +299,24 @@ def prune(model, batches, rank, delta, seed=0):
 
 # ----------------------------------------------------------------------------- training from a dense checkpoint
 
+def init_refusal(path, ckpt, config, tokenizer_sha256=None):
+    """Why the checkpoint at path (ckpt: it loaded, or checkpoint.peek's look at it) cannot start a model of config,
+    or None: it must be full-rank, of the model's shape, and trained with the run's tokenizer where it says."""
+    source = ckpt.get("model_config", {})
+    if source.get("method") != "full":
+        return (f"--init_from {path}: a {source.get('method')} checkpoint; pass a full-rank one (train.py --method "
+                "full, or export.py --merged)")
+    for field in ("vocab_size", "dim", "ffn_dim", "n_heads", "n_layers"):
+        if source.get(field) != getattr(config, field):
+            return (f"--init_from {path}: {field} {source.get(field)} differs from this model's "
+                    f"{getattr(config, field)}; pass the --size the checkpoint was trained at")
+    trained_with = ckpt.get("args", {}).get("tokenizer_sha256")
+    if tokenizer_sha256 and trained_with and trained_with != tokenizer_sha256:
+        return (f"--init_from {path}: trained with another tokenizer (sha256 {trained_with[:12]}...) than "
+                f"--tokenizer ({tokenizer_sha256[:12]}...); pass the one it was trained with")
+    return None
+
+
 @torch.no_grad()
 def init_from_dense(model, path, support="random", tokenizer_sha256=None):
     """Start a lowrank or sltrain model at a full-rank checkpoint: s·BA = L0, its best rank-r approximation
@@ -311,17 +329,8 @@ def init_from_dense(model, path, support="random", tokenizer_sha256=None):
         raise ValueError("--init_from starts a full, lowrank, sltrain or sltrain_ft model, not relora; pass --method "
                          "sltrain")
     dense, ckpt = load_model(path)
-    if dense.config.method != "full":
-        raise ValueError(f"--init_from {path}: a {dense.config.method} checkpoint; pass a full-rank one "
-                         "(train.py --method full, or export.py --merged)")
-    for field in ("vocab_size", "dim", "ffn_dim", "n_heads", "n_layers"):
-        if getattr(dense.config, field) != getattr(model.config, field):
-            raise ValueError(f"--init_from {path}: {field} {getattr(dense.config, field)} differs from this model's "
-                             f"{getattr(model.config, field)}; pass the --size the checkpoint was trained at")
-    trained_with = ckpt.get("args", {}).get("tokenizer_sha256")
-    if tokenizer_sha256 and trained_with and trained_with != tokenizer_sha256:
-        raise ValueError(f"--init_from {path}: trained with another tokenizer (sha256 {trained_with[:12]}...) than "
-                         f"--tokenizer ({tokenizer_sha256[:12]}...); pass the one it was trained with")
+    if refusal := init_refusal(path, ckpt, model.config, tokenizer_sha256):
+        raise ValueError(refusal)
     source = dict(dense.named_modules())
     for name, module in model.named_modules():
         if isinstance(module, SLLinear) and module.W0 is not None:  # <-- SLTrain-FT: W = W0 + s·BA + S

@@ -47,14 +47,10 @@ def refuse_overwrite(args):
     """A checkpoint in out_dir is replaced only with --overwrite: by a fresh run, or by one continuing another
     checkpoint (--resume PATH) into this out_dir."""
     path = os.path.join(args.out_dir, "ckpt.pt")
-    if args.overwrite:  # (flags.py refuses it with a --resume of this checkpoint)
-        try:  # every rank tries; and now, as metrics.jsonl is emptied: a run that fails before its first save
-            os.remove(path)  # leaves neither the old run's checkpoint nor its rows
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # a folder in its place, a read-only disk
-            raise SystemExit(f"--overwrite: cannot remove {path} ({e.strerror or e}); remove it yourself, or pass a "
-                             "new --out_dir") from None
+    if args.overwrite:  # (flags.py refuses it with a --resume of this checkpoint) removed by the Keeper, once every
+        if os.path.isdir(path):  # check of the run has passed: a refused run keeps the checkpoint it was to replace
+            raise SystemExit(f"--overwrite: {path} is a folder, which a run does not remove; remove it yourself, or "
+                             "pass a new --out_dir")
         return
     rows = os.path.join(args.out_dir, "metrics.jsonl")
     if not (args.eval_only or os.path.exists(path)) and os.path.isfile(rows) and os.path.getsize(rows) and \
@@ -216,6 +212,14 @@ class Keeper:
         except OSError as e:
             raise SystemExit(f"--out_dir {self.args.out_dir} cannot be made ({e.strerror or e}): pass a folder "
                              "you can write") from None
+        if self.args.overwrite:  # now, as metrics.jsonl is emptied: a run that fails before its first save leaves
+            try:  # neither the old run's checkpoint nor its rows
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # a read-only disk
+                raise SystemExit(f"--overwrite: cannot remove {self.path} ({e.strerror or e}); remove it yourself, "
+                                 "or pass a new --out_dir") from None
         if ckpt:
             beside = os.path.join(os.path.dirname(resume_path(self.args)), "metrics.jsonl")
             trim_metrics(beside, start, self.metrics_path, ckpt.get("eval_pending", False), resume_path(self.args))

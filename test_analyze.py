@@ -230,9 +230,14 @@ def test_bad_flags_are_refused_before_work(corpus, dense_ckpt, tmp_path, capsys)
         assert message in capsys.readouterr().err
 
 
-def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_ckpt, tmp_path):  # noqa: F811
-    """The checkpoint is read once the model is built: one that is damaged, not full-rank, or of another size stops
-    the run with one line naming it, and nothing is written."""
+def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_ckpt, tmp_path,  # noqa: F811
+                                                     monkeypatch):
+    """One that is damaged, not full-rank, or of another size stops the run with one line naming it, and nothing is
+    written. Its method, shape and tokenizer are seen at a quick look, before the data is read and the model built
+    (at 7b, minutes); a damaged one, when it is read whole into the built model."""
+    read = []
+    validation_batches = train.validation_batches
+    monkeypatch.setattr(train, "validation_batches", lambda *a, **k: (read.append(1), validation_batches(*a, **k))[1])
     damaged = tmp_path / "cut.pt"
     damaged.write_bytes(open(dense_ckpt, "rb").read()[:5000])
     other = tmp_path / "other.pt"  # trained with another tokenizer of as many pieces: only its digest tells
@@ -245,9 +250,11 @@ def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_
                                  (other, [], r"trained with another tokenizer \(sha256 000000000000\.\.\.\) than "
                                              r"--tokenizer \(\w{12}\.\.\.\); pass the one it was trained with")]:
         argv = [*base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", "--init_from", str(path)), *extra]
+        read.clear()
         with pytest.raises(SystemExit, match=rf"^--init_from {path}: .*{message}") as e:
             train.main(argv)
         assert "\n" not in str(e.value) and not (tmp_path / "out" / "ckpt.pt").exists()
+        assert bool(read) == (path == damaged), "refused before the data is read, but for the damaged checkpoint"
 
 
 def test_curves_overlay(corpus, tmp_path):  # noqa: F811

@@ -1091,8 +1091,8 @@ def test_a_resume_whose_metrics_are_gone_says_so(corpus, tmp_path, capsys):
 
 def test_an_out_dir_that_cannot_be_written_or_cleared_is_one_line(corpus, tmp_path):
     (tmp_path / "run" / "ckpt.pt").mkdir(parents=True)  # a folder where the checkpoint would be
-    with pytest.raises(SystemExit, match=rf"^--overwrite: cannot remove {tmp_path}/run/ckpt.pt \(Is a directory\); "
-                                         r"remove it yourself, or pass a new --out_dir$"):
+    with pytest.raises(SystemExit, match=rf"^--overwrite: {tmp_path}/run/ckpt.pt is a folder, which a run does not "
+                                         r"remove; remove it yourself, or pass a new --out_dir$"):
         train.main(base_args(corpus, tmp_path / "run", 2, "--overwrite"))
     train.main(base_args(corpus, tmp_path / "old", 2))
     with tmpfs(tmp_path / "ro", 10 ** 7) as mnt:  # a finished run on a disk now read-only

@@ -583,12 +583,15 @@ def test_adam8bit_kernel_is_honored_and_may_change_on_resume(corpus, tmp_path, m
     assert resumed.endswith("changed and honored: num_training_steps 2 -> 3, eval_every 2 -> 3")
 
 
-def test_resume_from_another_run_is_refused(corpus, tmp_path):
+def test_resume_from_another_run_is_refused(corpus, tmp_path, monkeypatch):
+    """Seen at a quick look at the checkpoint's args (checkpoint.peek), before its whole read (minutes at 7b)."""
     train.main(base_args(corpus, tmp_path, 2))
-    with pytest.raises(SystemExit, match="written by another run"):
-        train.main(base_args(corpus, tmp_path, 4, "--resume", "--method", "lowrank"))
-    with pytest.raises(SystemExit, match=r"total_batch_size 8 \(now 16\)"):
-        train.main(base_args(corpus, tmp_path, 4, "--resume", "--total_batch_size", "16"))
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("read whole before the refusal"))
+        with pytest.raises(SystemExit, match="written by another run"):
+            train.main(base_args(corpus, tmp_path, 4, "--resume", "--method", "lowrank"))
+        with pytest.raises(SystemExit, match=r"total_batch_size 8 \(now 16\)"):
+            train.main(base_args(corpus, tmp_path, 4, "--resume", "--total_batch_size", "16"))
     with pytest.raises(SystemExit, match="already has 2 updates; raise --num_training_steps"):
         train.main(base_args(corpus, tmp_path, 2, "--resume"))
     with pytest.raises(SystemExit, match="no checkpoint at"):
@@ -1386,6 +1389,29 @@ def test_overwrite_removes_the_old_checkpoint_with_its_rows(corpus, tmp_path):
     with pytest.raises(SystemExit, match="No checkpoint was saved yet"):
         train.main(base_args(corpus, tmp_path, 4, "--overwrite", "--lr", "1e9", "--warmup_steps", "0"))
     assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_overwrite_keeps_the_old_checkpoint_until_the_run_has_passed_its_checks(corpus, tmp_path, capsys):
+    """A run refused after --overwrite was read (a start that cannot be read, a --resume of another run) kept nothing
+    of the run it was to replace: the checkpoint was removed first. Nor may a run start from the checkpoint that its
+    own would replace."""
+    train.main(base_args(corpus, tmp_path / "old", 4, "--stop_after", "2"))
+    train.main(base_args(corpus, tmp_path / "other", 2, "--seed", "7"))
+    before = (tmp_path / "old" / "ckpt.pt").read_bytes()
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    with pytest.raises(SystemExit, match="junk.pt"):
+        train.main(base_args(corpus, tmp_path / "old", 4, "--overwrite", "--method", "sltrain", "--init_from",
+                             str(tmp_path / "junk.pt")))
+    with pytest.raises(SystemExit, match=r"^--resume: .* was written by another run: seed 7 \(now 42\)"):
+        train.main(base_args(corpus, tmp_path / "old", 4, "--overwrite", "--resume", str(tmp_path / "other")))
+    assert (tmp_path / "old" / "ckpt.pt").read_bytes() == before
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(base_args(corpus, tmp_path / "old", 4, "--overwrite", "--init_from",
+                             str(tmp_path / "old" / "ckpt.pt")))
+    assert f"--init_from {tmp_path}/old/ckpt.pt is the checkpoint in --out_dir {tmp_path}/old, which this run's own " \
+           "checkpoints replace: pass another --out_dir" in capsys.readouterr().err
+    assert (tmp_path / "old" / "ckpt.pt").read_bytes() == before
 
 
 def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):

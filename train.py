@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adam8bit_kernel
-from analyze import prepare_for_training
+from analyze import init_refusal, prepare_for_training
 import checkpoint
 import flags
 from cudagraph import MicroBatchGraph, PerLayerGraph
@@ -161,21 +161,10 @@ RESUME_KEPT = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_cli
                "eval_every", "eval_tokens", "save_every", "log_every")
 
 
-def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=True, given=()):
-    """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
-    listed in one refusal) or is honored and said so (by the master); args then records what this run does. A
-    resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU; so does
-    each flag of RESUME_KEPT not in `given` (the flags on the command line), and the micro-batch where neither
-    --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
-    new run (flags.check_memory, on `device`), at the run's own settings."""
-    path = resume_path(args)
-    if not os.path.exists(path):
-        flag = "--eval_only" if args.eval_only else "--resume"
-        raise SystemExit(f"{flag}: no checkpoint at {path}; pass its path with --resume or drop {flag}")
-    try:
-        ckpt = checkpoint.load(path)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+def same_run(args, ckpt, path, vocab_size, dtype_given):
+    """The run's args (ckpt["args"], with the defaults of flags added since), once this command line is checked
+    against them: another model, tokenizer or data is refused, a weights-only checkpoint too. Takes the run's start
+    (--init_from) and dtype where not given. Called on checkpoint.peek's quick look, then on the loaded checkpoint."""
     old = ckpt["args"]
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
@@ -205,6 +194,28 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     if diff:
         raise SystemExit(f"--resume: {path} was written by another run: {', '.join(diff)}; "
                          "pass the same flags, tokenizer and data, or a new --out_dir")
+    return old
+
+
+def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=True, given=()):
+    """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
+    listed in one refusal) or is honored and said so (by the master); args then records what this run does. A
+    resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU; so does
+    each flag of RESUME_KEPT not in `given` (the flags on the command line), and the micro-batch where neither
+    --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
+    new run (flags.check_memory, on `device`), at the run's own settings."""
+    path = resume_path(args)
+    if refusal := flags.no_checkpoint(args):  # (removed since the flags were read)
+        raise SystemExit(refusal)
+    peeked = checkpoint.peek(path)  # its args, without reading its tensors: another run's is refused at once, not
+    if isinstance(peeked, dict) and {"args", "model_config"} <= set(peeked):  # after a read of minutes at 7b
+        same_run(args, peeked, path, vocab_size, dtype_given)
+    del peeked
+    try:
+        ckpt = checkpoint.load(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    old = same_run(args, ckpt, path, vocab_size, dtype_given)
     if args.eval_only:
         return ckpt, path
     for k in RESUME_KEPT:
@@ -616,6 +627,14 @@ def prepare(args, held, given=()):
     refuse_overwrite(args)
     if args.resume or args.eval_only:
         ckpt, ckpt_path = load_for_resume(args, vocab_size, world, device, rank == 0, dtype_given, given)
+    config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
+                        ffn_dim=args.ffn_dim, vocab_size=vocab_size, packed_support=args.packed_support)
+    if args.init_from and not ckpt:  # a new run's start, checked on a quick look before the data and the model
+        peeked = checkpoint.peek(args.init_from)  # (one that cannot be read so is said by the build's full read)
+        if isinstance(peeked, dict) and (refusal := init_refusal(args.init_from, peeked, config,
+                                                                 args.tokenizer_sha256)):
+            raise SystemExit(refusal)
+        del peeked
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
         val = validation_batches(args.data_dir, args.tokenizer, args.batch_size, max_length=args.max_length,
                                  eval_tokens=args.eval_tokens, pack=args.pack)
@@ -624,8 +643,6 @@ def prepare(args, held, given=()):
     if not args.eval_only:
         same_validation(args, val.sha256, ckpt, ckpt_path)
     loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
-    config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
-                        ffn_dim=args.ffn_dim, vocab_size=vocab_size, packed_support=args.packed_support)
     run = build(args, config, device, getattr(torch, args.dtype), ddp, ckpt)
     for key in ("model", "optimizer", "scheduler") if ckpt else ():  # loaded: the rest of the run needs its step,
         ckpt.pop(key, None)  # args, data and RNG only, and these would sit in host memory to its end, on every rank
