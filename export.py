@@ -192,6 +192,11 @@ def main(argv=None):
     if both and os.path.samefile(args.merged, source):
         p.error(f"--merged {args.merged} is the checkpoint being exported: its optimizer and resume state would be "
                 "lost; pass another file")
+    # the folder is written first: a --merged among its files would replace that file with a torch checkpoint
+    written = {os.path.realpath(os.path.join(args.out, name)): name for name in HF_FILES} if args.out else {}
+    if args.merged and os.path.realpath(args.merged) in written:
+        p.error(f"--merged {args.merged} is the {written[os.path.realpath(args.merged)]} that --out writes; pass "
+                f"another name, such as {os.path.join(os.path.dirname(args.merged), 'dense.pt')}")
     if args.merged and os.path.isfile(args.merged) and not args.overwrite:  # another run's ckpt.pt, say
         p.error(f"--merged {args.merged} exists: pass another file, or --overwrite to replace it")
     # the output paths first: a bad one would otherwise fail after the load, and --merged after the folder was written
@@ -204,7 +209,10 @@ def main(argv=None):
     if args.merged and os.path.isdir(args.merged):
         p.error(f"--merged {args.merged} is a folder; pass a file in it, such as "
                 f"{os.path.join(args.merged, 'dense.pt')}")
-    if args.merged and not os.path.isdir(os.path.dirname(args.merged) or "."):
+    folder = os.path.realpath(os.path.dirname(args.merged or "") or ".")
+    # a folder that --out makes (--out itself, or a missing folder above it) is there by the time --merged is written
+    made_by_out = args.out and os.path.commonpath([folder, os.path.realpath(args.out)]) == folder
+    if args.merged and not os.path.isdir(folder) and not made_by_out:
         p.error(f"--merged {args.merged}: no folder {os.path.dirname(args.merged)}; create it or pass a file in an "
                 "existing folder")
     if args.tokenizer and not args.out:

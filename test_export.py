@@ -404,6 +404,26 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"], "nothing is written before the checks"
 
 
+def test_merged_is_never_a_file_of_the_folder_and_may_go_in_a_new_one(sl_ckpt, tmp_path, monkeypatch, capsys):
+    """A --merged that is one of the files the folder export writes (model.safetensors: the folder, written first,
+    then lost its weights to a torch checkpoint) is refused before the load, however spelled; one beside them in an
+    --out not yet made is written there (it was refused: "no folder")."""
+    out = tmp_path / "hf"
+    with monkeypatch.context() as m:
+        m.setattr(export, "load_model", refuse_to_load)
+        for name in export.HF_FILES:
+            for merged in (out / name, tmp_path / "x" / ".." / "hf" / name):
+                with pytest.raises(SystemExit):
+                    export.main([sl_ckpt, "--out", str(out), "--merged", str(merged)])
+                err = capsys.readouterr().err
+                assert f"is the {name} that --out writes; pass another name, such as" in err, err
+    assert list(tmp_path.iterdir()) == [], "nothing is written before the checks"
+    export.main([sl_ckpt, "--out", str(out), "--merged", str(out / "dense.pt")])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*export.HF_FILES, "dense.pt"])
+    assert "model.embed_tokens.weight" in export.load_safetensors(out / "model.safetensors")
+    assert torch.load(out / "dense.pt", weights_only=True)["args"]["merged_from"] == "sltrain"
+
+
 def test_a_failed_export_leaves_no_empty_folder_it_made(tmp_path, sl_ckpt):
     """The --out folder is made before the checkpoint is read (so that one that cannot be made is refused first);
     when the export then fails, the folders it made go again, and a folder that was there stays."""
