@@ -456,7 +456,11 @@ def bench_inference(size, batch_size, max_length, device, dtype, rounds):
                 variants=variants)
 
 
-def bench_generate(size, samples, new_tokens, device, dtype, rounds, prompt=16):
+GENERATE_CONTEXT = 255  # the positions generate's window and KV cache hold: the paper's max_length 256, less one
+GENERATE_PROMPT, GENERATE_NEW_TOKENS = 16, 128
+
+
+def bench_generate(size, samples, new_tokens, device, dtype, rounds, prompt=GENERATE_PROMPT):
     """sample.generate's tokens/s, greedy, from an sltrain model of size: as trained with no cache (each new token
     forms every W and runs the whole window, as sample.py did), as trained with the KV cache (each token still forms
     every W), merged once with no cache, and merged with the cache (sample.py now). The context is the paper's 255
@@ -469,7 +473,8 @@ def bench_generate(size, samples, new_tokens, device, dtype, rounds, prompt=16):
                 "merged_cached": (dense, True)}
 
     def run(model, cache):
-        return lambda: sample.generate(model, idx, new_tokens, temperature=0, context=255, cache=cache)
+        return lambda: sample.generate(model, idx, new_tokens, temperature=0, context=GENERATE_CONTEXT,
+                                      cache=cache)
 
     times = interleave({name: run(*v) for name, v in variants.items()}, rounds, device, warmup=1)
     out = summary(times, "trained", invert=True)  # >1: faster than the model as trained
@@ -631,7 +636,7 @@ def memory_needed(section, size, dtype, batch_size=0, max_length=256):
     (MODEL_VARIANTS) and their AdamW states at once and steps one at a time, with one set of gradients and one step's
     activations of batch_size x max_length tokens; `optimizer` three copies of sltrain's tensors with their states,
     beside the originals and one set of gradients; `inference` full, sltrain and the merged model, and one
-    forward's."""
+    forward's; `generate` sltrain and its merged copy, and batch_size samples' KV cache and logits."""
     def row(method, batch=batch_size, **kw):
         return estimate(size, method, index_dtype="int32", dtype=dtype, batch_size=batch, max_length=max_length, **kw)
     if section == "model":
@@ -640,6 +645,15 @@ def memory_needed(section, size, dtype, batch_size=0, max_length=256):
     if section == "optimizer":
         plain, eight_bit = row("sltrain", batch=0), row("sltrain", batch=0, optimizer="adam8bit")
         return (5 * plain["held_gb"] + 2 * plain["optim_gb"] + eight_bit["optim_gb"]) * 1e9
+    if section == "generate":  # the merged copy is dense: a full model's weights
+        config, width = config_for(size, method="sltrain"), torch.finfo(getattr(torch, dtype)).bits // 8
+        # the cache is made for the whole context; the longest window (run without the cache) is the prompt and all
+        # new tokens but the last, whose logits are every position's, and the last position's again in float32
+        window = min(GENERATE_CONTEXT, GENERATE_PROMPT + GENERATE_NEW_TOKENS - 1)
+        cache = 2 * config.n_layers * GENERATE_CONTEXT * config.dim * width
+        logits = window * config.vocab_size * width + config.vocab_size * 4
+        weights = row("sltrain", batch=0)["held_gb"] + row("full", batch=0)["held_gb"]
+        return weights * 1e9 + batch_size * (cache + logits)
     full, sltrain = row("full"), row("sltrain")  # inference: a forward without gradients beside the three models
     forward = max(r["eval_gb"] - r["held_gb"] for r in (full, sltrain)) if batch_size else 0
     return (2 * full["held_gb"] + sltrain["held_gb"] + forward) * 1e9
@@ -649,7 +663,7 @@ def refuse_what_would_not_fit(error, sections, sizes, dtype, device, batch=lambd
     """A section that cannot fit is refused before any runs: on CPU the kernel's out-of-memory killer would end the
     command without a word, and on a GPU the section would fail after the ones before it. batch(section, size): the
     sequences of its steps (of max_length tokens), whose activations count too."""
-    guarded = [s for s in ("model", "optimizer", "inference") if s in sections]
+    guarded = [s for s in ("model", "optimizer", "inference", "generate") if s in sections]
     there = memory_there(device) if guarded else None
     if there is None:
         return
@@ -661,9 +675,12 @@ def refuse_what_would_not_fit(error, sections, sizes, dtype, device, batch=lambd
             need = memory_needed(section, size, name, b, max_length)
             if need > share * available:
                 acts = f", and {b} x {max_length} tokens' activations" if b else ""
+                what = f"weights, gradients and optimizer states{acts}"
+                if section == "generate":
+                    what = f"weights as trained and merged, and {b} samples' KV cache and logits"
                 error(f"--size {size}: the {section} section needs at least {need / 1e9:.1f} GB by the estimate (its "
-                      f"weights, gradients and optimizer states{acts}), more than {share:.0%} of {where}; pass a "
-                      f"smaller --size{' or --batch_size' * bool(b)}, or drop the section (--only)")
+                      f"{what}), more than {share:.0%} of {where}; pass a smaller --size{' or --batch_size' * bool(b)}"
+                      ", or drop the section (--only)")
 
 
 def check_out(error, out):
@@ -736,8 +753,10 @@ def main():
     batch_size = args.batch_size or (16 if cuda else 8 if args.quick else 4)
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 as trained on GPUs; CPUs are fastest in float32
     inference_batch = lambda s: args.batch_size or (INFERENCE_BATCH.get(s, 32) if cuda else batch_size)  # noqa: E731
+    samples = args.batch_size or 4  # generate's
+    batches = dict(inference=inference_batch, generate=lambda s: samples)
     refuse_what_would_not_fit(parser.error, sections, sizes, dtype, device,
-                              lambda section, s: inference_batch(s) if section == "inference" else batch_size,
+                              lambda section, s: batches[section](s) if section in batches else batch_size,
                               args.max_length)
     result = start(device)
     run = {
@@ -746,7 +765,7 @@ def main():
         "optimizer": lambda: [bench_optimizer(s, device, dtype, args.rounds) for s in sizes],
         "inference": lambda: [bench_inference(s, inference_batch(s), args.max_length, device, dtype, args.rounds)
                               for s in sizes],
-        "generate": lambda: [bench_generate(s, args.batch_size or 4, 128, device, dtype, rounds_given or 3)
+        "generate": lambda: [bench_generate(s, samples, GENERATE_NEW_TOKENS, device, dtype, rounds_given or 3)
                              for s in sizes],
         "step": lambda: bench_step(rounds=rounds_given or 3),
         "heavy": lambda: bench_heavy(),

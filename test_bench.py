@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import bench
+import model
+import sample
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -119,6 +121,44 @@ def test_the_generate_section_runs_and_reports(monkeypatch, capsys, tmp_path):
     assert G["variants"]["trained"]["ratio"] == 1.0
     assert all(len(v["rounds_ms"]) == 2 and v["tok_s"] > 0 for v in G["variants"].values())
     assert "generate tiny sltrain, 2 samples, prompt 16 + 8 new tokens" in capsys.readouterr().out
+
+
+def test_the_generate_sections_memory_guard_counts_what_it_holds(monkeypatch, capsys):
+    """--only generate holds the model as trained, its merged copy, a batch's KV cache and the logits of its longest
+    window: counted at tiny, they are within the guard's figure; and on a 16 GB machine (faked) 7b is refused in one
+    line before anything is built, as the other sections are (it built the 7b model)."""
+    class Counted(Exception):
+        pass
+    caches, logits = [], []
+    monkeypatch.setattr(sample, "KVCache", lambda *a: caches.append(model.KVCache(*a)) or caches[-1])
+
+    def count(variants, *args, **kwargs):  # bench_generate's interleave: both models built and alive by then
+        runs = [dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__))) for fn in
+                variants.values()]
+        models = {id(r["model"]): r["model"] for r in runs}
+        for m in models.values():
+            m.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.nbytes))
+        for fn in variants.values():
+            fn()
+        held = sum(t.nbytes for m in models.values() for t in [*m.parameters(), *m.buffers()])
+        raise Counted(held + max(c.k.nbytes + c.v.nbytes for c in caches) + max(logits), len(models))
+    monkeypatch.setattr(bench, "interleave", count)
+    with pytest.raises(Counted) as got:
+        bench.bench_generate("tiny", 2, bench.GENERATE_NEW_TOKENS, torch.device("cpu"), torch.float32, 1)
+    held, models = got.value.args
+    assert models == 2 and caches, "the model as trained and merged, and a cache"
+    need = bench.memory_needed("generate", "tiny", "float32", 2)
+    assert held <= need < 1.1 * held, f"held {held / 1e6:.1f} MB, the guard's {need / 1e6:.1f} MB"
+    monkeypatch.setattr(bench, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
+    monkeypatch.setattr(bench, "start", lambda device: pytest.fail("a section started"))
+    monkeypatch.setattr(bench, "bench_generate", lambda *a: pytest.fail("the section ran"))
+    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", "--only", "generate", "--size", "7b"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    err = capsys.readouterr().err
+    assert "--size 7b: the generate section needs at least" in err and "weights as trained and merged, and 4 " \
+        "samples' KV cache and logits), more than 80% of this machine's 16.0 GB; pass a smaller --size or " \
+        "--batch_size, or drop the section (--only)" in err, err
 
 
 def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys, tmp_path):
