@@ -59,6 +59,7 @@ import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio, ratio_text, record_error, report_inference, start, summary, synchronizer, write_json)
 from cudagraph import MicroBatchGraph, PerLayerGraph, cuda_graphed
+from data import DEFAULT_TOKENIZER, find_shards, load_tokenizer
 from devices import set_deterministic
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
@@ -1011,13 +1012,22 @@ def check_args(parser, args):
     device = pick_device(parser.error, args.device)
     if args.suite == "gpu" and device.type != "cuda":
         parser.error("gpu measures bf16 on a GPU; run it on a CUDA machine, or run tiny on CPU")
+    for flag in ("--data_dir", "--tokenizer"):  # only the program section reads them: ignored, they would mislead
+        if args.only and "program" not in args.only and getattr(args, flag[2:]) is not None:
+            parser.error(f"{flag} is for the program section, and --only has not got it: drop {flag}, or add program "
+                         "to --only")
     if (args.tokenizer or "program" in (args.only or ())) and not args.data_dir:
         parser.error("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
     if args.data_dir and not os.path.isdir(args.data_dir):
         parser.error(f"--data_dir {args.data_dir}: no such folder; pass the folder of C4 shards (train.py's)")
-    args.tokenizer = args.tokenizer or "data/t5_spiece.model"
-    if args.data_dir and not os.path.isfile(args.tokenizer):
-        parser.error(f"--tokenizer {args.tokenizer}: no such file; pass the sentencepiece model")
+    args.tokenizer = args.tokenizer or DEFAULT_TOKENIZER
+    if args.data_dir:  # the program section runs: what each of its train.py runs reads, checked as train.py does
+        try:
+            find_shards(args.data_dir, "train")
+            find_shards(args.data_dir, "validation")
+            load_tokenizer(args.tokenizer, args.data_dir)
+        except (OSError, ValueError) as e:
+            parser.error(f"the program section: {e}")
     check_out(parser.error, args.out)
     return device
 

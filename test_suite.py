@@ -4,10 +4,12 @@ The GPU suite's code at toy sizes on CPU, so that a GPU session spends its minut
     python -m pytest -q test_suite.py
 """
 
+import glob
 import json
 import math
 import os
 import re
+import shutil
 import time
 
 import pytest
@@ -603,6 +605,37 @@ def test_a_hung_worker_in_a_session_of_its_own_is_killed_too(tmp_path):
     assert fired.is_set() and out == "worker\n" and time.perf_counter() - t0 < 30
 
 
+def test_the_programs_shards_and_tokenizer_are_checked_first(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """When the program section will run, its shards and tokenizer are checked as train.py checks them, before any
+    section (each train.py run started, to fail with "no train shards", after the others); --data_dir or --tokenizer
+    with an --only that leaves it out is refused, not ignored."""
+    shards, tokenizer = corpus
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "train").mkdir()
+    for shard in glob.glob(os.path.join(shards, "c4-train.*")):
+        shutil.copy(shard, tmp_path / "train")
+    (tmp_path / "bad.model").write_bytes(b"not a tokenizer")
+    monkeypatch.setattr(suite, "start", lambda device: (_ for _ in ()).throw(SystemExit("started")))
+    for argv, message in (
+            (["--data_dir", str(tmp_path / "empty"), "--tokenizer", tokenizer], f"no train shards in {tmp_path}"),
+            (["--only", "program", "--data_dir", str(tmp_path / "train"), "--tokenizer", tokenizer],
+             "no validation shards in"),
+            (["--data_dir", shards, "--tokenizer", str(tmp_path / "no.model")], "no.model not found; fetch T5's"),
+            (["--data_dir", shards, "--tokenizer", str(tmp_path / "bad.model")], "is not a readable sentencepiece"),
+            (["--only", "layer", "--data_dir", shards], "--data_dir is for the program section, and --only has not "
+                                                        "got it: drop --data_dir, or add program to --only"),
+            (["--only", "memory", "inference", "--tokenizer", tokenizer], "--tokenizer is for the program section")):
+        monkeypatch.setattr("sys.argv", ["suite.py", "tiny", "--device", "cpu", *argv])
+        with pytest.raises(SystemExit) as exit:
+            suite.main()
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and message in err and "Traceback" not in err, err
+    monkeypatch.setattr("sys.argv", ["suite.py", "tiny", "--device", "cpu", "--data_dir", shards, "--tokenizer",
+                                     tokenizer])
+    with pytest.raises(SystemExit, match="^started$"):  # what train.py needs is there: the sections start
+        suite.main()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["gpu"], "run tiny on CPU"),
     ([], "the following arguments are required: suite"),
@@ -611,7 +644,6 @@ def test_a_hung_worker_in_a_session_of_its_own_is_killed_too(tmp_path):
     (["tiny", "--only", "program"], "pass --data_dir"),
     (["tiny", "--tokenizer", "data/t5_spiece.model"], "pass --data_dir"),
     (["tiny", "--data_dir", "/nonexistent/c4"], "--data_dir /nonexistent/c4: no such folder"),
-    (["tiny", "--data_dir", ".", "--tokenizer", "/nonexistent.model"], "/nonexistent.model: no such file"),
     (["tiny", "--device", "tpu"], "expected cpu, cuda or cuda:N"),
     (["tiny", "--only", "layer", "--out", "."], "--out . is a folder"),
 ])
