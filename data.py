@@ -73,6 +73,10 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     path = Path(path)
     fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
            f"(python data.py train-tokenizer --data_dir {data_dir} --out data/spm), then pass --tokenizer")
+    if path.is_dir():  # the fix is a file: download writes the file it is given, and refuses a folder
+        raise IsADirectoryError(f"tokenizer {path} is a folder; pass the sentencepiece model file, such as "
+                                f"{path / 'spiece.model'} (python data.py download --tokenizer {path / 'spiece.model'} "
+                                "fetches T5's there)")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {path} not found; {fix}")
     sp = spm.SentencePieceProcessor()
@@ -922,6 +926,10 @@ def check_args(p, args):
             p.error(f"--num_workers must be at most {_cpus()}, this machine's CPUs, got {args.num_workers}")
     if args.command == "train-tokenizer" and args.vocab_size < 4:  # pad, eos, unk and one piece
         p.error(f"--vocab_size must be at least 4 (pad, eos, unk and a piece), got {args.vocab_size}")
+    if args.command == "train-tokenizer" and (args.out.endswith(("/", os.sep)) or Path(args.out).is_dir()):
+        # a prefix, not a folder: "dir/" wrote dir.model beside the folder, not in it
+        p.error(f"--out {args.out} is a folder, and --out is a prefix (it writes PREFIX.model and PREFIX.vocab); pass "
+                f"one in it, such as {Path(args.out) / 'spm'}")
     if args.command == "train-tokenizer" and Path(f"{args.out}.model").exists() and not args.overwrite:
         p.error(f"--out {args.out}: {args.out}.model exists, and runs trained with it are checked against it (their "
                 "checkpoints keep its sha256); pass another --out, or --overwrite to replace it")

@@ -746,6 +746,29 @@ def test_train_tokenizer_replaces_a_model_only_when_asked_and_whole(corpus, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spm.model", "spm.vocab"]
 
 
+def test_a_folder_for_the_tokenizer_or_its_prefix_names_a_file_in_it(corpus, tmp_path, monkeypatch, capsys):
+    """--tokenizer DIR said "not found; fetch T5's (python data.py download --tokenizer DIR)", which download then
+    refused (a folder): the message says it is a folder and names a file in it that download fetches to. And
+    train-tokenizer --out DIR/ (or DIR) wrote DIR.model beside the folder: --out is a prefix, so it is refused."""
+    folder = tmp_path / "tokdir"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match=f"tokenizer {folder} is a folder; pass the sentencepiece model file, "
+                                                f"such as {folder / 'spiece.model'}") as e:
+        data.load_tokenizer(folder)
+    named = Path(re.search(r"download --tokenizer (\S+) fetches", str(e.value)).group(1))
+    fetched = []
+    monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(Path(dest)))  # no network
+    data.download(tmp_path / "c4", named, shards=[])  # the command the message names is one download takes
+    assert fetched == [folder / "spiece.model"], fetched
+    for out in (f"{folder}{os.sep}", str(folder)):
+        with pytest.raises(SystemExit):
+            data.main(["train-tokenizer", "--data_dir", str(corpus[0]), "--out", out, "--vocab_size", "100"])
+        err = capsys.readouterr().err
+        assert f"is a folder, and --out is a prefix (it writes PREFIX.model and PREFIX.vocab); pass one in it, such " \
+               f"as {folder / 'spm'}" in err, err
+    assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == [], "nothing is written"
+
+
 def test_download_checks_every_shard_name_before_fetching_any(tmp_path, monkeypatch, capsys):
     fetched = []
     monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(url))  # no network
