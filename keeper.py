@@ -100,15 +100,17 @@ def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
     # read as U+FFFD, so that such a line is dropped as torn (the run itself writes ASCII)
     with open(source, errors="replace") if os.path.exists(source) else nullcontext([]) as f:
         for line in f:
+            if not line.strip():
+                continue
             try:
-                row = json.loads(line) if line.strip() else None
+                row = json.loads(line)
             except json.JSONDecodeError:
-                row = False
-            if row is not None and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+                row = None
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
                 torn += 1  # cut short, or not a row of this program's
                 continue
-            redone = eval_pending and row is not None and row["step"] == step and "val_loss" in row  # made again
-            if row is not None and row["step"] <= step and not redone:
+            redone = eval_pending and row["step"] == step and "val_loss" in row  # made again
+            if row["step"] <= step and not redone:
                 rows.append(line if line.endswith("\n") else line + "\n")
     if torn:
         print(f"{source}: dropped {torn} line(s) cut short by the end of the last run")
@@ -125,8 +127,18 @@ def after_failed_write(e, last_good):
     then where the run goes on from: the last good checkpoint, named (it may be in another folder), or a new start."""
     fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in checkpoint.DISK_FULL else \
         "see to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
-    return f"{fix}, then " + (f"rerun with --resume {last_good[0]} (step {last_good[1]})" if last_good else
-                              START_AGAIN)
+    return f"{fix}, then {go_on_from(last_good)}"
+
+
+def go_on_from(last_good):
+    """Where a stopped run goes on from: the last good checkpoint (path, step), named (it may be in another folder),
+    or a new start where there is none, or it is gone since (its folder removed under the run)."""
+    if not last_good:
+        return START_AGAIN
+    path, step = last_good
+    if not os.path.exists(path):
+        return f"the last checkpoint, {path} (step {step}), is gone: {START_AGAIN}"
+    return f"rerun with --resume {path} (step {step})"
 
 
 def diverged(why, last_good):
@@ -277,15 +289,11 @@ class Keeper:
             there = os.stat(self.metrics_path)
         except OSError:
             there = None
-        mine = os.fstat(self.metrics.fileno())
-        if there is not None and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+        if there is not None and os.path.samestat(there, os.fstat(self.metrics.fileno())):
             return
-        path, good = (self.last_good or [None, None])
-        then = f"rerun with --resume {path} (step {good})" if path and os.path.exists(path) else \
-            f"the last checkpoint, {path} (step {good}), is gone too: {START_AGAIN}" if path else START_AGAIN
         raise SystemExit(f"{self.metrics_path} was removed or replaced while the run wrote to it (was --out_dir "
                          f"{self.args.out_dir} deleted or moved?): stopping at step {step}, writing nothing more "
-                         f"there; {then}")
+                         f"there; {go_on_from(self.last_good)}")
 
     def _metrics_failed(self, step, e):
         return SystemExit(f"cannot write {self.metrics_path} at step {step} ({e.strerror or e}); "

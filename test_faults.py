@@ -978,10 +978,14 @@ def test_an_out_dir_removed_under_the_run_stops_it_in_one_line(corpus, tmp_path,
     monkeypatch.setattr(train, "train_step", removing)
     with pytest.raises(SystemExit, match=rf"^{out}/metrics.jsonl was removed or replaced while the run wrote to it "
                                          rf"\(was --out_dir {out} deleted or moved\?\): stopping at step 4, writing "
-                                         rf"nothing more there; the last checkpoint, {out}/ckpt.pt \(step 2\), is gone "
-                                         r"too: start again with --overwrite"):
+                                         rf"nothing more there; the last checkpoint, {out}/ckpt.pt \(step 2\), is "
+                                         r"gone: start again with --overwrite"):
         train.main(base_args(corpus, out, 8, "--save_every", "2"))
     assert list(out.iterdir()) == [] if made_again else not out.exists()
+    full = OSError(errno.ENOSPC, "No space left on device")  # a failed write's advice names no gone checkpoint
+    assert keeper.after_failed_write(full, [str(out / "ckpt.pt"), 2]).endswith(
+        f"then the last checkpoint, {out}/ckpt.pt (step 2), is gone: start again with --overwrite (it replaces this "
+        "run's rows)")
 
 
 def test_resume_drops_metrics_lines_that_are_not_text_or_not_rows(corpus, tmp_path, capsys):

@@ -204,9 +204,7 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     each flag of RESUME_KEPT not in `given` (the flags on the command line), and the micro-batch where neither
     --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
     new run (flags.check_memory, on `device`), at the run's own settings."""
-    path = resume_path(args)
-    if refusal := flags.no_checkpoint(args):  # (removed since the flags were read)
-        raise SystemExit(refusal)
+    path = resume_path(args)  # (there: prepare checked, flags.no_checkpoint)
     peeked = checkpoint.peek(path)  # its args, without reading its tensors: another run's is refused at once, not
     if isinstance(peeked, dict) and {"args", "model_config"} <= set(peeked):  # after a read of minutes at 7b
         same_run(args, peeked, path, vocab_size, dtype_given)
