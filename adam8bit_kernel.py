@@ -146,10 +146,10 @@ def why_not(device, dtype, block_size):
     (the two whose roundings the kernel writes out), a power of two from 16 to 8192 (whole tiles). Else what is
     missing, in words."""
     device = torch.device(device)
+    if device.type != "cuda":  # the nearer reason on a CPU, whose torch has no Triton either
+        return f"it runs on a CUDA GPU, not on {device.type}"
     if not available():
         return "Triton is not installed (it comes with torch's CUDA builds)"
-    if device.type != "cuda":
-        return f"it runs on a CUDA GPU, not on {device.type}"
     if _capability(device) < (8, 0):
         major, minor = _capability(device)
         return f"it needs a GPU of compute capability 8.0 or later; {device} has {major}.{minor}"

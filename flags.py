@@ -317,6 +317,7 @@ def get_args(argv=None, description=None):
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                                   ffn_dim=args.ffn_dim)
+        check_rank(p, args, model_config)
         largest = max(t.numel() for t in LLaMA(model_config, device="meta").parameters())  # (and checks rank and
     except ValueError as e:  # delta against every layer shape, for free)
         p.error(str(e))
@@ -490,6 +491,18 @@ def check_baseline_flags(p, args, config, rank_given=None):
         p.error(f"{', '.join('--' + name for name in relora_given)}: --relora_reset {args.relora_reset} restarts "
                 f"nothing in a run of {args.num_training_steps} updates; pass a --relora_reset below "
                 "--num_training_steps, or drop them")
+
+
+def check_rank(p, args, config):
+    """The factors' rank below the narrowest projection's width, refused naming the flags that set each (each layer's
+    own check names neither). Full rank has no factors; GaLore's rank is checked with its flags."""
+    narrowest = min(config.dim, config.ffn_dim)
+    if config.method == "full" or config.rank < narrowest:
+        return
+    rank = f"--rank {config.rank}" if args.rank is not None else f"--size {args.size}'s rank, {config.rank},"
+    wider = " or a larger --ffn_dim" if config.ffn_dim < config.dim else ""
+    p.error(f"{rank} must be below min(dim {config.dim}, ffn_dim {config.ffn_dim}) = {narrowest}, every projection's "
+            f"smaller side: pass a smaller --rank{wider}")
 
 
 def check_adam8bit_kernel(p, args):

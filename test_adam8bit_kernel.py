@@ -362,7 +362,7 @@ def test_fused_true_is_refused_where_the_kernel_cannot_run():
     for make in (lambda: optim.Adam8bit([p], fused=True), lambda: optim.Adam8bit([p], fused=True, block_size=100),
                  lambda: GaLore([dict(params=[p], rank=None)], inner="adam8bit", fused=True)):
         with pytest.raises(ValueError, match="fused=True: the one-kernel 8-bit step cannot run here: "
-                                             "(Triton is not installed.*|it runs on a CUDA GPU, not on cpu); "
+                                             "it runs on a CUDA GPU, not on cpu; "
                                              "pass fused=None to use it only where it can run"):
             make()
     with pytest.raises(ValueError, match="fused must be None"):

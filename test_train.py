@@ -420,7 +420,11 @@ def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_
                                    "--total_batch_size 12"),  # base_args' --batch_size 4
     (["--total_batch_size", "7", "--batch_size", "2"], "pass --batch_size 1 or --total_batch_size 8"),
     (["--delta", "1.5"], "delta must be in"),
-    (["--rank", "64"], "rank must be in"),
+    (["--rank", "64"], "--rank 64 must be below min(dim 64, ffn_dim 176) = 64, every projection's smaller side: pass "
+                       "a smaller --rank"),
+    (["--ffn_dim", "3"], "--size tiny's rank, 16, must be below min(dim 64, ffn_dim 3) = 3, every projection's smaller "
+                         "side: pass a smaller --rank or a larger --ffn_dim"),  # the flag that made it too narrow
+    (["--method", "relora", "--rank", "100"], "--rank 100 must be below min(dim 64, ffn_dim 176) = 64"),
     (["--model_config", "configs/llama_99m.json"], "expected configs/llama_<size>.json"),
     (["--model_config", "configs/llama_60m.json"], "is size 60m, --size says tiny: drop one"),  # base_args' --size
     (["--block_size", "2048"], "--block_size: not read by --method sltrain with --optimizer adamw; drop it, or pass an "
@@ -431,7 +435,7 @@ def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_
     (["--adam8bit_kernel", "off"], "--adam8bit_kernel: not read by --method sltrain with --optimizer adamw; drop it, "
                                    "or pass an 8-bit --optimizer"),
     (["--optimizer", "adam8bit", "--adam8bit_kernel", "on"], "--adam8bit_kernel on: the one-kernel 8-bit step cannot "
-                                                             "run here: "),  # a CPU, or no Triton: either is named
+                                                             "run here: it runs on a CUDA GPU, not on cpu; pass"),
     (["--optimizer", "galore_adam8bit", "--method", "full", "--adam8bit_kernel", "on"], "pass --adam8bit_kernel auto "
                                                                                         "(the kernel where it can "
                                                                                         "run) or off"),
