@@ -34,6 +34,7 @@ import signal
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zlib
 from contextlib import suppress
@@ -663,12 +664,24 @@ def _verify(part, name, sha256):
             fail(f"not a sentencepiece model: {e}")
 
 
+def endpoint(base_url=None):
+    """The server to fetch from: base_url, else $HF_ENDPOINT, else Hugging Face. Anything but an http(s) address is
+    refused here, in one line, where urllib would fail at the first fetch with "unknown url type"."""
+    source, given = ("--base_url", base_url) if base_url else ("HF_ENDPOINT", os.environ.get("HF_ENDPOINT"))
+    base = (given or HF_ENDPOINT).rstrip("/")
+    parts = urllib.parse.urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{source} {given!r} is not an http(s) address; pass one such as {HF_ENDPOINT}"
+                         + (" (or unset HF_ENDPOINT)" if source == "HF_ENDPOINT" else ""))
+    return base
+
+
 def download(data_dir=DEFAULT_DATA_DIR, tokenizer_path=DEFAULT_TOKENIZER, shards=None, base_url=None,
              known_sha256=KNOWN_SHA256, retries=5, backoff=2.0, recheck=False):
     """Fetch C4 shards (default shard_names(1, 1)) into data_dir and T5's spiece.model to tokenizer_path
     (None: skip it) from Hugging Face; files already present are kept, since fetch only ever renames checked ones,
     unless recheck: then a present shard that fails its gzip check (a truncated copy placed by hand) is replaced."""
-    base = (base_url or os.environ.get("HF_ENDPOINT") or HF_ENDPOINT).rstrip("/")
+    base = endpoint(base_url)
     names = shard_names() if shards is None else list(shards)
     # every name checked before the first fetch: a typo in the last one must not cost the ~320 MB shards before it
     bad = [n for n in names if n not in C4_NAMES]

@@ -725,6 +725,26 @@ def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch
         data.download(tmp_path / "c4", None, ["c4-train.0-of-1024.json"], base_url=server.url)
 
 
+@pytest.mark.parametrize("base_url,env,message", [
+    ("notaurl", None, "--base_url 'notaurl' is not an http(s) address; pass one such as https://huggingface.co"),
+    ("ftp://mirror.example/hf", None, "--base_url 'ftp://mirror.example/hf' is not an http(s) address"),
+    ("http://", None, "--base_url 'http://' is not an http(s) address"),  # no host
+    (None, "huggingface.co", "HF_ENDPOINT 'huggingface.co' is not an http(s) address; pass one such as "
+                             "https://huggingface.co (or unset HF_ENDPOINT)"),
+])
+def test_a_download_address_that_is_not_http_is_refused_before_any_fetch(tmp_path, monkeypatch, base_url, env,
+                                                                         message):
+    """urllib failed at the first fetch with "unknown url type", naming neither the flag nor the variable."""
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    if env:
+        monkeypatch.setenv("HF_ENDPOINT", env)
+    argv = ["download", "--out", str(tmp_path / "c4"), "--tokenizer", ""] + (["--base_url", base_url] if base_url else [])
+    with pytest.raises(SystemExit) as e:
+        data.main(argv)
+    assert str(e.value).startswith(message), e.value
+    assert not (tmp_path / "c4").exists(), "refused after the download began"
+
+
 def test_train_tokenizer_replaces_a_model_only_when_asked_and_whole(corpus, tmp_path, capsys):
     """A tokenizer that runs were trained with is kept unless --overwrite says otherwise (their checkpoints hold its
     sha256: a new one would stop them); the new pair is trained aside and renamed, so a failure (here sentencepiece
