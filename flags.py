@@ -176,7 +176,7 @@ def make_parser(description=None):
     a("--max_length", type=int, default=256, help="tokens per sequence")
     a("--num_training_steps", type=int, help="optimizer updates (default: the paper's for the size)")
     a("--warmup_steps", type=int, help="linear warmup updates (default: the size's share of the steps, 10%% "
-      "but 1b's 1/14 as in the authors' scripts; on resume, the run's)")
+      "but 1b's 1/14 as in the authors' scripts, for ReLoRA at most --relora_reset; on resume, the run's)")
     a("--min_lr_ratio", type=float, default=0.1, help="the cosine schedule ends at this fraction of --lr")
     a("--scheduler", default="cosine", choices=["cosine"], help="learning-rate schedule (warmup, then cosine)")
     a("--weight_decay", type=float, default=0.0, help="decoupled weight decay")
@@ -339,6 +339,8 @@ def get_args(argv=None, description=None):
     if args.warmup_steps is None and not args.resume:  # a resumed run keeps its own warmup
         steps, warmup, _, _ = RECIPES[args.size]
         args.warmup_steps = args.num_training_steps * warmup // steps
+        if args.method == "relora":  # its first warmup ends by its first restart (see check_baseline_flags)
+            args.warmup_steps = min(args.warmup_steps, args.relora_reset)
     args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
     return args
 
@@ -485,6 +487,12 @@ def check_baseline_flags(p, args, config, rank_given=None):
         p.error(f"--relora_warmup {args.relora_warmup} must be shorter than --relora_reset {args.relora_reset}: each "
                 "restart's warmup ends before the next restart, else the learning rate never climbs back to the "
                 "cosine; pass a smaller --relora_warmup")
+    if args.method == "relora" and args.warmup_steps is not None and args.warmup_steps > args.relora_reset:
+        # ReLoRA's scheduler, and the SLTrain authors', assert it: a restart within the warmup would merge, prune the
+        # moments and start a jag while the learning rate is still climbing to its peak
+        p.error(f"--warmup_steps {args.warmup_steps} is longer than --relora_reset {args.relora_reset}: ReLoRA's "
+                "first restart comes after its warmup; pass a --warmup_steps of at most "
+                f"{args.relora_reset}, or a --relora_reset of at least {args.warmup_steps}")
     if not 0 <= args.relora_prune <= 1:
         p.error(f"--relora_prune must be in [0, 1], got {args.relora_prune}")
     if args.method == "relora" and relora_given and not args.resume and args.relora_reset >= args.num_training_steps:

@@ -315,6 +315,23 @@ def test_a_resumed_warmup_is_checked_against_the_runs_own_updates(corpus, tmp_pa
     assert final_state(short)["step"] == 2
 
 
+@pytest.mark.parametrize("before,warmup,total,ended", [(2, 5, 6, "its warmup"), (2, 1, 6, "its warmup"),
+                                                      (2, 8, 12, "its warmup"), (5, 2, 12, "the new warmup")])
+def test_a_resume_past_a_warmups_end_keeps_the_runs_warmup(corpus, tmp_path, before, warmup, total, ended):
+    """At update 3 of a run warming up over 2, a new --warmup_steps 5 or 8 climbed a second ramp from 3/5 and then
+    dropped to the old cosine where it stood (with a raised --num_training_steps); 1, or 2 for a run warming up over
+    5, jumped the learning rate. Each refused, with or without new steps; the run's own warmup goes on."""
+    train.main(base_args(corpus, tmp_path, 6, "--warmup_steps", str(before), "--stop_after", "3"))
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, total, "--resume", "--warmup_steps", str(warmup)))
+    assert str(e.value) == (f"--resume: {tmp_path}/ckpt.pt is at update 3, past the end of {ended}, and "
+                            f"--warmup_steps {warmup} is not the run's {before}: a warmup can be changed only while "
+                            "both are still ahead; drop --warmup_steps"), e.value
+    assert final_state(tmp_path)["step"] == 3
+    train.main(base_args(corpus, tmp_path, total, "--resume", "--warmup_steps", str(before)))
+    assert final_state(tmp_path)["step"] == total
+
+
 def test_a_decay_a_resumed_bf16_run_cannot_take_is_refused(corpus, tmp_path):
     """On a CPU a new run's parameters are float32, where any decay acts; a resume without --dtype takes the run's
     bf16, where --weight_decay 0.1 at lr 3e-3 rounds away: refused once the run's dtype is known, before any update,
@@ -1315,9 +1332,36 @@ def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
     monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 1b or 7b run need not fit this machine
     for argv, warmup in ((["--size", "60m"], 1100), (["--size", "1b"], 10_000), (["--size", "7b"], 15_000),
                          (["--size", "1b", "--num_training_steps", "14000"], 1000),
-                         (["--size", "tiny", "--num_training_steps", "6"], 0)):
+                         (["--size", "tiny", "--num_training_steps", "6"], 0),
+                         # ReLoRA's first warmup ends by its first restart (ReLoRA's scheduler asserts it)
+                         (["--size", "350m", "--method", "relora"], 2000), (["--size", "60m", "--method", "relora"], 1100),
+                         (["--size", "60m", "--method", "relora", "--relora_reset", "500"], 500),
+                         (["--size", "1b", "--method", "relora", "--warmup_steps", "2000"], 2000)):
         got = train.get_args([*argv, "--device", "cpu"]).warmup_steps
         assert got == warmup, f"{' '.join(argv)}: warmup {got}, the recipe's is {warmup}"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--size", "350m", "--warmup_steps", "6500"], "--warmup_steps 6500 is longer than --relora_reset 2000: ReLoRA's "
+     "first restart comes after its warmup; pass a --warmup_steps of at most 2000, or a --relora_reset of at least 6500"),
+    (["--size", "60m", "--relora_reset", "1000"], None),  # the size's warmup, 1100, made 1000: accepted
+    (["--size", "60m", "--relora_reset", "1000", "--warmup_steps", "1001"], "--warmup_steps 1001 is longer than "
+                                                                          "--relora_reset 1000"),
+])
+def test_relora_restarts_only_after_its_first_warmup(monkeypatch, capsys, argv, message):
+    """A restart inside the warmup merged, pruned 99% of the moments and began a jag while the learning rate still
+    climbed: every default size from 130m up restarted at 2000, 4000 and 6000 inside warmups of 2200 to 15000."""
+    monkeypatch.setattr(flags, "check_memory", lambda *args: None)
+    run = [*argv, "--method", "relora", "--device", "cpu"]
+    if message is None:
+        args = train.get_args(run)
+        lr = [train.lr_lambda_for(args)(k) for k in range(args.relora_reset + 1)]
+        assert args.warmup_steps <= args.relora_reset, args.warmup_steps
+        assert all(a < b for a, b in zip(lr[:-2], lr[1:-1])) and lr[-1] == 0, "a jag within the first warmup"
+        return
+    with pytest.raises(SystemExit):
+        train.get_args(run)
+    assert message in capsys.readouterr().err
 
 
 def test_a_rows_time_counts_the_work_the_device_still_had_queued():
