@@ -218,18 +218,30 @@ def load(path):
     """The checkpoint at path, verified; a missing, unreadable or corrupt file raises ValueError naming the fix."""
     fix = ("it is damaged (truncated, emptied or changed since it was written): restore it from a copy, or start a "
            "fresh run with a new --out_dir")
+    other = ("pass a checkpoint that train.py or export.py --merged wrote (a run's ckpt.pt, or its folder); a Hugging "
+             "Face export is not read back")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
+        if not _zip_start(path):  # torch.save writes a zip archive, which a cut or damaged one still starts as
+            raise ValueError(f"{path} is not a checkpoint (not a torch zip file); {other}") from None
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}); {fix}") from None
     if not isinstance(state, dict) or "sha256" not in state:
-        raise ValueError(f"checkpoint {path} has no checksum, so it was not written by train.py; {fix}")
+        raise ValueError(f"{path} has no checksum, so it was not written by train.py; {other}")
     stored = state.pop("sha256")
     if digest(state).hexdigest() != stored:
         raise ValueError(f"checkpoint {path} fails its sha256 check; {fix}")
     return state
+
+
+def _zip_start(path):
+    """Whether the file is empty or begins as a zip archive does (as an emptied or a cut checkpoint does): else it
+    is some other file, a safetensors or a JSON one, say, and not a damaged checkpoint."""
+    with open(path, "rb") as f:
+        start = f.read(4)
+    return start in (b"", b"PK\x03\x04")
 
 
 def peek(path):

@@ -162,17 +162,19 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
            "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(0), "clean_up_tokenization_spaces": False}
     with whole(os.path.join(out_dir, "tokenizer_config.json")) as f:
         f.write(json.dumps(tok, indent=2).encode())
-    return sorted(os.listdir(out_dir))
+    return list(HF_FILES)  # (not the folder's listing: it may hold other files, a run's own when it is the run's)
 
 
 def export_merged(model, ckpt, path, dtype=None, merged_from=None):
     """A full-rank checkpoint of the same model, in train.py's format (weights, config and the run's args). The model
-    is made dense in place (densify); merged_from is the method it was trained with (default: the model's)."""
+    is made dense in place (densify); merged_from is the method it was trained with (default: the model's). Returns
+    the method recorded as merged from."""
     run = ckpt.get("args", {})  # a merged checkpoint merged again keeps what it was first trained as
     run = dict(run, method="full", merged_from=run.get("merged_from") or merged_from or model.config.method)
     densify(model, dtype)
     save(path, {"model": model.state_dict(), "model_config": asdict(model.config), "args": run,
                 "step": ckpt.get("step")})  # atomic and checksummed, as train.py's
+    return run["merged_from"]
 
 
 def main(argv=None):
@@ -239,8 +241,8 @@ def main(argv=None):
             files = export_hf(model, ckpt, args.out, args.tokenizer, dtype)
             print(f"wrote {args.out}: {', '.join(files)}")
         if args.merged:
-            export_merged(model, ckpt, args.merged, dtype, method)
-            print(f"wrote {args.merged}: full-rank, merged from {method}")
+            merged_from = export_merged(model, ckpt, args.merged, dtype, method)
+            print(f"wrote {args.merged}: full-rank, merged from {merged_from}")
     except BaseException as e:  # whatever ends it (a file that cannot be written, Ctrl-C, a bug), no empty folder stays
         remove_empty(made)
         if isinstance(e, (OSError, ValueError, SaveFailed)):  # the partial file is gone already: one line

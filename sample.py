@@ -62,7 +62,7 @@ def draw(logits, temperature, top_k=None, top_p=None, generator=None):
         return logits.argmax(-1, keepdim=True)
     # shifted by the max first: a tiny temperature then sends the rest to -inf, never the max to inf (NaN)
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature
-    if top_k is not None:
+    if top_k:  # None or 0: no cut (sample.py's --top_k 0)
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:

@@ -9,10 +9,12 @@ import copy
 import gc
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
+import analyze
 import checkpoint
 import export
 import sample
@@ -263,14 +265,31 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint at"):
         sample.main([str(tmp_path / "missing.pt")])
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")  # not written by train.py
-    with pytest.raises(SystemExit, match="has no checksum"):
+    with pytest.raises(SystemExit) as e:
         sample.main([str(tmp_path / "foreign.pt")])
+    assert str(e.value) == (f"sample.py: {tmp_path / 'foreign.pt'} has no checksum, so it was not written by "
+                            "train.py; pass a checkpoint that train.py or export.py --merged wrote (a run's ckpt.pt, "
+                            "or its folder); a Hugging Face export is not read back"), e.value
     checkpoint.save(str(tmp_path / "other.pt"), {"weights": torch.zeros(2)})  # whole, but holds no model
     with pytest.raises(SystemExit, match="no 'model' and 'model_config'"):
         sample.main([str(tmp_path / "other.pt")])
     (tmp_path / "cut.pt").write_bytes(open(sl_ckpt, "rb").read()[:1000])  # a copy cut short, as by a full disk
     with pytest.raises(SystemExit, match="cannot be read"):
         sample.main([str(tmp_path / "cut.pt")])
+
+
+def test_a_file_that_is_no_checkpoint_is_not_called_damaged(sl_ckpt, tmp_path):
+    """The export's weights, a run's metrics.jsonl: each was "damaged ... restore it from a copy", in every tool."""
+    hf = tmp_path / "hf"
+    export.main([sl_ckpt, "--out", str(hf)])
+    metrics = os.path.join(os.path.dirname(sl_ckpt), "metrics.jsonl")
+    for path in (hf / "model.safetensors", hf / "config.json", metrics):
+        for tool in (lambda: sample.main([str(path)]), lambda: analyze.main(["spectrum", str(path)]),
+                     lambda: export.main([str(path), "--merged", str(tmp_path / "d.pt")])):
+            with pytest.raises(SystemExit) as e:
+                tool()
+            assert f"{path} is not a checkpoint (not a torch zip file); pass a checkpoint that train.py or " \
+                   "export.py --merged wrote" in str(e.value) and "damaged" not in str(e.value), e.value
 
 
 @pytest.mark.parametrize("flag", ["--out", "--merged"])
@@ -341,11 +360,12 @@ def test_sample_refuses_a_device_it_cannot_use(sl_ckpt, capsys, device, message)
 
 @pytest.mark.parametrize("top_k,top_p,kept", [(None, None, [0, 1, 2, 3]), (None, 0.7, [0, 1]), (None, 0.5, [0]),
                                               (None, 0.96, [0, 1, 2, 3]), (None, 1e-9, [0]), (3, 0.9, [0, 1, 2]),
-                                              (2, 0.9, [0, 1])])
+                                              (2, 0.9, [0, 1]), (0, None, [0, 1, 2, 3]), (0, 0.7, [0, 1])])
 def test_draws_come_from_the_top_k_then_the_nucleus(top_k, top_p, kept):
     """Probabilities 0.5, 0.3, 0.15, 0.05 (shuffled across the vocabulary): top_p keeps the most likely tokens up to
     and including the one whose cumulative probability reaches it (0.7: two; 0.5: one; 0.96: all four), after top_k;
-    the kept ones are drawn in proportion to their probabilities."""
+    the kept ones are drawn in proportion to their probabilities. top_k 0 is no cut, as sample.py's --top_k 0 (it
+    raised a RuntimeError from the Python API)."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     where = torch.tensor([5, 2, 7, 0])  # token ids of the four, in a vocabulary of 8 with the rest impossible
     logits = torch.full((4000, 8), float("-inf"))
@@ -572,11 +592,14 @@ def test_a_checkpoint_names_its_tokenizer_wherever_the_tools_run(corpus, tmp_pat
     assert sample.sample(str(tmp_path / "run" / "ckpt.pt"), "the", max_new_tokens=2, temperature=0)
 
 
-def test_merged_again_replaces_only_when_asked_and_keeps_its_origin(sl_ckpt, tmp_path):
+def test_merged_again_replaces_only_when_asked_and_keeps_its_origin(sl_ckpt, tmp_path, capsys):
     dense = tmp_path / "dense.pt"
     export.main([sl_ckpt, "--merged", str(dense)])
+    capsys.readouterr()
     export.main([str(dense), "--merged", str(dense.with_name("again.pt"))])  # a merged model, merged again
     assert torch.load(dense.with_name("again.pt"), weights_only=True)["args"]["merged_from"] == "sltrain"
+    said = capsys.readouterr().out  # what is recorded, not the method of the file read ("full")
+    assert said == f"wrote {dense.with_name('again.pt')}: full-rank, merged from sltrain\n", said
     export.main([sl_ckpt, "--merged", str(dense), "--overwrite", "--dtype", "bfloat16"])
     assert torch.load(dense, weights_only=True)["model"]["lm_head.weight"].dtype == torch.bfloat16
 
@@ -599,6 +622,17 @@ def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path, capsys):
     assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert export.load_safetensors(str(hf / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
     assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+
+
+def test_an_export_into_a_folder_with_other_files_names_only_its_own(sl_ckpt, tmp_path, capsys):
+    """Into the run's own folder, say: it listed every file there (the lock, ckpt.pt, metrics.jsonl) as written."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(sl_ckpt), run)
+    before = sorted(os.listdir(run))
+    capsys.readouterr()
+    export.main([str(run), "--out", str(run)])
+    assert capsys.readouterr().out == f"wrote {run}: {', '.join(export.HF_FILES)}\n"
+    assert sorted(os.listdir(run)) == sorted(before + list(export.HF_FILES))
 
 
 def test_sample_shows_the_prompt_without_the_whitespace_the_model_never_saw(sl_ckpt):
