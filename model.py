@@ -325,8 +325,8 @@ def _logsumexp32(x):
 
 
 class CrossEntropySum(torch.autograd.Function):
-    """Σ over the rows whose target is not -1 of -log softmax(logits)[target], in float32, for logits (N, vocab) of
-    any dtype. F.cross_entropy(logits.float()) saves the float32 log-probabilities for backward, twice the bytes of
+    """Σ over the rows whose target is not negative of -log softmax(logits)[target], in float32, for logits
+    (N, vocab) of any dtype. F.cross_entropy(logits.float()) saves the float32 log-probabilities for backward, twice the bytes of
     bf16 logits, and its backward holds two more float32 tensors of their size at once: ~100 MB at the peak of a
     350m step at batch 1 × 256, ~6 GB at batch 64. This saves the logits themselves and one log-sum-exp per row,
     and forms the gradient (softmax - one-hot)·grad in backward, chunk by chunk (loss_chunk_rows)."""
@@ -334,7 +334,7 @@ class CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets):
         lse = torch.cat([_logsumexp32(chunk) for chunk in logits.split(loss_chunk_rows(*logits.shape))])  # (N,)
-        counted = targets != -1
+        counted = targets >= 0  # a negative target is ignored: data.py's -1, and -100, Hugging Face's
         picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()  # the targets' logits
         ctx.save_for_backward(logits, targets, lse)
         return torch.where(counted, lse - picked, 0.0).sum()
@@ -343,7 +343,7 @@ class CrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, targets, lse = ctx.saved_tensors
         rows = loss_chunk_rows(*logits.shape)
-        scale = (targets != -1).float().mul_(grad_loss)  # (N,): rows not counted get no gradient
+        scale = (targets >= 0).float().mul_(grad_loss)  # (N,): rows not counted get no gradient
         grad = torch.empty_like(logits)
         for start in range(0, logits.size(0), rows):
             part = slice(start, start + rows)
@@ -378,7 +378,7 @@ class LLaMA(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, cache=None):
-        """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets != -1, or None). To train, keep only
+        """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets >= 0, or None). To train, keep only
         the loss (model(x, y)[1]): the loss saves what its backward needs, and logits held by the caller would stay
         alive through backward beside it. With a KVCache, idx are the tokens at positions cache.pos onwards (see
         sample.py)."""
@@ -407,7 +407,7 @@ class LLaMA(nn.Module):
         if targets is not None:
             # a mean over the counted targets; a batch with none counted gives 0, not 0/0
             loss = CrossEntropySum.apply(logits.view(-1, logits.size(-1)), targets.reshape(-1)) \
-                / (targets != -1).sum().clamp(min=1)
+                / (targets >= 0).sum().clamp(min=1)
         return logits, loss
 
     def compile_blocks(self, **options):

@@ -940,6 +940,24 @@ def test_loss_without_counted_targets_is_zero():
     assert loss.item() == 0 and all(torch.all(p.grad == 0) for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("ignored", [-1, -100])
+def test_the_models_loss_ignores_every_negative_target(ignored):
+    """data.py marks the targets not to count with -1; Hugging Face's convention is -100, which was clamped to token 0
+    and counted. The mean is over the counted targets, as F.cross_entropy's with that ignore_index, and the ignored
+    positions' logits get no gradient."""
+    import model
+    torch.manual_seed(0)
+    m = LLaMA(config_for("tiny", method="sltrain", vocab_size=256))
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    y[:, ::3] = ignored
+    logits, loss = m(x, y)
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, 256).double(), y.view(-1), ignore_index=ignored)
+    assert abs(loss.item() - expected.item()) < 1e-6 * expected.item(), (loss.item(), expected.item())
+    flat = logits.detach().view(-1, 256).clone().requires_grad_()
+    model.CrossEntropySum.apply(flat, y.view(-1)).backward()
+    assert torch.all(flat.grad.view(2, 16, 256)[:, ::3] == 0), "an ignored target's logits got a gradient"
+
+
 def test_loss_saves_the_logits_not_float32_log_probabilities():
     """The memory of the loss: what it saves for backward is the logits themselves (here bf16) and a float32
     log-sum-exp per row, not F.cross_entropy(logits.float())'s float32 log-probabilities (twice the logits), and
