@@ -1486,6 +1486,11 @@ def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tm
     train.main(eval_args(corpus, tmp_path, "--batch_size", "5", "--max_length", "16"))
     tokens.append(re.search(r"([\d,]+) validation tokens \(", capsys.readouterr().out).group(1))
     assert tokens[0] == tokens[1], tokens
+    # the set's tokens, as the start said them (here all the shards hold); the scored targets are one fewer a row,
+    # and were what this line called the validation tokens
+    said = re.search(r"hold ([\d,]+) tokens at --max_length 16", out).group(1)
+    scored = re.search(r"validation tokens \(([\d,]+) targets scored", out).group(1)
+    assert tokens[0] == said and int(scored.replace(",", "")) < int(said.replace(",", "")), out
     with pytest.raises(SystemExit, match=r"^--eval_only: .* holds another model: method sltrain \(now full\); pass "
                                          r"the --size, --method"):
         train.main(eval_args(corpus, tmp_path, "--method", "full"))

@@ -755,7 +755,7 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered, early):
                 raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only again")
             if master:
                 print(f"{ckpt_path} at step {ckpt['step']} | val loss {result[0]:.4f} | val ppl {result[1]:.2f} | "
-                      f"{result[2]:,} validation tokens ({len(val)} batches)")
+                      f"{val.tokens:,} validation tokens ({result[2]:,} targets scored, {len(val)} batches)")
         else:
             train(args, run, ckpt, val, loader, stop)
     finally:
