@@ -237,11 +237,15 @@ def load(path):
 
 
 def _zip_start(path):
-    """Whether the file is empty or begins as a zip archive does (as an emptied or a cut checkpoint does): else it
-    is some other file, a safetensors or a JSON one, say, and not a damaged checkpoint."""
-    with open(path, "rb") as f:
-        start = f.read(4)
-    return start in (b"", b"PK\x03\x04")
+    """Whether the file may be a damaged checkpoint: empty, zeroed at the start (a crash can leave either), or
+    beginning as a zip archive does (a cut one), or unreadable here. Else it is some other file, a safetensors or a
+    JSON one, say."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(4)
+    except OSError:  # a folder, no permission, an I/O error: load says it cannot be read
+        return True
+    return start.strip(b"\0") == b"" or start == b"PK\x03\x04"
 
 
 def peek(path):

@@ -508,7 +508,8 @@ def check_rank(p, args, config):
     if config.method == "full" or config.rank < narrowest:
         return
     rank = f"--rank {config.rank}" if args.rank is not None else f"--size {args.size}'s rank, {config.rank},"
-    wider = " or a larger --ffn_dim" if config.ffn_dim < config.dim else ""
+    wider = "" if config.ffn_dim >= config.dim else \
+        f" or a larger intermediate_size in {args.model_config}" if args.model_config else " or a larger --ffn_dim"
     p.error(f"{rank} must be below min(dim {config.dim}, ffn_dim {config.ffn_dim}) = {narrowest}, every projection's "
             f"smaller side: pass a smaller --rank{wider}")
 

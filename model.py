@@ -326,10 +326,10 @@ def _logsumexp32(x):
 
 class CrossEntropySum(torch.autograd.Function):
     """Σ over the rows whose target is not negative of -log softmax(logits)[target], in float32, for logits
-    (N, vocab) of any dtype. F.cross_entropy(logits.float()) saves the float32 log-probabilities for backward, twice the bytes of
-    bf16 logits, and its backward holds two more float32 tensors of their size at once: ~100 MB at the peak of a
-    350m step at batch 1 × 256, ~6 GB at batch 64. This saves the logits themselves and one log-sum-exp per row,
-    and forms the gradient (softmax - one-hot)·grad in backward, chunk by chunk (loss_chunk_rows)."""
+    (N, vocab) of any dtype. F.cross_entropy(logits.float()) saves the float32 log-probabilities for backward,
+    twice the bytes of bf16 logits, and its backward holds two more float32 tensors of their size at once: ~100 MB at
+    the peak of a 350m step at batch 1 × 256, ~6 GB at batch 64. This saves the logits themselves and one log-sum-exp
+    per row, and forms the gradient (softmax - one-hot)·grad in backward, chunk by chunk (loss_chunk_rows)."""
 
     @staticmethod
     def forward(ctx, logits, targets):

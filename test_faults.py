@@ -562,7 +562,7 @@ def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
     good = path.read_bytes()
     weight = max((t for t in final_state(tmp_path)["model"].values() if t.is_floating_point()), key=torch.numel)
     at = good.index(weight.numpy().tobytes()[:64]) + 7
-    for name, damaged in [("truncated", good[: len(good) // 2]), ("empty", b""),
+    for name, damaged in [("truncated", good[: len(good) // 2]), ("empty", b""), ("zeroed", bytes(4096) + good[4096:]),
                           ("flipped", good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1:])]:
         path.write_bytes(damaged)
         with pytest.raises(SystemExit, match=f"checkpoint {path} .*restore it from a copy") as e:

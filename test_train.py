@@ -1334,16 +1334,30 @@ def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
                          (["--size", "1b", "--num_training_steps", "14000"], 1000),
                          (["--size", "tiny", "--num_training_steps", "6"], 0),
                          # ReLoRA's first warmup ends by its first restart (ReLoRA's scheduler asserts it)
-                         (["--size", "350m", "--method", "relora"], 2000), (["--size", "60m", "--method", "relora"], 1100),
+                         (["--size", "350m", "--method", "relora"], 2000),
+                         (["--size", "60m", "--method", "relora"], 1100),
                          (["--size", "60m", "--method", "relora", "--relora_reset", "500"], 500),
                          (["--size", "1b", "--method", "relora", "--warmup_steps", "2000"], 2000)):
         got = train.get_args([*argv, "--device", "cpu"]).warmup_steps
         assert got == warmup, f"{' '.join(argv)}: warmup {got}, the recipe's is {warmup}"
 
 
+def test_a_rank_past_a_model_configs_width_names_the_file(tmp_path, capsys):
+    """The width came from --model_config's intermediate_size, where --ffn_dim beside it is refused: the fix named is
+    the file's."""
+    (tmp_path / "configs").mkdir()
+    config = tmp_path / "configs" / "llama_tiny.json"
+    config.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 12}))
+    with pytest.raises(SystemExit):
+        train.get_args(["--model_config", str(config), "--device", "cpu"])
+    assert (f"--size tiny's rank, 16, must be below min(dim 64, ffn_dim 12) = 12, every projection's smaller side: "
+            f"pass a smaller --rank or a larger intermediate_size in {config}") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--size", "350m", "--warmup_steps", "6500"], "--warmup_steps 6500 is longer than --relora_reset 2000: ReLoRA's "
-     "first restart comes after its warmup; pass a --warmup_steps of at most 2000, or a --relora_reset of at least 6500"),
+     "first restart comes after its warmup; pass a --warmup_steps of at most 2000, or a --relora_reset of at least "
+     "6500"),
     (["--size", "60m", "--relora_reset", "1000"], None),  # the size's warmup, 1100, made 1000: accepted
     (["--size", "60m", "--relora_reset", "1000", "--warmup_steps", "1001"], "--warmup_steps 1001 is longer than "
                                                                           "--relora_reset 1000"),

@@ -237,9 +237,10 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     elif args.warmup_steps > args.num_training_steps:  # against the run's updates, known only now
         raise SystemExit(f"--resume: --warmup_steps must be in [0, {args.num_training_steps}] (the run's "
                          f"--num_training_steps), got {args.warmup_steps}")
-    elif args.warmup_steps != old["warmup_steps"] and step >= min(args.warmup_steps, old["warmup_steps"]):
-        # past either warmup's end the two schedules stand apart: the learning rate would jump at the resume, or
-        # climb a second warmup and then drop to the cosine
+    elif args.warmup_steps != old["warmup_steps"] and 0 < step >= min(args.warmup_steps, old["warmup_steps"]):
+        # past either warmup's end the two schedules stand apart: the learning rate would climb a second warmup and
+        # then drop to the cosine, or leap to the cosine's top. (Short of both, the ramp takes the new slope: a step
+        # the user asked for; at update 0 nothing has trained yet)
         ended = "its warmup" if step >= old["warmup_steps"] else "the new warmup"
         raise SystemExit(f"--resume: {path} is at update {step}, past the end of {ended}, and --warmup_steps "
                          f"{args.warmup_steps} is not the run's {old['warmup_steps']}: a warmup can be changed "
