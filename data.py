@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import signal
@@ -134,7 +135,13 @@ def _lines(path):
                     yield lineno, raw
     except (EOFError, OSError, zlib.error) as e:
         raise ValueError(f"{path}: cannot read past line {lineno} ({e}); the file is truncated or corrupt: download "
-                         f"it again (python data.py download --shards {path.name} --out {path.parent}) or remove it")
+                         f"it again (python data.py download --shards {path.name} --out {path.parent}), or remove it "
+                         "for a new run")
+
+
+# a run stopped by a bad line goes on from its checkpoint with the line fixed where it is (TrainLoader._check): the
+# shuffle deals the documents by their place, which deleting a line would move for every one after it
+FIX_LINE = "fix that line in place (python data.py stats checks a whole folder)"
 
 
 def _text(path, lineno, raw):
@@ -142,16 +149,16 @@ def _text(path, lineno, raw):
         doc = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"{path}:{lineno}: not a JSON object ({e}); shards hold one JSON object per line: "
-                         f"fix or delete that line (python data.py stats checks a whole folder)") from None
+                         f"{FIX_LINE}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
         what = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f'{path}:{lineno}: no "text" string (got {what}); every line needs {{"text": "..."}}: '
-                         f"fix or delete that line (python data.py stats checks a whole folder)")
+                         f"{FIX_LINE}")
     try:
         doc["text"].encode()  # JSON's \ud800 escapes make strings that are not text, which the tokenizer refuses
     except UnicodeEncodeError as e:
-        raise ValueError(f"{path}:{lineno}: the text is not valid Unicode ({e.reason} at character {e.start}): fix "
-                         f"or delete that line (python data.py stats checks a whole folder)") from None
+        raise ValueError(f"{path}:{lineno}: the text is not valid Unicode ({e.reason} at character {e.start}): "
+                         f"{FIX_LINE}") from None
     return doc["text"]
 
 
@@ -242,6 +249,47 @@ def _shard_docs(path, seed, epoch, pos, rank, world_size, buffer, skip=0):
         if j >= skip and (j - skip) % world_size == rank:
             yield item
         j += 1
+
+
+def _fault_in(message, shards):
+    """(shard, line, cut) of a bad line's message of _text (cut None) or a truncation's of _lines (cut: that line),
+    or None where the message names no shard."""
+    for path in shards:
+        for cut, pattern in ((False, r":(\d+): "), (True, r": cannot read past line (\d+) ")):
+            if m := re.match(re.escape(str(path)) + pattern, message):
+                return path, int(m.group(1)), int(m.group(1)) if cut else None
+    return None
+
+
+def _shard_faults(path, cut=None):
+    """(its bad lines, where it is cut) of a shard: the numbers of the non-blank lines before `cut` that are no
+    document, and `cut`, or the line it cannot be read past (None where it reads to its end)."""
+    bad = []
+    try:
+        for lineno, raw in _lines(path):
+            if cut is not None and lineno >= cut:
+                break
+            try:
+                _text(path, lineno, raw)
+            except ValueError:
+                bad.append(lineno)
+    except ValueError as e:  # (only _lines' own, a truncation)
+        cut = int(re.search(r"cannot read past line (\d+) ", str(e)).group(1))
+    return bad, cut
+
+
+def _kept_lines(path, bad, cut):
+    """[count, sha256] of the shard's non-blank lines before `cut` (all, for None), the `bad` ones counted but not
+    hashed: what the fix of a shard keeps as it was. A bad line fixed in place is still one line, so the count stays
+    (the shuffle deals documents by their place); a cut shard downloaded again starts with the lines it had."""
+    digest, count = hashlib.sha256(), 0
+    for lineno, raw in _lines(path):
+        if cut is not None and lineno >= cut:
+            break
+        count += 1
+        if lineno not in bad:
+            digest.update(raw)
+    return [count, digest.hexdigest()]
 
 
 def _run_of(states, block, pack):
@@ -372,6 +420,8 @@ class TrainLoader:
         self._skip = None  # (epoch, shard position, n): the shard's first n documents go to no rank (_regather)
         self._history = []  # the runs before a change of processes whose documents lie ahead (_regather)
         self.regathered = None  # after a resume on another number of processes: what _regather did, to say it
+        self.fault = None  # the bad line or cut that stopped the stream, for the checkpoint (see _check)
+        self.fixed = []  # after a resume: the shards whose fault was fixed since, to say it
 
     @property
     def epoch(self):
@@ -398,14 +448,16 @@ class TrainLoader:
     def load_state_dict(self, state):
         """This rank's position from state_dict(), or from the list of every rank's (what train.py gathers). A list
         of another length, from a run on another number of processes, is taken as _regather says."""
+        states = state if isinstance(state, (list, tuple)) else [state]
+        faults = [one["fault"] for one in states if one and one.get("fault")]  # the rank(s) that met it
         if isinstance(state, (list, tuple)):  # every rank's state, as gathered for the checkpoint
             if len(state) != self.world_size:
                 for one in state:
-                    self._check(one, same_ranks=False)
+                    self._check(one, same_ranks=False, faults=faults)
                 self._regather(state)
                 return
             state = state[self.rank]
-        self._check(state)
+        self._check(state, faults=faults)
         self._pos = tuple(int(state[k]) for k in ("epoch", "shard", "block", "offset"))
         self._skip = tuple(state["skip"]) if state.get("skip") else None
         self._history = state.get("history") or []
@@ -449,8 +501,10 @@ class TrainLoader:
         self.regathered = dict(processes=len(states), epoch=e0, shard=p0, document=first, seen_again=again,
                                begun_again=begun_again)
 
-    def _check(self, state, same_ranks=True):
-        """Refuse a state of another data folder, seed, sequence settings or (same_ranks) number of processes."""
+    def _check(self, state, same_ranks=True, faults=()):
+        """Refuse a state of another data folder, seed, sequence settings or (same_ranks) number of processes. A shard
+        changed since is taken where it is the fix of the fault that stopped the run (faults: the checkpoint's; see
+        _fixed)."""
         mine = self._config()
         if state.get("shards") != mine["shards"]:  # named, not listed: a full run has 1024
             old, new = state.get("shards") or [], mine["shards"]
@@ -459,6 +513,10 @@ class TrainLoader:
                              f"{gone[:3]}, {len(added)} added {added[:3]}; resume with the same shards")
         changed = [(name, a, b) for name, a, b in zip(mine["shards"], state.get("sizes", mine["sizes"]), mine["sizes"])
                    if a != b]  # (a checkpoint from before sizes were kept has none: its shards are taken as they are)
+        for name, a, b in list(changed):
+            fault = next((f for f in faults if f["shard"] == name), None)
+            if fault and self._fixed(name, fault):
+                changed.remove((name, a, b))
         if changed:
             name, a, b = changed[0]
             raise ValueError(f"{len(changed)} training shard(s) changed since the checkpoint, {name} from {a:,} to "
@@ -469,6 +527,32 @@ class TrainLoader:
                 raise ValueError(f"the checkpoint's loader had {key}={state.get(key)!r} but this one has "
                                  f"{mine[key]!r}; resume with the same data, seed, sequence settings and number of "
                                  "processes")
+
+    def _fault_record(self, message):
+        """What a resume checks of the shard that stopped the stream (_fixed), or None if the message names none: its
+        bad lines and its cut, found reading it whole (seconds a C4 shard), and the lines that its fix keeps."""
+        found = _fault_in(message, self.shards)
+        if found is None:
+            return None
+        path, line, cut = found
+        bad, cut = _shard_faults(path, cut)
+        return {"shard": path.name, "line": line, "bad": bad, "cut": cut, "kept": _kept_lines(path, set(bad), cut)}
+
+    def _fixed(self, name, fault):
+        """Whether training shard `name` changed as the fix of the fault that stopped the run: every line as it was
+        but its bad ones, fixed in place, and (cut) those from the cut on, downloaded again. Else refused."""
+        if _kept_lines(self.shards[[p.name for p in self.shards].index(name)], set(fault["bad"]), fault["cut"]) \
+                == fault["kept"]:
+            self.fixed += [] if name in self.fixed else [name]
+            return True
+        bad = fault["bad"]
+        lines = ", ".join(map(str, bad[:5])) + " ..." * (len(bad) > 5)
+        fixes = [f"its bad line{'s' * (len(bad) > 1)} {lines} fixed in place"] if bad else []
+        if fault["cut"] is not None:
+            fixes.append(f"downloaded again whole (the lines before its cut at line {fault['cut']} as they were)")
+        raise ValueError(f"training shard {name} stopped the run and has changed since, but not as its fix: it must "
+                         f"be {' and '.join(fixes)}, every other line as it was (deleting a line moves the documents "
+                         "after it); fix it so, or start a new run")
 
     def __iter__(self):
         epoch, shard, block, offset = self._pos
@@ -491,7 +575,11 @@ class TrainLoader:
             parts, have = [], 0  # [epoch, shard, block, units used, units left] per block, in stream order
             while True:
                 while have < need:
-                    e, p, b, units = next(stream)
+                    try:
+                        e, p, b, units = next(stream)
+                    except ValueError as err:  # a bad line or a cut shard: what its fix must keep, for the checkpoint
+                        self.fault = self._fault_record(one_line(err))
+                        raise
                     skip = offset if (e, p, b) == (epoch, shard, block) else 0  # into the block we resume in
                     parts.append([e, p, b, skip, units[skip:]])
                     have += len(units) - skip

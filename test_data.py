@@ -512,11 +512,49 @@ def test_validation_set_is_fixed(corpus, tok):
 
 # ----------------------------------------------------------------------------- bad input
 
+def test_a_shards_fault_record_holds_every_bad_line_and_a_later_cut(tok, tmp_path):
+    """A shard of more lines than the shuffle buffer meets a bad line long before a cut further on (a real C4 shard:
+    356k lines, a buffer of 10k). What the checkpoint records of the fault covers both, and all its bad lines: the
+    shard downloaded again whole is taken by the resume (with a bad line left as it was too: the run stops there
+    again, saying so); one with a line deleted, or another line changed, is refused."""
+    rng = random.Random(3)
+    good = [json.dumps({"text": t}) + "\n" for t in make_docs(0, 400, rng)]
+    broken = list(good)
+    broken[20], broken[60] = "not json\n", '{"date": 1}\n'
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    shard = folder / "c4-train.00000-of-01024.json.gz"
+    whole = gzip.compress("".join(broken).encode())
+    shard.write_bytes(whole[:len(whole) * 3 // 4])  # cut about line 300
+    ld = data.TrainLoader(folder, tok, 4, L, shuffle_buffer=8, block_docs=8)
+    state = ld.state_dict()
+    with pytest.raises(ValueError, match=r":21: not a JSON object"):
+        take(ld, 1000)
+    fault = ld.fault
+    assert fault["line"] == 21 and fault["bad"] == [21, 61] and 250 < fault["cut"] < 400, fault
+    changed = good[:5] + [json.dumps({"text": "another document"}) + "\n"] + good[6:]
+    for lines, taken in ((good, True), (broken, True), (good[:20] + good[21:], False), (changed, False)):
+        shard.write_bytes(gzip.compress("".join(lines).encode()))
+        resumed = data.TrainLoader(folder, tok, 4, L, shuffle_buffer=8, block_docs=8)
+        if taken:
+            resumed.load_state_dict([{**state, "fault": fault}])
+            assert resumed.fixed == [shard.name]
+            continue
+        with pytest.raises(ValueError, match=f"training shard {shard.name} stopped the run and has changed since, but "
+                                             "not as its fix: it must be its bad lines 21, 61 fixed in place and "
+                                             "downloaded again whole"):
+            resumed.load_state_dict([{**state, "fault": fault}])
+    shard.write_bytes(gzip.compress("".join(good).encode()))  # another change than the fix, with no fault recorded
+    with pytest.raises(ValueError, match="1 training shard\\(s\\) changed since the checkpoint"):
+        data.TrainLoader(folder, tok, 4, L, shuffle_buffer=8, block_docs=8).load_state_dict([state])
+
+
 def test_bad_input_names_file_line_and_fix(tok, tmp_path):
     rng = random.Random(1)
     good = [json.dumps({"text": t}) for t in make_docs(0, 300, rng)]
     cases = {  # file content -> message expected, raised on construction (first line) or when reading
-        "not_json": ("\n".join(good[:2] + ["{oops"] + good[2:]), r"\.json\.gz:3: not a JSON object.*fix or delete"),
+        "not_json": ("\n".join(good[:2] + ["{oops"] + good[2:]),
+                     r"\.json\.gz:3: not a JSON object.*fix that line in place"),
         "no_text": ("\n".join(good[:1] + ['{"date": "2019"}'] + good[1:]), r'\.json\.gz:2: no "text"'),
         "first_line": ("\n".join(["[1, 2]"] + good), r'\.json\.gz:1: no "text"'),
         "surrogate": ("\n".join(good[:3] + ['{"text": "half a pair \\ud800 of surrogates"}'] + good[3:]),
@@ -738,7 +776,8 @@ def test_a_download_address_that_is_not_http_is_refused_before_any_fetch(tmp_pat
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
     if env:
         monkeypatch.setenv("HF_ENDPOINT", env)
-    argv = ["download", "--out", str(tmp_path / "c4"), "--tokenizer", ""] + (["--base_url", base_url] if base_url else [])
+    argv = ["download", "--out", str(tmp_path / "c4"), "--tokenizer", ""]
+    argv += ["--base_url", base_url] if base_url else []
     with pytest.raises(SystemExit) as e:
         data.main(argv)
     assert str(e.value).startswith(message), e.value

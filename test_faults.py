@@ -925,6 +925,79 @@ def test_a_data_worker_killed_mid_run_saves_the_last_whole_update_and_the_resume
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
 
 
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_run_stopped_by_a_bad_line_goes_on_once_it_is_fixed_in_place(corpus, tmp_path, workers):
+    """The advice was to fix or delete the line, then --resume; but the resume refused any shard whose size had
+    changed, the fixed one included. Fixed in place (every other line as it was) it goes on, said in a line, and ends
+    as a run on the good shard does, to the bit: nothing of the line's block had been trained on. Deleted, every
+    document after it moves: refused, naming the fix."""
+    args = ["--workers", workers, "--warmup_steps", "5"]
+    bad = corpus_with_a_bad_line(corpus, tmp_path)
+    shard = Path(bad[0]) / "c4-train.00001-of-00002.json.gz"
+    good = gzip.decompress((Path(corpus[0]) / shard.name).read_bytes()).decode().splitlines(keepends=True)
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(bad, tmp_path / "split", 10_000, *args))
+    assert "101: not a JSON object" in str(e.value) and "fix that line in place" in str(e.value), e.value
+    assert str(e.value).endswith("after fixing the shard as said, rerun with --resume"), e.value
+    step = final_state(tmp_path / "split")["step"]
+    shard.write_bytes(gzip.compress("".join(good[:100] + good[101:]).encode()))  # the line deleted
+    with pytest.raises(SystemExit, match=f"training shard {shard.name} stopped the run and has changed since, but not "
+                                         "as its fix: it must be its bad line 101 fixed in place"):
+        train.main(base_args(bad, tmp_path / "split", 10_000, *args, "--resume", "--stop_after", "3"))
+    shard.write_bytes(gzip.compress("".join(good).encode()))  # fixed in place
+    train.main(base_args(bad, tmp_path / "split", 10_000, *args, "--resume", "--stop_after", "3"))
+    train.main(base_args(corpus, tmp_path / "straight", 10_000, *args, "--stop_after", str(step + 3)))
+    a, b = metrics(tmp_path / "straight")[0], metrics(tmp_path / "split")[0]
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
+
+
+def test_a_run_stopped_at_its_first_update_takes_a_new_warmup(corpus, tmp_path):
+    """A data fault at the first update saves at update 0: nothing has trained, so the resume may change anything
+    the schedule holds (a changed --warmup_steps was refused as past the new warmup's end, at 0)."""
+    folder = tmp_path / "c4"
+    shutil.copytree(corpus[0], folder)
+    shard = folder / "c4-train.00001-of-00002.json.gz"  # the first the shuffled order reads
+    lines = gzip.decompress(shard.read_bytes()).decode().splitlines(keepends=True)
+    shard.write_bytes(gzip.compress("".join([lines[0], "not json\n", *lines[2:]]).encode()))
+    with pytest.raises(SystemExit, match=":2: not a JSON object"):
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 10, "--warmup_steps", "5"))
+    assert final_state(tmp_path / "out")["step"] == 0
+    shutil.rmtree(folder)
+    shutil.copytree(corpus[0], folder)
+    train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 10, "--warmup_steps", "0", "--resume"))
+    state = final_state(tmp_path / "out")
+    assert state["step"] == 10 and state["args"]["warmup_steps"] == 0
+
+
+def test_a_run_stopped_by_a_cut_shard_goes_on_once_it_is_downloaded_again(corpus, tmp_path, capsys):
+    """A shard cut short (a copy interrupted) stops the run where it can no longer be read; the advice, downloading
+    it again, changes its size, which the resume refused. Whole again, it goes on and ends as a run on the whole shard
+    does; a shard whose first lines changed too is refused."""
+    folder = tmp_path / "c4"
+    shutil.copytree(corpus[0], folder)
+    shard = folder / "c4-train.00000-of-00002.json.gz"  # the second read: the run trains a while before the cut
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:len(whole) * 2 // 3])
+    args = ["--warmup_steps", "5"]
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "split", 10_000, *args))
+    assert "cannot read past line" in str(e.value) and "download it again" in str(e.value), e.value
+    step = final_state(tmp_path / "split")["step"]
+    assert step > 0
+    lines = gzip.decompress(whole).decode().splitlines(keepends=True)
+    shard.write_bytes(gzip.compress("".join(lines[1:]).encode()))  # another file: its first line is gone
+    with pytest.raises(SystemExit, match="it must be downloaded again whole"):
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "split", 10_000, *args, "--resume"))
+    shard.write_bytes(whole)
+    capsys.readouterr()
+    train.main(base_args((str(folder), corpus[1]), tmp_path / "split", 10_000, *args, "--resume", "--stop_after", "3"))
+    assert (f"training shard(s) {shard.name} changed since the checkpoint as the fix of the fault that stopped it "
+            "(its other lines checked): the run goes on with them") in capsys.readouterr().out
+    train.main(base_args(corpus, tmp_path / "straight", 10_000, *args, "--stop_after", str(step + 3)))
+    a, b = metrics(tmp_path / "straight")[0], metrics(tmp_path / "split")[0]
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
+
+
 def test_bad_shard_line_right_after_a_save_does_not_write_it_twice(corpus, tmp_path, monkeypatch):
     # --save_every 1, the bad line in the second shard read: the last update is on disk when the line comes
     save, saves = checkpoint.save, []
@@ -950,6 +1023,14 @@ def test_bad_shard_line_under_torchrun_stops_every_rank_after_saving(corpus, tmp
     state = final_state(out)
     assert f"saved {out}/ckpt.pt at step {state['step']}" in output
     assert state["world"] == 2 and all(state["data"]) and state["step"] > 0
+    # the line fixed in place, the resume goes on: the fault is the one rank's that met it, and read from every one's
+    name = "c4-train.00000-of-00002.json.gz"
+    (Path(bad[0]) / name).write_bytes((Path(corpus[0]) / name).read_bytes())
+    proc = subprocess.run(cmd + ["--resume", "--stop_after", "2"], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and f"training shard(s) {name} changed since the checkpoint as the fix of the fault " \
+        "that stopped it" in proc.stdout, proc.stdout + proc.stderr
+    assert final_state(out)["step"] == state["step"] + 2
 
 
 def test_resume_after_kill_drops_metrics_past_the_checkpoint(corpus, tmp_path, capsys):

@@ -781,6 +781,9 @@ def train_loader(args, rank, world, ckpt):
             loader.load_state_dict(ckpt["data"])  # every rank's position; another number of them is regathered
         except ValueError as e:
             raise SystemExit(f"--resume {resume_path(args)}: {e}") from None
+        if loader.fixed and rank == 0:
+            print(f"training shard(s) {', '.join(loader.fixed)} changed since the checkpoint as the fix of the fault "
+                  "that stopped it (its other lines checked): the run goes on with them")
         if (moved := loader.regathered) and rank == 0:
             begun = f", and {moved['begun_again']} of blocks begun, read again whole" if moved["begun_again"] else ""
             print(f"the data goes on from document {moved['document']} of shard {moved['shard']} of pass "
@@ -816,7 +819,7 @@ def train(args, run, ckpt, val, loader, stop):
             micro_batches, fault = read_update(batches, args.gradient_accumulation, run.device, run.world)
             if fault:
                 where = f"the checkpoint of update {step}, before the data stopped"
-                loop.stop_where_the_data_stopped(step, data_state, *fault)
+                loop.stop_where_the_data_stopped(step, {**data_state, "fault": loop.loader.fault}, *fault)
             lr = loop.lrs.get_last_lr()[0]  # the one this update makes its step with, read before the step moves it
             with watching(step + 1):
                 result = train_step(args, run, micro_batches, stop)
@@ -969,7 +972,7 @@ def read_update(batches, accum, device, world):
     try:
         micro_batches, fault = [on_host(*next(batches), device) for _ in range(accum)], None
     except ValueError as e:
-        micro_batches, fault = None, (one_line(e), "after fixing the shard, rerun with --resume")
+        micro_batches, fault = None, (one_line(e), "after fixing the shard as said, rerun with --resume")
     except RuntimeError as e:
         if "DataLoader worker" not in str(e):
             raise
