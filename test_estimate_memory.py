@@ -339,6 +339,9 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters and computes in bf16 under autocast: drop"),
     (["--gradient_accumulation", "0"], "--gradient_accumulation must be >= 1"),
     (["--measure", "--cuda_graph"], "--measure runs its steps without CUDA graphs: drop --cuda_graph"),
+    (["--measure", "--optimizer", "adam8bit", "--per_layer", "--steps", "1"], "--measure --per_layer --steps 1: "
+     "per-layer updates make the optimizer's state during the first backward, so one step never holds it all at "
+     "once; pass --steps 2 or more"),
     (["--measure", "--device", "tpu"], "expected cpu, cuda or cuda:N, where --measure runs"),
     (["--measure", "--device", "cuda:x"], "expected cpu, cuda or cuda:N, where --measure runs"),
     (["--size", "60m", "--method", "sltrain", "--rank", "600"], "--size 60m: rank must be in [0, min(in, out))"),
