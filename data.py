@@ -255,9 +255,9 @@ def _fault_in(message, shards):
     """(shard, line, cut) of a bad line's message of _text (cut None) or a truncation's of _lines (cut: that line),
     or None where the message names no shard."""
     for path in shards:
-        for cut, pattern in ((False, r":(\d+): "), (True, r": cannot read past line (\d+) ")):
+        for is_cut, pattern in ((False, r":(\d+): "), (True, r": cannot read past line (\d+) ")):
             if m := re.match(re.escape(str(path)) + pattern, message):
-                return path, int(m.group(1)), int(m.group(1)) if cut else None
+                return path, int(m.group(1)), int(m.group(1)) if is_cut else None
     return None
 
 
@@ -274,7 +274,7 @@ def _shard_faults(path, cut=None):
             except ValueError:
                 bad.append(lineno)
     except ValueError as e:  # (only _lines' own, a truncation)
-        cut = int(re.search(r"cannot read past line (\d+) ", str(e)).group(1))
+        cut = _fault_in(str(e), [path])[2]
     return bad, cut
 
 
@@ -540,10 +540,13 @@ class TrainLoader:
 
     def _fixed(self, name, fault):
         """Whether training shard `name` changed as the fix of the fault that stopped the run: every line as it was
-        but its bad ones, fixed in place, and (cut) those from the cut on, downloaded again. Else refused."""
+        but its bad ones, fixed in place, and (cut) those from the cut on, downloaded again. Else refused. A shard
+        is read once, though every rank's state of a checkpoint from another number of processes is checked."""
+        if name in self.fixed:
+            return True
         if _kept_lines(self.shards[[p.name for p in self.shards].index(name)], set(fault["bad"]), fault["cut"]) \
                 == fault["kept"]:
-            self.fixed += [] if name in self.fixed else [name]
+            self.fixed.append(name)
             return True
         bad = fault["bad"]
         lines = ", ".join(map(str, bad[:5])) + " ..." * (len(bad) > 5)

@@ -512,7 +512,7 @@ def test_validation_set_is_fixed(corpus, tok):
 
 # ----------------------------------------------------------------------------- bad input
 
-def test_a_shards_fault_record_holds_every_bad_line_and_a_later_cut(tok, tmp_path):
+def test_a_shards_fault_record_holds_every_bad_line_and_a_later_cut(tok, tmp_path, monkeypatch):
     """A shard of more lines than the shuffle buffer meets a bad line long before a cut further on (a real C4 shard:
     356k lines, a buffer of 10k). What the checkpoint records of the fault covers both, and all its bad lines: the
     shard downloaded again whole is taken by the resume (with a bad line left as it was too: the run stops there
@@ -528,6 +528,8 @@ def test_a_shards_fault_record_holds_every_bad_line_and_a_later_cut(tok, tmp_pat
     shard.write_bytes(whole[:len(whole) * 3 // 4])  # cut about line 300
     ld = data.TrainLoader(folder, tok, 4, L, shuffle_buffer=8, block_docs=8)
     state = ld.state_dict()
+    two = [data.TrainLoader(folder, tok, 4, L, rank=r, world_size=2, shuffle_buffer=8, block_docs=8).state_dict()
+           for r in range(2)]  # a run on two processes, resumed on one below
     with pytest.raises(ValueError, match=r":21: not a JSON object"):
         take(ld, 1000)
     fault = ld.fault
@@ -539,6 +541,13 @@ def test_a_shards_fault_record_holds_every_bad_line_and_a_later_cut(tok, tmp_pat
         if taken:
             resumed.load_state_dict([{**state, "fault": fault}])
             assert resumed.fixed == [shard.name]
+            reads = []  # on another number of processes every rank's state is checked; the shard is read once
+            kept = data._kept_lines
+            monkeypatch.setattr(data, "_kept_lines", lambda *a: (reads.append(a), kept(*a))[1])
+            regathered = data.TrainLoader(folder, tok, 4, L, shuffle_buffer=8, block_docs=8)
+            regathered.load_state_dict([{**two[0], "fault": fault}, two[1]])
+            monkeypatch.undo()
+            assert regathered.fixed == [shard.name] and len(reads) == 1, reads
             continue
         with pytest.raises(ValueError, match=f"training shard {shard.name} stopped the run and has changed since, but "
                                              "not as its fix: it must be its bad lines 21, 61 fixed in place and "
