@@ -1,12 +1,10 @@
 """
-Tests for data.py: tiny C4-style shards and a sentencepiece model trained here, a local HTTP server for the
-downloads, and the real samples in ../shared/data when they are present.
+Tests for data.py: tiny C4-style shards and a sentencepiece model trained here, and the real samples in
+../shared/data when they are present (the downloads are test_download.py's).
 
     python -m pytest -q test_data.py
 """
 import gzip
-import hashlib
-import http.server
 import io
 import itertools
 import json
@@ -15,18 +13,15 @@ import random
 import re
 import subprocess
 import sys
-import socket
-import threading
-import time
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import sentencepiece as spm
 import torch
 
 import data
+import download
 
 REAL = Path(__file__).resolve().parent.parent / "shared" / "data"
 needs_real = pytest.mark.skipif(not (REAL / "t5_spiece.model").exists(), reason=f"no real data in {REAL}")
@@ -610,188 +605,7 @@ def test_too_many_ranks_is_an_error(tok, tmp_path):
         take(data.TrainLoader(tmp_path, tok, 1, L, rank=1, world_size=2), 1)
 
 
-# ----------------------------------------------------------------------------- download
-
-class Server:
-    """A local HTTP server, with Range support unless ranges=False; paths in `drop` lose their connection
-    halfway, once."""
-
-    def __init__(self, files, drop=(), ranges=True):
-        self.files, self.drop, self.requests = files, set(drop), []
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body, rng = server.files.get(self.path), self.headers.get("Range")
-                server.requests.append((self.path, rng))
-                rng = rng if ranges else None
-                if body is None:
-                    return self.send_error(404)
-                start = int(re.fullmatch(r"bytes=(\d+)-", rng).group(1)) if rng else 0
-                if start >= len(body):
-                    return self.send_error(416)
-                self.send_response(206 if rng else 200)
-                if rng:
-                    self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
-                self.send_header("Content-Length", str(len(body) - start))
-                self.end_headers()
-                if self.path in server.drop:
-                    server.drop.discard(self.path)
-                    self.wfile.write(body[start:start + (len(body) - start) // 2])
-                    return  # HTTP/1.0: returning closes the connection short of Content-Length
-                self.wfile.write(body[start:])
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
-@pytest.fixture(autouse=True)
-def small_shards(monkeypatch):
-    """The shards these tests fetch are small: a download's room is reckoned at theirs, not a real C4 shard's, so
-    that a machine with less disk free than 320 MB a shard still runs them (test_download_refuses_... sets its own)."""
-    monkeypatch.setattr(data, "SHARD_BYTES", {"train": 1e3, "validation": 1e3})
-
-
-def test_download_refuses_shards_the_disk_cannot_hold_before_fetching_any(tmp_path, monkeypatch):
-    """A full disk stopped a download part way (hours in, at 1b's 205 shards). What the missing shards need, at a real
-    shard's size less a .part's bytes, is checked against the disk first; shards present are not counted."""
-    fetched = []
-    monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(url))
-    monkeypatch.setattr(data, "SHARD_BYTES", {"train": 320e6, "validation": 41e6})
-    free = 700e6
-    monkeypatch.setattr(data.shutil, "disk_usage", lambda path: SimpleNamespace(total=1e12, used=0, free=free))
-    folder = tmp_path / "c4"
-    names = data.shard_names(2, 1)  # 681 MB: fits
-    data.download(folder, None, names)
-    assert len(fetched) == 3
-    fetched.clear()
-    with pytest.raises(ValueError, match=r"^the 4 shard\(s\) to fetch need about 1.0 GB, and the disk of .* has 0.7 GB "
-                                         r"free; free some, pass a --data_dir on a larger disk, or fetch fewer shards"):
-        data.download(folder, None, data.shard_names(3, 1))
-    assert not fetched
-    folder.mkdir()
-    (folder / names[0]).write_bytes(b"")  # present: not fetched again, not counted
-    (folder / (data.shard_names(4, 0)[3] + ".part")).write_bytes(b"x" * 100)  # a .part's bytes are there already
-    data.download(folder, None, names[:1] + data.shard_names(4, 0)[2:4])
-    assert len(fetched) == 2
-    with pytest.raises(SystemExit, match="need about 1.0 GB"):  # the command line says it in one line
-        data.main(["download", "--out", str(tmp_path / "other"), "--tokenizer", "", "--train_shards", "3"])
-    # --shards rechecks the named shards (what a truncated shard's message says to run): a whole one stays and needs
-    # no room; a broken one is fetched again, its own bytes counted as freed
-    fetched.clear()
-    monkeypatch.setattr(data, "SHARD_BYTES", {"train": 3000, "validation": 3000})  # shards of 3 kB, 2 kB free
-    free = 2000
-    shard = folder / names[1]
-    shard.write_bytes(gzip.compress(b'{"text": "a whole shard"}\n'))
-    data.main(["download", "--out", str(folder), "--tokenizer", "", "--shards", names[1]])
-    assert not fetched and shard.exists()
-    shard.write_bytes(gzip.compress(bytes(range(256)) * 8, compresslevel=0)[:1500])  # cut short: 1.5 kB of 3
-    data.main(["download", "--out", str(folder), "--tokenizer", "", "--shards", names[1]])
-    assert len(fetched) == 1 and not shard.exists()  # (the fake fetch writes nothing)
-
-
-@pytest.fixture
-def serve(monkeypatch):
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "HF_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)  # talk to 127.0.0.1 directly, never through a proxy
-    servers = []
-    yield lambda *args, **kw: servers.append(Server(*args, **kw)) or servers[-1]
-    for s in servers:
-        s.httpd.shutdown()
-        s.httpd.server_close()
-
-
-def gz_shard(n, seed=0):
-    return gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in make_docs(0, n, random.Random(seed))).encode())
-
-
-def sha(b):
-    return hashlib.sha256(b).hexdigest()
-
-
-def test_fetch_resumes_after_a_dropped_connection(serve, tmp_path):
-    body = gz_shard(200)
-    server = serve({"/a.json.gz": body}, drop={"/a.json.gz"})
-    dest = data.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", sha256=sha(body), backoff=0)
-    assert dest.read_bytes() == body, "resumed file differs from the served one"
-    assert server.requests == [("/a.json.gz", None), ("/a.json.gz", f"bytes={len(body) // 2}-")], server.requests
-    assert not (tmp_path / "a.json.gz.part").exists()
-    server = serve({"/a.json.gz": body}, drop={"/a.json.gz"}, ranges=False)  # a server that ignores Range
-    dest = data.fetch(server.url + "/a.json.gz", tmp_path / "b.json.gz", sha256=sha(body), backoff=0)
-    assert dest.read_bytes() == body, "a 200 answer to a Range request must restart the file, not append"
-
-
-def test_fetch_resumes_in_a_later_call(serve, tmp_path):
-    body = gz_shard(200)
-    server = serve({"/a.json.gz": body}, drop={"/a.json.gz"})
-    with pytest.raises(ConnectionError, match="again to resume"):
-        data.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", retries=0)
-    assert not (tmp_path / "a.json.gz").exists(), "a partial download must never have the final name"
-    assert (tmp_path / "a.json.gz.part").stat().st_size == len(body) // 2
-    data.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", sha256=sha(body), retries=0)
-    assert (tmp_path / "a.json.gz").read_bytes() == body
-    assert server.requests[-1] == ("/a.json.gz", f"bytes={len(body) // 2}-")
-
-
-def test_fetch_rejects_bad_files(serve, tmp_path):
-    body = gz_shard(200)
-    server = serve({"/a.json.gz": body, "/cut.json.gz": body[:len(body) // 2], "/spiece.model": b"garbage"})
-    cases = [("a.json.gz", "0" * 64, "sha256"), ("cut.json.gz", None, "gzip"), ("spiece.model", None, "sentencepiece")]
-    for name, digest, message in cases:
-        with pytest.raises(ValueError, match=message):
-            data.fetch(f"{server.url}/{name}", tmp_path / name, sha256=digest, backoff=0)
-        assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.part").exists(), f"{name} left behind"
-    with pytest.raises(ConnectionError, match="404"):
-        data.fetch(server.url + "/missing.json.gz", tmp_path / "missing.json.gz", backoff=0)
-
-
-def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch, capsys):
-    names = data.shard_names(2, 1)[1:]  # shard 00000 has a known sha256 that the fixtures cannot match
-    files = {f"/datasets/allenai/c4/resolve/main/en/{n}": gz_shard(30, i) for i, n in enumerate(names)}
-    files["/google-t5/t5-base/resolve/main/spiece.model"] = Path(tok).read_bytes()
-    server = serve(files, drop=list(files)[:1])
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    known = {"spiece.model": sha(Path(tok).read_bytes())}
-    data.download(tmp_path / "c4", tmp_path / "t5.model", names, known_sha256=known, backoff=0)
-    for n in names:
-        assert (tmp_path / "c4" / n).read_bytes() == files[f"/datasets/allenai/c4/resolve/main/en/{n}"]
-    assert data.load_tokenizer(tmp_path / "t5.model").vocab_size() == 300
-    assert [p.name for p in data.find_shards(tmp_path / "c4", "train")] == names[:1]
-    count = len(server.requests)
-    capsys.readouterr()
-    data.download(tmp_path / "c4", tmp_path / "t5.model", names, base_url=server.url)
-    assert len(server.requests) == count, "files already downloaded were fetched again"
-    said = capsys.readouterr().out  # a command that does nothing says so
-    assert said == f"nothing to fetch: the 2 shard(s) in {tmp_path / 'c4'} and {tmp_path / 't5.model'} are there " \
-        "already\n", said
-    with pytest.raises(ValueError, match="c4-train.00000-of-01024.json.gz"):
-        data.download(tmp_path / "c4", None, ["c4-train.0-of-1024.json"], base_url=server.url)
-
-
-@pytest.mark.parametrize("base_url,env,message", [
-    ("notaurl", None, "--base_url 'notaurl' is not an http(s) address; pass one such as https://huggingface.co"),
-    ("ftp://mirror.example/hf", None, "--base_url 'ftp://mirror.example/hf' is not an http(s) address"),
-    ("http://", None, "--base_url 'http://' is not an http(s) address"),  # no host
-    (None, "huggingface.co", "HF_ENDPOINT 'huggingface.co' is not an http(s) address; pass one such as "
-                             "https://huggingface.co (or unset HF_ENDPOINT)"),
-])
-def test_a_download_address_that_is_not_http_is_refused_before_any_fetch(tmp_path, monkeypatch, base_url, env,
-                                                                         message):
-    """urllib failed at the first fetch with "unknown url type", naming neither the flag nor the variable."""
-    monkeypatch.delenv("HF_ENDPOINT", raising=False)
-    if env:
-        monkeypatch.setenv("HF_ENDPOINT", env)
-    argv = ["download", "--out", str(tmp_path / "c4"), "--tokenizer", ""]
-    argv += ["--base_url", base_url] if base_url else []
-    with pytest.raises(SystemExit) as e:
-        data.main(argv)
-    assert str(e.value).startswith(message), e.value
-    assert not (tmp_path / "c4").exists(), "refused after the download began"
-
+# ----------------------------------------------------------------------------- tokenizer training
 
 def test_train_tokenizer_replaces_a_model_only_when_asked_and_whole(corpus, tmp_path, capsys):
     """A tokenizer that runs were trained with is kept unless --overwrite says otherwise (their checkpoints hold its
@@ -825,8 +639,8 @@ def test_a_folder_for_the_tokenizer_or_its_prefix_names_a_file_in_it(corpus, tmp
         data.load_tokenizer(folder)
     named = Path(re.search(r"download --tokenizer (\S+) fetches", str(e.value)).group(1))
     fetched = []
-    monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(Path(dest)))  # no network
-    data.download(tmp_path / "c4", named, shards=[])  # the command the message names is one download takes
+    monkeypatch.setattr(download, "fetch", lambda url, dest, *a, **kw: fetched.append(Path(dest)))  # no network
+    download.download(tmp_path / "c4", named, shards=[])  # the command the message names is one download takes
     assert fetched == [folder / "spiece.model"], fetched
     for out in (f"{folder}{os.sep}", str(folder)):
         with pytest.raises(SystemExit):
@@ -835,19 +649,6 @@ def test_a_folder_for_the_tokenizer_or_its_prefix_names_a_file_in_it(corpus, tmp
         assert f"is a folder, and --out is a prefix (it writes PREFIX.model and PREFIX.vocab); pass one in it, such " \
                f"as {folder / 'spm'}" in err, err
     assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == [], "nothing is written"
-
-
-def test_download_checks_every_shard_name_before_fetching_any(tmp_path, monkeypatch, capsys):
-    fetched = []
-    monkeypatch.setattr(data, "fetch", lambda url, dest, *a, **kw: fetched.append(url))  # no network
-    # a typo in the last name only; then indexes past C4 en's 1024 train and 8 validation shards, of the right form
-    for typo in ("c4-train.00003-of-1024.json.gz", "c4-train.01024-of-01024.json.gz",
-                 "c4-validation.00008-of-00008.json.gz"):
-        with pytest.raises(SystemExit, match=f"'{typo}' is not a C4 en shard name"):
-            data.main(["download", "--out", str(tmp_path / "c4"), "--tokenizer", "", "--shards",
-                       *data.shard_names(3, 1), typo])
-        assert not fetched and not (tmp_path / "c4").exists(), f"fetched before the bad name was seen: {fetched}"
-    assert len(data.C4_NAMES) == 1032 and set(data.shard_names(1024, 8)) == data.C4_NAMES
 
 
 # ----------------------------------------------------------------------------- commands
@@ -939,32 +740,6 @@ def test_real_samples_loader_and_validation():
     batches = data.validation_batches(folder, tokenizer, 16, eval_tokens=20_000)
     tokens = sum(int((y >= 0).sum()) + len(y) for _, y in batches)
     assert 20_000 <= tokens < 20_256, f"{tokens} validation tokens for eval_tokens=20,000"
-
-
-def test_offline_download_says_so_at_once(tmp_path):
-    with socket.socket() as s:  # a port nobody listens on: the connection is refused, as with no network
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t = time.perf_counter()
-    with pytest.raises(SystemExit) as e:
-        data.main(["download", "--out", str(tmp_path), "--tokenizer", "", "--train_shards", "1",
-                   "--validation_shards", "0", "--base_url", f"http://127.0.0.1:{port}"])
-    assert time.perf_counter() - t < 5, "no minute of silent retries when the network is unreachable"
-    message = str(e.value)
-    assert "network is unreachable" in message and "~320 MB" in message and "place them by hand" in message
-    assert ".part" not in message and not list(tmp_path.iterdir())
-
-
-def test_download_of_a_named_shard_replaces_a_truncated_copy(serve, tmp_path, capsys):
-    name = data.shard_names(2, 0)[1]  # shard 00000 has a known sha256 that the fixtures cannot match
-    body = gz_shard(30)
-    server = serve({f"/datasets/allenai/c4/resolve/main/en/{name}": body})
-    (tmp_path / name).write_bytes(body[: len(body) // 2])
-    with pytest.raises(ValueError, match=r"python data.py download --shards .*") as e:
-        list(data._lines(tmp_path / name))
-    fix = str(e.value).split("(python ", 1)[1].split(")", 1)[0].split()  # the command the message gives
-    data.main(fix[1:] + ["--tokenizer", "", "--base_url", server.url])
-    assert (tmp_path / name).read_bytes() == body, "the suggested command must replace the truncated shard"
 
 
 def test_stats_reports_a_bad_line_without_a_traceback(tok, tmp_path, capsys):

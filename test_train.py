@@ -29,6 +29,7 @@ import torch
 
 import checkpoint
 import data
+import download
 import export
 import flags
 import train
@@ -911,7 +912,7 @@ def test_download_fetches_the_shards_the_run_reads(monkeypatch, tmp_path, capsys
     with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path),
                     *extra])
-    assert fetched == [data.shard_names(*shards)]
+    assert fetched == [download.shard_names(*shards)]
     assert f"--download: {shards[0]} C4 train shard(s), {shards[1]} validation shard(s) and the T5 tokenizer" in \
         capsys.readouterr().out
 
@@ -923,16 +924,16 @@ def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_
     says what is wrong with it); one that is not there is refused before any fetch."""
     ckpt = tmp_path / "run" / "ckpt.pt"
     ckpt.parent.mkdir()
-    names = data.shard_names(train=3, validation=0)
+    names = download.shard_names(train=3, validation=0)
     checkpoint.save(str(ckpt), {"data": [{"shards": names, "rank": r} for r in range(2)], "step": 5})
     fetched = []
     monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
     (tmp_path / "junk.pt").write_bytes(b"junk")
-    for resume, want in ((ckpt, names), (tmp_path / "junk.pt", data.shard_names(train=17, validation=0))):
+    for resume, want in ((ckpt, names), (tmp_path / "junk.pt", download.shard_names(train=17, validation=0))):
         with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
             train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
                         str(tmp_path / "out"), "--resume", str(resume)])
-        assert fetched.pop() == want + data.shard_names(train=0, validation=2)
+        assert fetched.pop() == want + download.shard_names(train=0, validation=2)
         assert f"--download: {len(want)} C4 train shard(s) (the resumed run's), 2 validation" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="^--resume: no checkpoint at .*nothing.pt"):
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",

@@ -58,9 +58,9 @@ from analyze import init_refusal, prepare_for_training
 import checkpoint
 import flags
 from cudagraph import MicroBatchGraph, PerLayerGraph
-from data import (STOP_SIGNALS, TrainLoader, download, find_shards, load_tokenizer, one_line, shard_names,
-                  validation_batches)
+from data import STOP_SIGNALS, TrainLoader, find_shards, load_tokenizer, one_line, validation_batches
 from devices import set_deterministic
+from download import download, shard_names
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
