@@ -302,14 +302,18 @@ def prune(model, batches, rank, delta, seed=0):
 def init_refusal(path, ckpt, config, tokenizer_sha256=None):
     """Why the checkpoint at path (ckpt: it loaded, or checkpoint.peek's look at it) cannot start a model of config,
     or None: it must be full-rank, of the model's shape, and trained with the run's tokenizer where it says."""
-    source = ckpt.get("model_config", {})
+    full = "a full-rank checkpoint (train.py --method full, or export.py --merged of any run)"
+    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= set(ckpt):
+        return f"--init_from {path}: holds no model (not written by train.py or export.py --merged); pass {full}"
+    source = ckpt["model_config"]
     if source.get("method") != "full":
-        return (f"--init_from {path}: a {source.get('method')} checkpoint; pass a full-rank one (train.py --method "
-                "full, or export.py --merged)")
+        return f"--init_from {path}: a {source.get('method')} checkpoint; pass {full}"
     for field in ("vocab_size", "dim", "ffn_dim", "n_heads", "n_layers"):
         if source.get(field) != getattr(config, field):
+            fix = {"vocab_size": "pass the --tokenizer it was trained with",
+                   "ffn_dim": f"pass --ffn_dim {source.get(field)}"}.get(field, "pass the --size it was trained at")
             return (f"--init_from {path}: {field} {source.get(field)} differs from this model's "
-                    f"{getattr(config, field)}; pass the --size the checkpoint was trained at")
+                    f"{getattr(config, field)}; {fix}")
     trained_with = ckpt.get("args", {}).get("tokenizer_sha256")
     if tokenizer_sha256 and trained_with and trained_with != tokenizer_sha256:
         return (f"--init_from {path}: trained with another tokenizer (sha256 {trained_with[:12]}...) than "

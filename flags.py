@@ -268,9 +268,14 @@ def get_args(argv=None, description=None):
     if args.grad_clipping is None:  # the authors clip at 7b alone (their 7b script; the others do not)
         args.grad_clipping = 1.0 if args.size == "7b" and not args.per_layer else 0.0
     starting = not (args.resume or args.eval_only)  # a resumed or evaluated run has its start in its checkpoint
-    if args.init_from and (args.method == "relora" or starting and not os.path.isfile(args.init_from)):
-        p.error(f"--init_from {args.init_from}: needs --method full, lowrank, sltrain or sltrain_ft and an existing "
-                "full-rank ckpt.pt")
+    if args.init_from:  # a run's folder names its ckpt.pt, as for --resume and the other tools
+        args.init_from = checkpoint.checkpoint_file(args.init_from)
+    if args.init_from and args.method == "relora":
+        p.error("--init_from starts a full, lowrank, sltrain or sltrain_ft model at a full-rank checkpoint; ReLoRA "
+                "starts from its own: pass --method sltrain or lowrank, or drop --init_from")
+    if args.init_from and starting and not os.path.isfile(args.init_from):
+        p.error(f"--init_from {args.init_from}: no checkpoint there; pass a full-rank ckpt.pt (train.py --method full, "
+                "or export.py --merged of any run), or the --out_dir holding one")
     if args.method == "sltrain_ft" and not args.init_from and starting:
         p.error("--method sltrain_ft fine-tunes a pretrained model: pass --init_from with its full-rank checkpoint "
                 "(train.py --method full, or export.py --merged of any run)")

@@ -6,6 +6,7 @@ Tests of analyze.py and of train.py's --init_from, --freeze and --support_seed, 
 
 import json
 import math
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -231,22 +232,42 @@ def test_bad_flags_are_refused_before_work(corpus, dense_ckpt, tmp_path, capsys)
 
 
 def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_ckpt, tmp_path,  # noqa: F811
-                                                     monkeypatch):
-    """One that is damaged, not full-rank, or of another size stops the run with one line naming it, and nothing is
-    written. Its method, shape and tokenizer are seen at a quick look, before the data is read and the model built
-    (at 7b, minutes); a damaged one, when it is read whole into the built model."""
+                                                     monkeypatch, capsys):
+    """One that is damaged, not a model, not full-rank, or of another shape stops the run with one line naming it and
+    the fix, and nothing is written. Its method, shape and tokenizer are seen at a quick look, and a file that look
+    cannot read is read whole at once: all before the data is read and the model built (at 7b, minutes). Only a
+    damaged one that the quick look reads (a changed byte in its tensors) is found later, when read whole into the
+    built model. A run's folder names its ckpt.pt, as for --resume."""
     read = []
     validation_batches = train.validation_batches
     monkeypatch.setattr(train, "validation_batches", lambda *a, **k: (read.append(1), validation_batches(*a, **k))[1])
-    damaged = tmp_path / "cut.pt"
-    damaged.write_bytes(open(dense_ckpt, "rb").read()[:5000])
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(open(dense_ckpt, "rb").read()[:5000])
+    flipped = tmp_path / "flipped.pt"
+    flipped.write_bytes(open(dense_ckpt, "rb").read())
+    with open(flipped, "r+b") as f:  # a byte of the largest tensor, the embedding: mapped, not checked, by a look
+        f.seek(flipped.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
     other = tmp_path / "other.pt"  # trained with another tokenizer of as many pieces: only its digest tells
     ckpt = checkpoint.load(dense_ckpt)
     ckpt["args"]["tokenizer_sha256"] = "0" * 64
     checkpoint.save(other, ckpt)
-    for path, extra, message in [(sltrain_ckpt, [], "a sltrain checkpoint; pass a full-rank one"),
-                                 (damaged, [], "cannot be read"),
-                                 (dense_ckpt, ["--size", "60m"], "dim 64 differs from this model's 512"),
+    no_model = tmp_path / "optimizer.pt"
+    checkpoint.save(no_model, {"optimizer": ckpt["optimizer"], "step": 1})
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 4.0}\n')
+    for path, extra, message in [(sltrain_ckpt, [], r"a sltrain checkpoint; pass a full-rank checkpoint \(train.py "
+                                                     r"--method full, or export.py --merged of any run\)"),
+                                 (cut, [], "cannot be read"),
+                                 (flipped, [], "fails its sha256 check"),
+                                 (no_model, [], "holds no model .*; pass a full-rank checkpoint"),
+                                 (metrics, [], "not a checkpoint"),
+                                 (dense_ckpt, ["--size", "60m"], "dim 64 differs from this model's 512; pass the "
+                                                                 "--size it was trained at"),
+                                 (dense_ckpt, ["--ffn_dim", "128"], "ffn_dim 176 differs from this model's 128; pass "
+                                                                    "--ffn_dim 176"),
                                  (other, [], r"trained with another tokenizer \(sha256 000000000000\.\.\.\) than "
                                              r"--tokenizer \(\w{12}\.\.\.\); pass the one it was trained with")]:
         argv = [*base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", "--init_from", str(path)), *extra]
@@ -254,7 +275,19 @@ def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_
         with pytest.raises(SystemExit, match=rf"^--init_from {path}: .*{message}") as e:
             train.main(argv)
         assert "\n" not in str(e.value) and not (tmp_path / "out" / "ckpt.pt").exists()
-        assert bool(read) == (path == damaged), "refused before the data is read, but for the damaged checkpoint"
+        assert bool(read) == (path == flipped), "refused before the data is read, but for the changed byte"
+    run = tmp_path / "run"  # the folder of the dense run: its ckpt.pt
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(open(dense_ckpt, "rb").read())
+    args = train.get_args(base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", "--init_from", str(run)))
+    assert args.init_from == str(run / "ckpt.pt")
+    for extra, message in [(["--init_from", str(tmp_path / "nothing")], "no checkpoint there; pass a full-rank ckpt.pt"),
+                           (["--method", "relora", "--init_from", str(run)], "ReLoRA starts from its own: pass "
+                                                                              "--method sltrain or lowrank, or drop "
+                                                                              "--init_from")]:
+        with pytest.raises(SystemExit):
+            train.get_args(base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", *extra))
+        assert message in capsys.readouterr().err
 
 
 def test_curves_overlay(corpus, tmp_path):  # noqa: F811

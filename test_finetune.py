@@ -172,7 +172,8 @@ def test_fine_tuning_flags_are_checked_before_work(corpus, dense_ckpt, tmp_path,
         assert message in capsys.readouterr().err, extra
     with pytest.raises(SystemExit):
         train.get_args(base_args(corpus, tmp_path, 1, "--method", "relora", "--init_from", dense_ckpt))
-    assert "needs --method full, lowrank, sltrain or sltrain_ft" in capsys.readouterr().err
+    assert "--init_from starts a full, lowrank, sltrain or sltrain_ft model at a full-rank checkpoint; ReLoRA "\
+           "starts from its own" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("optimizer,per_layer,amp,lora", [

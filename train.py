@@ -636,9 +636,13 @@ def prepare(args, held, given=()):
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         ffn_dim=args.ffn_dim, vocab_size=vocab_size, packed_support=args.packed_support)
     if args.init_from and not ckpt:  # a new run's start, checked on a quick look before the data and the model
-        peeked = checkpoint.peek(args.init_from)  # (one that cannot be read so is said by the build's full read)
-        if isinstance(peeked, dict) and (refusal := init_refusal(args.init_from, peeked, config,
-                                                                 args.tokenizer_sha256)):
+        peeked = checkpoint.peek(args.init_from)
+        if peeked is None:  # not readable so: the full read says why (it fails at once for a file of another kind)
+            try:
+                peeked = checkpoint.load(args.init_from)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"--init_from {args.init_from}: {e}") from None
+        if refusal := init_refusal(args.init_from, peeked, config, args.tokenizer_sha256):
             raise SystemExit(refusal)
         del peeked
     try:  # read before the model is built: bad validation data is one line, not a traceback after the work
