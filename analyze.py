@@ -30,7 +30,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from checkpoint import atomic_file, load_model, make_folder, remove_empty
+from checkpoint import atomic_file, check_tokenizer, load_model, make_folder, remove_empty
 from data import load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
 from model import SIZES, RMSNorm, freeze_all_but_values
@@ -452,6 +452,11 @@ def get_args(argv=None):
             load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as e:
             p.error(f"--tokenizer: {e}")
+    if args.command == "prune":  # the tokenizer checked against the checkpoint at a quick look, before the full read
+        try:
+            check_tokenizer(args.ckpt, args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"analyze.py prune: {e}") from None
     if args.command == "prune":
         if not 0 <= args.delta < 1:
             p.error(f"--delta must be in [0, 1), got {args.delta}")

@@ -4,7 +4,8 @@ fails.
 
     python checkpoint.py out/ckpt.pt          # verify a checkpoint (or out/, its folder): its step, or what is wrong
 
-load_model() gives the model of a checkpoint (sample.py, analyze.py, export.py).
+load_model() gives the model of a checkpoint (sample.py, analyze.py, export.py); check_tokenizer() checks the
+tokenizer that is to read it first.
 
 A checkpoint is a plain torch.save file of a dict (loadable with torch.load(..., weights_only=True)); save() adds
 "sha256", a digest of every other entry (tensor bytes, dtypes, shapes and plain values, in order), so a truncated,
@@ -25,6 +26,7 @@ from contextlib import contextmanager, suppress
 
 import torch
 
+from data import load_tokenizer
 from model import LLaMA, LLaMAConfig, METHODS
 
 
@@ -255,6 +257,20 @@ def peek(path):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - load() says what is wrong with it, when it comes to that
         return None
+
+
+def check_tokenizer(path, tokenizer=None):
+    """The tokenizer that is to read a checkpoint's model (tokenizer, else the one its run recorded) checked at a quick
+    look, before the full read (minutes at 7b): a missing file, other pieces or, where the run says, another sha256
+    raise as load_tokenizer says. Nothing is checked where the look cannot tell: load_model then says what is wrong."""
+    look = peek(checkpoint_file(path))
+    if not isinstance(look, dict) or not isinstance(look.get("model_config"), dict):
+        return
+    run = look.get("args") if isinstance(look.get("args"), dict) else {}
+    tokenizer = tokenizer or run.get("tokenizer")
+    if not tokenizer:
+        raise ValueError(f"{path} names no tokenizer; pass --tokenizer")
+    load_tokenizer(tokenizer, pieces=look["model_config"].get("vocab_size"), sha256=run.get("tokenizer_sha256"))
 
 
 def load_model(path, device="cpu"):

@@ -29,7 +29,8 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn as nn
 
-from checkpoint import SaveFailed, atomic_file, checkpoint_file, load_model, make_folder, remove_empty, save
+from checkpoint import (SaveFailed, atomic_file, check_tokenizer, checkpoint_file, load_model, make_folder,
+                        remove_empty, save)
 from data import load_tokenizer
 from model import ReLoRALinear
 from sllinear import SLLinear
@@ -225,6 +226,11 @@ def main(argv=None):
             load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as e:
             p.error(f"--tokenizer: {e}")
+    try:  # the Hugging Face folder's tokenizer, checked against the checkpoint at a quick look before the full read
+        if args.out:
+            check_tokenizer(args.ckpt, args.tokenizer)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"export.py: {e}") from None
     made = []
     if args.out:
         try:

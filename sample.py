@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import check_tokenizer, load_model
 from data import load_tokenizer
 from devices import device_from_flag
 from estimate_memory import memory_there
@@ -129,13 +129,13 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
     except UnicodeEncodeError as e:
         raise ValueError(f"--prompt is not UTF-8 text (byte {ord(prompt[e.start]) & 0xFF:#x} at character {e.start}): "
                          "pass it in UTF-8") from None
+    check_tokenizer(ckpt_path, tokenizer)  # before the full read and the merge, which at 7b take a while
     model, ckpt = load_model(ckpt_path, device=device)
     run = ckpt.get("args", {})
     del ckpt  # its tensors (the optimizer's state too) would stay in memory through the run
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError(f"{ckpt_path} names no tokenizer; pass --tokenizer")
-    # the tokenizer checked before the merge, which at 7b takes a while
     sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw
     batch_size = min(batch_size, num_samples)

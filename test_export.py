@@ -565,21 +565,33 @@ def test_export_refuses_a_tokenizer_of_another_size_before_writing(sl_ckpt, othe
     assert not (tmp_path / "hf").exists(), "nothing is written, and the folder made for the export is gone"
 
 
-def test_the_tools_refuse_a_tokenizer_of_the_same_size_but_not_the_runs(sl_ckpt, corpus, tmp_path):  # noqa: F811
+def test_the_tools_refuse_a_tokenizer_of_the_same_size_but_not_the_runs(sl_ckpt, corpus, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
     """The same vocabulary size is not the same tokenizer: sample.py, export.py and analyze.py prune check the sha256
-    train.py recorded, as train.py --eval_only does (a tokenizer trained on fewer documents: 96 pieces, other ids)."""
+    train.py recorded, as train.py --eval_only does (a tokenizer trained on fewer documents: 96 pieces, other ids).
+    Each checks it, and a missing one, at a quick look before it reads the checkpoint whole (at 7b, minutes)."""
     import analyze
+    import checkpoint
     import data
     other = str(data.train_tokenizer(corpus[0], tmp_path / "tok" / "spm", vocab_size=96, max_docs=60))
     assert data.load_tokenizer(other).get_piece_size() == 96
+    dense = tmp_path / "dense.pt"
+    export.main([sl_ckpt, "--merged", str(dense)])
+    moved = tmp_path / "moved.pt"  # a run whose tokenizer is gone from where it was
+    ckpt = checkpoint.load(sl_ckpt)
+    ckpt["args"]["tokenizer"] = str(tmp_path / "gone.model")
+    checkpoint.save(moved, ckpt)
+    monkeypatch.setattr(checkpoint, "load", lambda path: pytest.fail(f"{path} read whole before the tokenizer check"))
+    with pytest.raises(FileNotFoundError, match="gone.model not found"):
+        sample.sample(str(moved), "the", max_new_tokens=2)
+    with pytest.raises(SystemExit, match="gone.model not found"):
+        export.main([str(moved), "--out", str(tmp_path / "hf")])
     refusal = "is not the one the checkpoint was trained with .*; pass --tokenizer with that one"
     with pytest.raises(ValueError, match=refusal):
         sample.sample(sl_ckpt, "the", max_new_tokens=2, tokenizer=other)
     with pytest.raises(SystemExit, match=refusal):
         export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", other])
     assert not (tmp_path / "hf").exists()
-    dense = tmp_path / "dense.pt"
-    export.main([sl_ckpt, "--merged", str(dense)])
     with pytest.raises(SystemExit, match=refusal):
         analyze.main(["prune", str(dense), "--tokenizer", other])
 
