@@ -478,8 +478,8 @@ def get_args(argv=None):
             args.made_folders = make_folder(folder[args.command])
         except OSError as e:
             flag = "--figures" if args.command == "spectrum" else "--out"
-            p.error(f"{flag} {getattr(args, flag[2:])}: cannot create {folder[args.command]} ({e.strerror}); pass a "
-                    "folder you can write to")
+            p.error(f"{flag} {getattr(args, flag[2:])}: cannot make or write into {folder[args.command]} "
+                    f"({e.strerror or e}); pass a folder you can write to")
     return args
 
 

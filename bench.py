@@ -53,7 +53,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -64,7 +63,7 @@ import adam8bit_kernel
 import galore
 import optim
 import sample
-from checkpoint import atomic_file, make_folder, remove_empty
+from checkpoint import atomic_file, make_folder
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection, length_refusal
@@ -693,12 +692,9 @@ def check_out(error, out):
     if not out.lower().endswith(".json"):  # earlier results are replaced; a run's ckpt.pt or metrics.jsonl must not be
         error(f"--out {out}: the results are JSON, written over any file of that name; pass a name ending in .json")
     folder = os.path.dirname(os.path.abspath(out))
-    made = []
-    try:  # tried, not guessed from permissions (root passes os.access where the filesystem refuses, as in /proc)
-        made = make_folder(folder)  # (which removes what it made, if it fails part way)
-        tempfile.TemporaryFile(dir=folder).close()
+    try:
+        make_folder(folder)  # and a file tried in it (what it made is removed, if it fails)
     except OSError as e:
-        remove_empty(made)
         error(f"--out {out}: cannot write in {folder} ({e.strerror or e}); pass a file in a folder you can write")
 
 

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import sys
+import tempfile
 from contextlib import contextmanager, suppress
 
 import torch
@@ -178,15 +179,19 @@ def folder_lock(folder):
 
 
 def make_folder(path):
-    """Make folder path and the parents it lacks; returns the folders made, outermost first, for remove_empty. A
-    command makes its output folder before its expensive work, so that one it cannot make is refused first, with
-    nothing of it left. realpath: "link/.." is where the link points, up one, as the OS reads it."""
+    """Make folder path and the parents it lacks, and try a file in it; returns the folders made, outermost first, for
+    remove_empty. A command makes its output folder before its expensive work, so that one it cannot make or write
+    into is refused first, with nothing of it left. realpath: "link/.." is where the link points, up one, as the OS
+    reads it."""
     made, head = [], os.path.realpath(path)
     while not os.path.exists(head):
         made.insert(0, head)
         head = os.path.dirname(head)
     try:
         os.makedirs(path, exist_ok=True)
+        # tried, not read from permissions: root passes os.access where the filesystem refuses (/proc, a read-only
+        # mount)
+        tempfile.TemporaryFile(dir=path).close()
     except OSError:  # made part of the way (a name too long below a new folder): what it made goes again
         remove_empty(made)
         raise

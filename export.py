@@ -236,7 +236,8 @@ def main(argv=None):
         try:
             made = make_folder(args.out)
         except OSError as e:
-            p.error(f"--out {args.out}: cannot create the folder ({e.strerror}); pass a folder you can write to")
+            p.error(f"--out {args.out}: cannot make or write into the folder ({e.strerror or e}); pass a folder you "
+                    "can write to")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         model, ckpt = load_model(args.ckpt)

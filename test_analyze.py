@@ -281,10 +281,9 @@ def test_an_init_from_that_does_not_fit_is_one_line(corpus, dense_ckpt, sltrain_
     (run / "ckpt.pt").write_bytes(open(dense_ckpt, "rb").read())
     args = train.get_args(base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", "--init_from", str(run)))
     assert args.init_from == str(run / "ckpt.pt")
-    for extra, message in [(["--init_from", str(tmp_path / "nothing")], "no checkpoint there; pass a full-rank ckpt.pt"),
-                           (["--method", "relora", "--init_from", str(run)], "ReLoRA starts from its own: pass "
-                                                                              "--method sltrain or lowrank, or drop "
-                                                                              "--init_from")]:
+    for extra, message in [(["--init_from", str(tmp_path / "none")], "no checkpoint there; pass a full-rank ckpt.pt"),
+                           (["--method", "relora", "--init_from", str(run)],
+                            "ReLoRA starts from its own: pass --method sltrain or lowrank, or drop --init_from")]:
         with pytest.raises(SystemExit):
             train.get_args(base_args(corpus, tmp_path / "out", 1, "--method", "sltrain", *extra))
         assert message in capsys.readouterr().err
@@ -446,7 +445,7 @@ def test_curves_bad_inputs_are_one_line_naming_the_fix(tmp_path, capsys):
     assert open(good).read() == before and binary.read_bytes() == bytes(range(256)) * 4
     assert "--labels for 1 files" in refusal(capsys, ["curves", good, "--labels", "a", "b"])
     (tmp_path / "file").write_text("")
-    assert "cannot create" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
+    assert "cannot make or write into" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
 
 
 def test_curves_creates_its_folder_and_leaves_out_non_finite_points(tmp_path, capsys):
@@ -503,7 +502,10 @@ def test_output_folders_are_checked_before_the_checkpoint_is_read(tmp_path, monk
     monkeypatch.setattr(analyze, "load_model", refuse_to_load)
     (tmp_path / "a_file").write_text("")
     got = refusal(capsys, ["spectrum", str(tmp_path / "ckpt.pt"), "--figures", str(tmp_path / "a_file" / "figs")])
-    assert "--figures" in got and "cannot create" in got and "pass a folder you can write to" in got, got
+    assert "--figures" in got and "cannot make or write into" in got and "pass a folder you can write to" in got, got
+    if os.path.isdir("/proc/self/fdinfo"):  # a folder there that no one writes into, root included
+        got = refusal(capsys, ["spectrum", str(tmp_path / "ckpt.pt"), "--figures", "/proc/self/fdinfo"])
+        assert "--figures /proc/self/fdinfo: cannot make or write into /proc/self/fdinfo" in got, got
     got = refusal(capsys, ["prune", str(tmp_path / "ckpt.pt"), "--tokenizer", str(tmp_path / "none.model")])
     assert "error: --tokenizer: tokenizer" in got and "not found" in got, got
 

@@ -410,12 +410,15 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
              (["--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "nodir" / "x.pt")],
               f"no folder {tmp_path / 'nodir'}; create it or pass a file in an existing folder"),
              (["--merged", str(tmp_path)], f"is a folder; pass a file in it, such as {tmp_path / 'dense.pt'}"),
-             (["--out", str(tmp_path / "a_file" / "hf")], "cannot create the folder (Not a directory); pass a folder"),
+             (["--out", str(tmp_path / "a_file" / "hf")], "cannot make or write into the folder (Not a directory); "
+                                                           "pass a folder you can write to"),
              (["--merged", str(tmp_path / "m.pt"), "--tokenizer", str(tmp_path / "t.model")],
               "--tokenizer is for the Hugging Face folder: add --out FOLDER, or drop --tokenizer"),
              (["--out", str(tmp_path / "a_file"), "--tokenizer", str(tmp_path / "t.model")], "is a file"),
              (["--out", str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "t.model")], "--tokenizer: tokenizer"),
              (["--merged", str(tmp_path / "a_file")], "exists: pass another file, or --overwrite to replace it")]
+    if os.path.isdir("/proc/self/fdinfo"):  # a folder there that no one writes into, root included
+        cases.append((["--out", "/proc/self/fdinfo"], "--out /proc/self/fdinfo: cannot make or write into the folder"))
     for argv, message in cases:
         with pytest.raises(SystemExit):
             export.main([str(tmp_path / "ckpt.pt"), *argv])
