@@ -1486,6 +1486,27 @@ def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):
     assert f"{tmp_path}/ckpt.pt at step 2 | val loss {val:.4f}" in out and "validation tokens" in out
 
 
+def test_eval_only_cuts_the_validation_set_as_the_run_did_unless_told(corpus, tmp_path, capsys):
+    """Without --max_length, --pack and --eval_tokens, --eval_only scored 256-token padded rows of 10M tokens: for a
+    run trained on 16-token packed windows, positions it never saw and another loss than its own. It takes the run's
+    and says so, and gives the run's last val_loss again; a flag given is honored."""
+    folder, tokenizer = corpus
+    argv = base_args(corpus, tmp_path, 2, "--pack")
+    argv[argv.index("--max_length") + 1] = "16"
+    argv[argv.index("--eval_tokens") + 1] = "2000"
+    train.main(argv)
+    val = metrics(tmp_path)[1][-1]["val_loss"]
+    capsys.readouterr()
+    bare = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(tmp_path), "--eval_only"]
+    train.main(bare)
+    out = capsys.readouterr().out
+    assert "--eval_only: the run's own --max_length 16, --pack True, --eval_tokens 2000 (pass others to choose)" in out
+    assert f"at step 2 | val loss {val:.4f}" in out, out
+    train.main(bare + ["--max_length", "32"])
+    out = capsys.readouterr().out
+    assert "the run's own --pack True, --eval_tokens 2000" in out and "sequences of 32 tokens" in out, out
+
+
 def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tmp_path, capsys):
     """Evaluation depends on the model and the tokenizer alone: the training run's batch, schedule, optimizer and
     seed need not be repeated, and another model is one line naming its flags. The batch need not divide an update

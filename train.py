@@ -154,6 +154,9 @@ RESUME_HONORED = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_
                   "warmup_steps", "batch_size", "gradient_accumulation", "activation_checkpointing", "compile",
                   "cuda_graph", "amp", "eval_every", "eval_tokens", "save_every", "log_every", "workers", "device",
                   "adam8bit_kernel", "packed_support", "deterministic")
+# how --eval_only cuts and counts the validation set where its command line does not say: as the run did, so that it
+# gives the run's val_loss again (its batch and dtype are the device's: neither changes which tokens are scored)
+EVAL_KEPT = ("max_length", "pack", "eval_tokens")
 # (packed_support is how the supports are stored, and SLLinear loads either; deterministic, the order a GPU adds in)
 # the honored flags with a value that a resume takes from the run where its command line gives none: --resume alone
 # continues the run as it was, not with the size's defaults (the switches, --compile and the like, are as given)
@@ -214,7 +217,14 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     except ValueError as e:
         raise SystemExit(str(e)) from None
     old = same_run(args, ckpt, path, vocab_size, dtype_given)
-    if args.eval_only:
+    if args.eval_only:  # the run's own validation set where the command line names none: its val_loss, again
+        kept = [k for k in EVAL_KEPT if k not in given and k in old and old[k] != getattr(args, k)]
+        for k in kept:
+            setattr(args, k, old[k])
+        if kept and master:
+            print(f"--eval_only: the run's own {', '.join(f'--{k} {old[k]}' for k in kept)} (pass others to choose)")
+        if kept:
+            flags.check_memory(flags.make_parser(), args, device, world)  # at the run's length
         return ckpt, path
     for k in RESUME_KEPT:
         if k not in given and k in old:
