@@ -106,11 +106,28 @@ def densify(model, dtype=None):
         layer = model.get_submodule(name)
         dense = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
         # <-- SLTrain: W = s·BA + S, merged once, on a float32 copy of the layer
-        dense.weight = nn.Parameter(copy.deepcopy(layer).float().merged_weight().to(dtype))
+        weight = copy.deepcopy(layer).float().merged_weight()
+        refuse_overflow(f"{name}.weight", weight, dtype)
+        dense.weight = nn.Parameter(weight.to(dtype))
         setattr(model.get_submodule(parent), attr, dense)  # the factors go with the layer
-        del layer
+        del layer, weight
+    for name, tensor in model.state_dict().items():  # the rest: embeddings, norms, head
+        if name.removesuffix(".weight") not in names:
+            refuse_overflow(name, tensor, dtype)
     model.config = replace(model.config, method="full", packed_support=False)  # no support left to store
     return model.to(dtype)
+
+
+def refuse_overflow(name, tensor, dtype):
+    """A tensor with a value past dtype's range is refused: cast to float16 (at most 65504) it would hold inf."""
+    narrower = tensor.is_floating_point() and dtype.is_floating_point and tensor.numel() and \
+        torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
+    if narrower:
+        low, high = torch.aminmax(tensor.detach())  # one pass, no copy of the tensor (an abs() would be one)
+        largest = max(-low.item(), high.item())
+        if largest > torch.finfo(dtype).max:
+            raise ValueError(f"{name} holds a value of magnitude {largest:.4g}, past {dtype}'s largest, "
+                             f"{torch.finfo(dtype).max:.6g}: pass --dtype bfloat16 or float32")
 
 
 def hf_name(name):

@@ -562,6 +562,26 @@ def test_transformers_tokenizer_gives_our_ids(sl_ckpt, tmp_path):
         assert tok(text)["input_ids"] == ids + [sp.eos_id()], "a document ends with EOS, as in training"
 
 
+@pytest.mark.parametrize("where", ["embed.weight", "layers.0.mlp.up_proj.values"])
+def test_export_refuses_weights_past_float16s_range(sl_ckpt, tmp_path, where):
+    """A weight past 65504 became inf in a float16 export, without a word: refused, naming the tensor and the dtypes
+    that hold it, with no folder or file left; bf16 holds it. A sparse value is checked in its merged weight."""
+    ckpt = checkpoint.load(sl_ckpt)
+    assert where in ckpt["model"], sorted(ckpt["model"])
+    ckpt["model"][where].view(-1)[0] = -1e5
+    big = tmp_path / "big.pt"
+    checkpoint.save(big, ckpt)
+    name = where.replace(".values", ".weight")
+    with pytest.raises(SystemExit, match=rf"^export.py: {name} holds a value of magnitude 1e\+05, past "
+                                         r"torch.float16's largest, 65504: pass --dtype bfloat16 or float32$"):
+        export.main([str(big), "--out", str(tmp_path / "hf"), "--dtype", "float16"])
+    with pytest.raises(SystemExit, match="past torch.float16's largest"):
+        export.main([str(big), "--merged", str(tmp_path / "dense.pt"), "--dtype", "float16"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"], "nothing is left of the refused exports"
+    export.main([str(big), "--merged", str(tmp_path / "dense.pt"), "--dtype", "bfloat16"])
+    assert torch.load(tmp_path / "dense.pt", weights_only=True)["model"][name].float().abs().max() > 65504
+
+
 def test_export_refuses_a_tokenizer_of_another_size_before_writing(sl_ckpt, other_tokenizer, tmp_path):
     with pytest.raises(SystemExit, match="has 80 pieces but the model 96; pass the --tokenizer it was trained with"):
         export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", other_tokenizer])
