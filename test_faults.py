@@ -1225,6 +1225,18 @@ def test_a_diverged_model_is_never_evaluated_or_recorded(corpus, tmp_path):
 
 
 def test_a_signal_before_the_first_update_or_in_eval_only_is_one_line(corpus, tmp_path, monkeypatch):
+    # a suite started under nohup ignores SIGHUP, which train.py then leaves ignored, as it should: heard here
+    ignored = [sig for sig in data.STOP_SIGNALS if signal.getsignal(sig) is signal.SIG_IGN]
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        signals_before_the_first_update(corpus, tmp_path, monkeypatch)
+    finally:
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def signals_before_the_first_update(corpus, tmp_path, monkeypatch):
     train.main(base_args(corpus, tmp_path, 2))
     with monkeypatch.context() as m:  # Ctrl-C while the validation data loads
         m.setattr(train, "validation_batches", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
