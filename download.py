@@ -203,8 +203,9 @@ def check_room(data_dir, names):
     free = shutil.disk_usage(disk).free
     if need > free:
         raise ValueError(f"the {len(names)} shard(s) to fetch need about {need / 1e9:.1f} GB, and the disk of {disk} "
-                         f"has {free / 1e9:.1f} GB free; free some, pass a --data_dir on a larger disk, or fetch fewer "
-                         "shards (train.py fetches enough for --num_training_steps x --total_batch_size)")
+                         f"has {free / 1e9:.1f} GB free; free some, fetch into a folder on a larger disk (train.py "
+                         "--data_dir, data.py download --out), or fetch fewer shards (train.py fetches enough for "
+                         "--num_training_steps x --total_batch_size)")
 
 
 if __name__ == "__main__":  # the command is data.py's, with the other data commands
