@@ -81,8 +81,8 @@ def test_download_refuses_shards_the_disk_cannot_hold_before_fetching_any(tmp_pa
     assert len(fetched) == 3
     fetched.clear()
     with pytest.raises(ValueError, match=r"^the 4 shard\(s\) to fetch need about 1.0 GB, and the disk of .* has 0.7 GB "
-                                         r"free; free some, fetch into a folder on a larger disk \(train.py --data_dir, "
-                                         r"data.py download --out\), or fetch fewer shards"):
+                                         r"free; free some, fetch into a folder on a larger disk \(train.py "
+                                         r"--data_dir, data.py download --out\), or fetch fewer shards"):
         download.download(folder, None, download.shard_names(3, 1))
     assert not fetched
     folder.mkdir()
