@@ -381,8 +381,10 @@ def prepare_for_training(model, args, resuming):
 def read_curve(path, key):
     """(steps, values) of the eval rows of a metrics.jsonl; a resumed run's repeated steps keep the last row.
     A file that is not one train.py wrote raises ValueError naming the file, and the line where there is one."""
+    path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path  # a run's folder: its metrics
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no metrics file at {path}; pass the metrics.jsonl in a train.py --out_dir")
+        raise FileNotFoundError(f"no metrics file at {path}; pass the metrics.jsonl in a train.py --out_dir, or "
+                                "the folder")
     points = {}
     fix = "fix or delete that line (train.py writes one JSON object per line)"
     try:
@@ -433,7 +435,7 @@ def get_args(argv=None):
     q.add_argument("--batch_size", type=int, default=8, help="sequences per evaluation batch")
     q.add_argument("--json", action="store_true", help="print the results as JSON")
     c = sub.add_parser("curves", help="Figure 4: eval curves of several runs in one SVG")
-    c.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train.py")
+    c.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train.py, or the runs' folders")
     c.add_argument("--labels", nargs="+", help="one legend label per file (default: the folder names)")
     c.add_argument("--key", default="val_ppl", choices=["val_ppl", "val_loss"], help="what to plot")
     c.add_argument("--out", default="curves.svg", help="the SVG file to write (its folder is created)")
@@ -485,7 +487,8 @@ def get_args(argv=None):
 
 def curves(args):
     """Figure 4 from the command line: read every file, then write one SVG."""
-    labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
+    labels = args.labels or [os.path.basename(os.path.abspath(m) if os.path.isdir(m) else os.path.dirname(
+        os.path.abspath(m))) for m in args.metrics]  # each run's folder
     series = []
     for label, path in zip(labels, args.metrics):
         try:

@@ -141,13 +141,13 @@ def hf_name(name):
     return name  # lm_head.weight
 
 
-def hf_config(config, max_length, dtype, eos_id):
+def hf_config(config, max_length, dtype, eos_id, pad_id=0):
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
             "hidden_size": config.dim, "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_heads, "hidden_act": "silu",
             "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "max_position_embeddings": max_length,
             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
-            "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": 0, "initializer_range": 0.02}
+            "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id, "initializer_range": 0.02}
 
 
 HF_FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json")  # what export_hf writes
@@ -168,7 +168,8 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
-    config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id())
+    pad_id = max(sp.pad_id(), 0)  # what the loader pads rows with (data.py): T5's pad, 0
+    config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id(), pad_id)
     for name, data in (("config.json", json.dumps(config, indent=2).encode()), ("tokenizer.model", spm)):
         with whole(os.path.join(out_dir, name)) as f:
             f.write(data)
@@ -177,7 +178,7 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     # EOS, which ends every training document: right for scoring documents; pass add_special_tokens=False for prompts
     eos, unk = sp.id_to_piece(sp.eos_id()), sp.id_to_piece(max(sp.unk_id(), 0))
     tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
-           "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(0), "clean_up_tokenization_spaces": False}
+           "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(pad_id), "clean_up_tokenization_spaces": False}
     with whole(os.path.join(out_dir, "tokenizer_config.json")) as f:
         f.write(json.dumps(tok, indent=2).encode())
     return list(HF_FILES)  # (not the folder's listing: it may hold other files, a run's own when it is the run's)

@@ -143,10 +143,13 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
     model = merged(model) if merge else model
     # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
     # every training document follows one; the paper's padded rows never predict a document's first token, so there
-    # the first draw is from an untrained position (give a prompt)
+    # the first draw is from an untrained position (said)
     ids = sp.encode(prompt)
     prompted = bool(ids)
     ids = ids if prompted else [sp.eos_id()]
+    if not prompted and not run.get("pack"):
+        print("sample.py: note: no prompt, so each sample starts after an end of document, a position the run's padded "
+              "rows never trained (--pack's do): its first tokens may be noise; pass --prompt", file=sys.stderr)
     if len(ids) > context:  # the model would see its last context tokens: said, not left to be found
         print(f"sample.py: note: the prompt is {len(ids)} tokens, more than the {context} positions the model was "
               f"trained on; it sees the last {context}", file=sys.stderr)

@@ -307,6 +307,10 @@ def test_curves_overlay(corpus, tmp_path):  # noqa: F811
     analyze.main(["curves", paths[0], once, "--key", "val_loss", "--out", str(tmp_path / "d.svg")])
     dots = list(ET.parse(tmp_path / "d.svg").getroot().iter("{http://www.w3.org/2000/svg}circle"))
     assert len(dots) == 1, "a run evaluated once is drawn as a dot: a line of one point shows nothing"
+    # a run's folder, as the other tools take it (with or without a trailing slash): its metrics.jsonl, its name
+    analyze.main(["curves", str(tmp_path / "run0"), f"{tmp_path / 'run1'}/", "--key", "val_loss", "--out",
+                  str(tmp_path / "e.svg")])
+    assert (tmp_path / "e.svg").read_text() == (tmp_path / "c.svg").read_text()
 
 
 # ----------------------------------------------------------------------------- ReLoRA, and bad input of every kind

@@ -71,6 +71,10 @@ def test_samples_are_drawn_a_batch_at_a_time_and_each_batch_shown_as_it_ends(sl_
         "the last 31" in capsys.readouterr().err and n > 31
     sample.sample(sl_ckpt, "the", max_new_tokens=2)
     assert "note" not in capsys.readouterr().err
+    for prompt in ("", "   "):  # nothing to continue: the padded run never trained the position after an EOS
+        sample.sample(sl_ckpt, prompt, max_new_tokens=2)
+        assert "sample.py: note: no prompt, so each sample starts after an end of document, a position the run's " \
+            "padded rows never trained" in capsys.readouterr().err
 
 
 def test_sample_refuses_a_batch_that_cannot_fit_before_the_merge(sl_ckpt, monkeypatch):
@@ -580,6 +584,23 @@ def test_export_refuses_weights_past_float16s_range(sl_ckpt, tmp_path, where):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"], "nothing is left of the refused exports"
     export.main([str(big), "--merged", str(tmp_path / "dense.pt"), "--dtype", "bfloat16"])
     assert torch.load(tmp_path / "dense.pt", weights_only=True)["model"][name].float().abs().max() > 65504
+
+
+def test_the_export_pads_with_the_tokenizers_pad(tmp_path):
+    """config.json and tokenizer_config.json said pad 0 whatever the tokenizer: the loader pads with its pad piece
+    (T5's is 0), so the export names that one."""
+    import sentencepiece as spm
+    words = [a + b + c for a in "bdgklmnprst" for b in "aeiou" for c in "nrs"]
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(" ".join(words[i:i + 12]) for i in range(0, len(words), 3)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "p3"), vocab_size=96,
+                                   model_type="unigram", pad_id=3, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+    model = LLaMA(config_for("tiny", method="full", vocab_size=96))
+    export.export_hf(model, {"args": {}}, str(tmp_path / "hf"), str(tmp_path / "p3.model"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tok = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    piece = spm.SentencePieceProcessor(model_file=str(tmp_path / "p3.model")).id_to_piece(3)
+    assert config["pad_token_id"] == 3 and tok["pad_token"] == piece, (config["pad_token_id"], tok["pad_token"])
 
 
 def test_export_refuses_a_tokenizer_of_another_size_before_writing(sl_ckpt, other_tokenizer, tmp_path):
