@@ -396,7 +396,7 @@ class Adam8bit(torch.optim.Optimizer):
                                       block_size, hyper)
             return
         if compile:  # the whole tensor in one call of fused kernels
-            _adam8bit_compiled()(param, grad, (m_codes, m_absmax), (v_codes, v_absmax), tables, block_size, hyper)
+            _compiled_update(p, grad, (m_codes, m_absmax), (v_codes, v_absmax), tables, block_size, hyper)
             return
         chunk = block_size * max(1, (CHUNK if p.device.type in CHUNKED_DEVICES else PIECE) // block_size)
         for start in range(0, param.numel(), chunk):
@@ -447,7 +447,7 @@ def _update_8bit_together(params, states, block_size, hyper, compile=False, fuse
     keys = ("exp_avg_codes", "exp_avg_absmax", "sqrt_exp_avg_sq_codes", "sqrt_exp_avg_sq_absmax")
     whole, new = zip(*(_end_to_end([state[key] for state in states]) for key in keys))
     tables = _lookup_tables(True, device), _lookup_tables(False, device)
-    update = adam8bit_kernel.adam8bit_ if fused else _adam8bit_compiled() if compile else _adam8bit_
+    update = adam8bit_kernel.adam8bit_ if fused else _compiled_update if compile else _adam8bit_
     update(param, grad, whole[:2], whole[2:], tables, block_size, hyper)
     torch._foreach_copy_(flat_params, param_parts)
     for key, flat, cat in zip(keys, whole, new):
@@ -512,6 +512,19 @@ def _adam8bit_compiled():
     return torch.compile(_adam8bit_, dynamic=True)
 
 
+def _compiled_update(param, grad, m, v, tables, block_size, hyper):
+    """_adam8bit_compiled's update, its weight decay applied first, eagerly: fused into the update, inductor keeps
+    a bf16 parameter's decayed value in float32 where the eager step and the kernel round it once after the decay
+    and again after the step (a decay too small for bf16 is then lost in both, applied in part here)."""
+    *before, decay, sqrt_bias_correction2 = hyper
+    if torch.is_tensor(decay):
+        _scale_([param], decay)
+    elif decay is not None:
+        param.mul_(decay)  # 1 - lr·weight decay
+    # flat after the decay: a view taken before it would reach the compiler with its base changed since
+    _adam8bit_compiled()(param.view(-1), grad, m, v, tables, block_size, (*before, None, sqrt_bias_correction2))
+
+
 # -----------------------------------------------------------------------------
 # Gradient norms in float32 (the logged norm, clipping, and per-layer.py's per-tensor clipping)
 
@@ -541,8 +554,9 @@ def clip_grad_norm32(parameters, max_norm):
     """torch.nn.utils.clip_grad_norm_ with the global norm and the clipping factor in float32, whatever the
     gradients' dtype: for bf16 gradients torch's are bf16 (the logged norm off by up to 2⁻⁹ of itself, and the
     clipped norm up to 0.7% from max_norm in 20 random draws, where this one's is within bf16's rounding of the
-    gradients). Returns the norm before clipping, a float32 0-dim tensor on the gradients' device; when clipping, a
-    non-finite norm makes every gradient non-finite, as torch's does."""
+    gradients). Returns the norm before clipping, a float32 0-dim tensor on the gradients' device; when clipping, as
+    torch's: a NaN norm makes every gradient NaN, an infinite one scales by 0 (its inf entries become NaN, the finite
+    ones 0)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())

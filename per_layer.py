@@ -73,10 +73,12 @@ class PerLayer:
         # held in C++, out of sight of Python's garbage collector: a cycle through them (parameter -> hook ->
         # PerLayer -> parameter) would never be freed, and every model given per-layer updates in one process
         # (a sweep, a benchmark, a notebook) would keep its parameters and optimizer state to the end.
+        if getattr(module, "_per_layer", None) is not None and module._per_layer.ddp is None:
+            module._per_layer.remove()  # replaced: its hooks go, even while the caller still holds it
         module._per_layer, me = self, weakref.ref(self)
 
         def on_grad(p):
-            if me() is not None:  # a PerLayer replaced on this model by a later attach_per_layer: its hooks do nothing
+            if me() is not None:  # (a PerLayer that is gone)
                 me()._on_grad(p)
         if self.ddp is None:
             self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.names]

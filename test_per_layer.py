@@ -349,6 +349,22 @@ def test_per_layer_remove_detaches():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+def test_per_layer_attached_again_replaces_the_first_while_it_is_held():
+    """A second attach_per_layer on the same model replaces the first: its hooks went only once it was collected, so
+    while the caller held it both updated (or the second found the gradients freed and crashed)."""
+    x, y = bigram_batches(1, batch=2, T=8)
+    model, twin = tiny_llama(), tiny_llama()
+    twin.load_state_dict(model.state_dict())
+    first = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    second = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    alone = attach_per_layer(twin, OPTIMIZERS["AdamW"])
+    for m in (model, twin):
+        m(x[0], y[0])[1].backward()
+    assert (first.steps, second.steps, alone.steps) == (0, 1, 1)
+    assert all(not opt.state for opt in first.optimizers.values()), "the replaced PerLayer updated too"
+    assert_same_params(model, twin, "attached twice, against once")
+
+
 def test_a_model_with_per_layer_updates_is_freed_once_dropped():
     """A parameter's hooks are held in C++, out of the garbage collector's sight: hooks that held the PerLayer made a
     cycle (parameter -> hook -> PerLayer -> parameter) that was never freed, so every model given per-layer updates
