@@ -67,7 +67,8 @@ def refuse_overwrite(args):
                          "to replace it")
     if not same_file(path, resume_path(args)):
         raise SystemExit(f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, which holds "
-                         f"another checkpoint: pass a new --out_dir, or --overwrite to replace {path}")
+                         f"another checkpoint: continue that one with --resume {path} (a run resumed into it and "
+                         f"stopped?), pass a new --out_dir, or --overwrite to replace it")
 
 
 def continued_here(rows, resumed):

@@ -68,7 +68,7 @@ class PerLayer:
         self.lr_lambda, self.max_grad_norm = lr_lambda, max_grad_norm_per_param
         self.steps = 0  # updates done so far; the lr of update k is initial_lr · lr_lambda(k)
         self._accumulating = self._removed = self._in_update = False
-        self._arrived, self._norms, self._last_norm = {}, [], None  # this update's: gradients per layer, norms
+        self._arrived, self._norms, self._last_norm = {}, {}, None  # this update's: gradients per layer, norms
         # The hooks reach this PerLayer through a weak reference, and the model holds it. A parameter's hooks are
         # held in C++, out of sight of Python's garbage collector: a cycle through them (parameter -> hook ->
         # PerLayer -> parameter) would never be freed, and every model given per-layer updates in one process
@@ -119,7 +119,7 @@ class PerLayer:
         if not self._in_update:  # the first gradient of this update: fix its lr, finish it once backward ends
             self._in_update, self._backward, self._updated = True, backward, 0
             self._factor = self.lr_factor()
-            self._norms = []
+            self._norms = {}
             alive = _Alive()  # referenced only by the callback: dies with the graph task of this backward
             self._alive = weakref.ref(alive)
             if self.ddp is None:
@@ -136,7 +136,7 @@ class PerLayer:
     def _update(self, opt, params):
         grads = [p.grad for p in params]
         norms = _norms32(grads)
-        self._norms.extend(norms)  # summed once the update is done
+        self._norms.update(zip(params, norms))  # summed once the update is done
         if self.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ applied to each tensor on its own
             torch._foreach_mul_(grads, (self.max_grad_norm / (torch.stack(norms) + 1e-6)).clamp(max=1.0).unbind())
         for group in opt.param_groups:
@@ -160,7 +160,10 @@ class PerLayer:
             for p in self.names:
                 p.grad = None
         self.steps += 1
-        self._last_norm = torch.linalg.vector_norm(torch.stack(self._norms))
+        # summed in the parameters' order, not the order they arrived in (under DDP, a rebuilt model's first buckets
+        # come in another): the same gradients give the same norm, to the bit
+        norms = [self._norms[p] for p in self.names if p in self._norms]
+        self._last_norm = torch.linalg.vector_norm(torch.stack(norms))
         self._in_update = False
 
     def reset(self):
@@ -169,7 +172,7 @@ class PerLayer:
         the count of updates (the lr schedule's position) does not advance."""
         for p in self.names:
             p.grad = None
-        self._arrived, self._norms, self._in_update = {}, [], False
+        self._arrived, self._norms, self._in_update = {}, {}, False
 
     @contextlib.contextmanager
     def accumulating(self):

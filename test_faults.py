@@ -117,9 +117,12 @@ def test_a_signal_within_an_update_drops_it_and_the_resume_is_bit_exact(corpus, 
             assert torch.equal(t, sb[name]), f"forward {n}: {name} differs by {(t - sb[name]).abs().max()}"
 
 
-def test_a_signal_during_a_save_stops_in_the_next_update_without_a_second_save(corpus, tmp_path, monkeypatch, capsys):
-    # the signal comes while the checkpoint of update 2 is written: update 3 begins, then stops at its second
-    # micro-batch; out_dir's checkpoint already holds update 2, and it is not written twice (at 7b, tens of GB)
+@pytest.mark.parametrize("micro_batches", [2, 1])
+def test_a_signal_during_a_save_stops_there_without_a_second_save(corpus, tmp_path, monkeypatch, capsys,
+                                                                   micro_batches):
+    """The signal comes while the checkpoint of update 2 is written: the run stops on it, with no update more and
+    no second write (at 7b, tens of GB, into the grace before SIGKILL). It went on into update 3: with two
+    micro-batches it stopped at the second, with one it made the update and wrote a checkpoint again."""
     save, saves, signalled = checkpoint.save, [], []
 
     def save_and_signal(path, state):
@@ -128,16 +131,20 @@ def test_a_signal_during_a_save_stops_in_the_next_update_without_a_second_save(c
         if not signalled:
             signalled.append(os.kill(os.getpid(), signal.SIGTERM))
     monkeypatch.setattr(checkpoint, "save", save_and_signal)
-    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2"))
+    batch = ["--batch_size", str(8 // micro_batches)]
+    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", *batch))
     assert saves == [2] and final_state(tmp_path)["step"] == 2
-    assert f"within update 3, which the resumed run makes again: saved {tmp_path}/ckpt.pt at step 2" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"stopped by SIGTERM: saved {tmp_path}/ckpt.pt at step 2; rerun with --resume" in out, out
+    assert "step 3/6" not in out, out
     saves.clear()
-    with monkeypatch.context() as m:  # the resumed run is signalled in its first update: nothing new to save
-        signal_in_micro_batch(m, 1)
-        train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume"))
-    assert saves == [] and final_state(tmp_path)["step"] == 2
-    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume"))
+    with monkeypatch.context() as m:  # the resumed run is signalled in its first update's first micro-batch: with
+        signal_in_micro_batch(m, 1)  # two, it stops before the second, nothing new to save; with one, the update is
+        train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume", *batch))  # whole, and saved
+    assert saves == ([] if micro_batches == 2 else [3]), saves
+    assert final_state(tmp_path)["step"] == (2 if micro_batches == 2 else 3)
+    saves.clear()
+    train.main(base_args(corpus, tmp_path, 6, "--save_every", "2", "--resume", *batch))
     assert saves == [4, 6] and final_state(tmp_path)["step"] == 6
 
 

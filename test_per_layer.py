@@ -221,6 +221,25 @@ def test_per_layer_grad_norm_and_clipping():
     assert_same_params(model, ref, "per-parameter clipping")
 
 
+def test_per_layer_grad_norm_sums_in_the_parameters_order():
+    """The logged norm summed the layers' norms in the order backward reached them, which under DDP differs on a
+    rebuilt model's first update (a resumed run logged another last bit): it is summed in the parameters' order, to
+    the bit the norm of the same gradients taken in that order. (Layers whose gradients differ in scale by decades:
+    their sum of squares rounds differently taken the other way.)"""
+    from optim import _norms32
+    torch.manual_seed(0)
+    scales = torch.logspace(-3, 3, 40)[torch.randperm(40)]
+    model = torch.nn.ModuleList(torch.nn.Linear(8, 1, bias=False) for _ in scales)
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    x = torch.randn(4, 8)
+    grads = torch.autograd.grad(sum((layer(x) * s).sum() for layer, s in zip(model, scales)), list(model.parameters()))
+    in_order = torch.linalg.vector_norm(torch.stack(_norms32(list(grads))))
+    other = torch.linalg.vector_norm(torch.stack(_norms32(list(grads[::-1]))))
+    assert in_order != other, "the test needs gradients whose norm depends on the order it is summed in"
+    sum((layer(x) * s).sum() for layer, s in zip(model, scales)).backward()  # backward reaches the last layer first
+    assert torch.equal(per_layer.grad_norm(), in_order), (per_layer.grad_norm().item(), in_order.item())
+
+
 def test_per_layer_resume_is_bit_exact(tmp_path):
     make = OPTIMIZERS["Adam8bit"]
     x, y = bigram_batches(6, batch=4, T=16)

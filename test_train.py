@@ -620,12 +620,31 @@ def test_resume_from_another_run_is_refused(corpus, tmp_path, monkeypatch):
         train.main(base_args(corpus, tmp_path / "empty", 4, "--resume"))
 
 
+def test_a_run_resumed_into_another_out_dir_and_stopped_names_its_own_checkpoint(corpus, tmp_path, capsys):
+    """Resumed from a's checkpoint into b and stopped there, the run said "rerun with --resume": its own command
+    again (--resume a/ckpt.pt) is refused, since b now holds a checkpoint of its own. The stop names b's, and the
+    refusal of the command run again names it too; that one continues the run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train.main(base_args(corpus, a, 6, "--stop_after", "2"))
+    capsys.readouterr()
+    train.main(base_args(corpus, b, 6, "--resume", str(a / "ckpt.pt"), "--stop_after", "2"))
+    assert f"saved {b}/ckpt.pt at step 4; rerun with --resume {b}/ckpt.pt" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=f"continue that one with --resume {b}/ckpt.pt"):
+        train.main(base_args(corpus, b, 6, "--resume", str(a / "ckpt.pt")))
+    train.main(base_args(corpus, b, 6, "--resume", str(b / "ckpt.pt")))
+    assert final_state(b)["step"] == 6 and [r["step"] for r in metrics(b)[0]] == list(range(1, 7))
+    train.main(base_args(corpus, a, 6, "--resume", "--stop_after", "2"))  # its own: the plain advice
+    assert f"saved {a}/ckpt.pt at step 4; rerun with --resume\n" in capsys.readouterr().out
+
+
 def test_resume_into_another_out_dir_brings_its_metrics_and_never_overwrites_silently(corpus, tmp_path, capsys):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     train.main(base_args(corpus, a, 6, "--stop_after", "2"))
     train.main(base_args(corpus, b, 3))
     with pytest.raises(SystemExit, match=f"--resume {a}/ckpt.pt would train on into --out_dir {b}, which holds "
-                                         f"another checkpoint: pass a new --out_dir, or --overwrite to replace"):
+                                         f"another checkpoint: continue that one with --resume {b}/ckpt.pt "
+                                         r"\(a run resumed into it and stopped\?\), pass a new --out_dir, or "
+                                         "--overwrite to replace it"):
         train.main(base_args(corpus, b, 6, "--resume", str(a / "ckpt.pt")))
     assert final_state(b)["step"] == 3 and len(metrics(b)[0]) == 3, "the refused run changed nothing"
     with pytest.raises(SystemExit, match=f"--resume: no checkpoint at {a}/typo.pt"):

@@ -928,7 +928,15 @@ class Loop:
         """A bad shard line, or a data loader worker's death, on some rank: every rank keeps the work done so far,
         with the data position where this update began, then the message."""
         self.save(step, data_state)
+        fix = fix.replace("rerun with --resume", self.rerun())
         raise SystemExit(f"{why}\nsaved {self.args.out_dir}/ckpt.pt at step {step}; {fix}" if self.master else 1)
+
+    def rerun(self):
+        """The fix a stop names: --resume alone continues the checkpoint in --out_dir; a run that began from another
+        (--resume PATH into a new --out_dir) is told this one's path, where its own command line would be refused."""
+        mine = os.path.join(self.args.out_dir, "ckpt.pt")
+        began_elsewhere = self.args.resume and not same_file(resume_path(self.args), mine)
+        return f"rerun with --resume {mine}" if began_elsewhere else "rerun with --resume"
 
     def stop_within_update(self, step, data_state):
         """A signal between the micro-batches of update step + 1, which is dropped: the checkpoint is that of update
@@ -936,7 +944,7 @@ class Loop:
         self.save(step, data_state)
         if self.master:
             print(f"stopped by {self.stop['signal']} within update {step + 1}, which the resumed run makes again: "
-                  f"saved {self.args.out_dir}/ckpt.pt at step {step}; rerun with --resume")
+                  f"saved {self.args.out_dir}/ckpt.pt at step {step}; {self.rerun()}")
 
     def after_update(self, done, norm, lr):
         """Log (the only host syncs of the loop), evaluate, save, stop; True when the run stops here. The row has
@@ -965,9 +973,11 @@ class Loop:
             signalled = not self.evaluate(done)
         if done % args.save_every == 0 or done == self.total or signalled or planned:
             self.save(done, eval_pending=eval_due and signalled)
+            if not (signalled or planned) and done < self.total:  # a signal in the save (tens of seconds at 7b)
+                signalled = stopping(self.stop, self.world)  # stops on it: no update more, and no second write
         if (signalled or planned) and self.master:
             print(f"stopped by {self.stop['signal'] or '--stop_after'}: saved {args.out_dir}/ckpt.pt at step {done}; "
-                  "rerun with --resume")
+                  f"{self.rerun()}")
         return signalled or planned
 
     def summary(self):
