@@ -454,16 +454,15 @@ def get_args(argv=None):
             load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as e:
             p.error(f"--tokenizer: {e}")
-    if args.command == "prune":  # the tokenizer checked against the checkpoint at a quick look, before the full read
-        try:
-            check_tokenizer(args.ckpt, args.tokenizer)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"analyze.py prune: {e}") from None
     if args.command == "prune":
         if not 0 <= args.delta < 1:
             p.error(f"--delta must be in [0, 1), got {args.delta}")
         if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
             p.error(f"--seed must fit in 64 bits, got {args.seed}")
+        try:  # the tokenizer checked against the checkpoint at a quick look, after the flags, before the full read
+            check_tokenizer(args.ckpt, args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"analyze.py prune: {e}") from None
     if args.command == "curves":
         if args.labels is not None and len(args.labels) != len(args.metrics):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")

@@ -244,11 +244,11 @@ def main(argv=None):
             load_tokenizer(args.tokenizer)
         except (OSError, ValueError) as e:
             p.error(f"--tokenizer: {e}")
-    try:  # the Hugging Face folder's tokenizer, checked against the checkpoint at a quick look before the full read
-        if args.out:
+    if args.out:  # the Hugging Face folder's tokenizer, checked against the checkpoint at a quick look, before its
+        try:  # full read
             check_tokenizer(args.ckpt, args.tokenizer)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"export.py: {e}") from None
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"export.py: {e}") from None
     made = []
     if args.out:
         try:
