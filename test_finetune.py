@@ -5,7 +5,9 @@ from the layer's gradients to train.py --method sltrain_ft --init_from, resume, 
     python -m pytest -q test_finetune.py
 """
 
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +247,27 @@ def test_the_papers_fine_tuning_baselines_start_at_the_checkpoint(corpus, dense_
             assert not torch.equal(t, start[name]) or leaf == "A", f"{name} did not train"
         else:
             assert torch.equal(t, start[name]), f"{name} changed"
+
+
+def readme_fine_tuning_commands():
+    """{comment: train.py's argv} of the README's fine-tuning commands (its "Fine-tuning: SLTrain-FT" block)."""
+    readme = (Path(__file__).resolve().parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Fine-tuning: SLTrain-FT", 1)[1].split("```")[1]
+    commands = {}
+    for line in block.strip().splitlines():
+        command, _, comment = line.partition("#")
+        commands[comment.strip()] = shlex.split(command)[2:]  # after "python train.py"
+    return commands
+
+
+@pytest.mark.parametrize("row", ["LoRA: W0 + s·BA", "GaLore"])
+def test_the_readmes_fine_tuning_baselines_are_the_papers_rank(row, tmp_path):
+    """The paper's fine-tuning table uses r = 8 for every method ("We use r = 8 for all methods"; "LoRA (rank=8)",
+    "GaLore FT (rank=8)"): the README's commands for those rows project or factor at that rank, not at the size's
+    pretraining rank (128 at 60m)."""
+    argv = readme_fine_tuning_commands()[row]
+    (tmp_path / "ckpt.pt").touch()  # the flags only check that --init_from is a file
+    argv[argv.index("--init_from") + 1] = str(tmp_path / "ckpt.pt")
+    args = train.get_args(argv + ["--device", "cpu", "--out_dir", str(tmp_path / "out")])
+    rank = args.galore_rank if args.optimizer.startswith("galore") else args.rank
+    assert rank == FINETUNE[0], f"{row}: rank {rank}, the paper's fine-tuning rank is {FINETUNE[0]}"
