@@ -1,19 +1,19 @@
 """
-The paper's analyses of trained weights (§3.1, Table 2, Figures 2, 4 and 9), on a checkpoint that train.py wrote.
+The paper's analyses of trained weights (§3.1, Table 1, Figures 2, 4 and 11), on a checkpoint that train.py wrote.
 
     python analyze.py spectrum out/ckpt.pt --figures figs/          # singular values per projection, SVG per kind
     python analyze.py spectrum out/ckpt.pt --json                    # the same numbers as JSON
-    python analyze.py prune out/full/ckpt.pt --rank 128 --delta 0.03   # Table 2: full, L0, L0 + top / random δ
+    python analyze.py prune out/full/ckpt.pt --rank 128 --delta 0.03   # Table 1: full, L0, L0 + top / random δ
     python analyze.py curves run_a/metrics.jsonl run_b/metrics.jsonl --out figs/curves.svg   # Figure 4
 
 spectrum: σ of each projection's (merged) weight W. For an SLTrain weight W = s·BA + S with SVD W = UΣVᵀ, Σ splits
-into the parts the low-rank and the sparse factor carry (Appendix E): Σ = diag(Uᵀ(s·BA)V) + diag(UᵀSV), exactly.
+into the parts the low-rank and the sparse factor carry (Appendix D): Σ = diag(Uᵀ(s·BA)V) + diag(UᵀSV), exactly.
 For a full-rank weight (full, ReLoRA's merged W0 + s·BA, or SLTrain-FT's W0 + s·BA + S): the residual W - L0
 after the best rank-r approximation L0 and the share of its entries below a threshold (§3.1: 97% below 0.04 at
 60m), the paper's argument that the residual is small and spread out. prune needs a full-rank checkpoint
 (export.py --merged makes one from any other).
 
-Training from a dense checkpoint (Table 2's last rows, and the appendix's fine-tuning) lives here too, called by
+Training from a dense checkpoint (Table 1's last rows, and the appendix's fine-tuning) lives here too, called by
 train.py:
     python train.py --method sltrain --init_from out/full/ckpt.pt --freeze lowrank --support top
     python train.py --method sltrain_ft --init_from out/full/ckpt.pt     # fine-tuning: W = W0 + s·BA + S, W0 frozen
@@ -141,7 +141,7 @@ def spectrum_table(rows):
 
 def spectrum_figures(rows, folder, title):
     """One SVG per layer kind: σ against its index, one line per layer; for SLTrain the mean over layers of Σ and
-    of its low-rank and sparse parts (Figure 9)."""
+    of its low-rank and sparse parts (Figure 11)."""
     os.makedirs(folder, exist_ok=True)
     paths = []
     for kind in KINDS:
@@ -226,7 +226,7 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
         f.write(("\n".join(out) + "\n").encode())
 
 
-# ----------------------------------------------------------------------------- Table 2: pruning a dense model
+# ----------------------------------------------------------------------------- Table 1: pruning a dense model
 
 @torch.no_grad()
 def prune_weights(model, rank, delta, seed=0):
@@ -274,7 +274,7 @@ def prune_memory_refusal(model, run, batch_size):
 
 
 def prune(model, batches, rank, delta, seed=0):
-    """Table 2: validation (loss, perplexity) of the full model and of its three pruned variants."""
+    """Table 1: validation (loss, perplexity) of the full model and of its three pruned variants."""
     from train import evaluate  # the evaluation of training itself
     if model.config.method != "full":
         raise ValueError(f"prune needs a full-rank checkpoint, not {model.config.method}: train with --method full, "
@@ -372,7 +372,7 @@ def prepare_for_training(model, args, resuming):
     if not resuming and args.init_from:
         init_from_dense(model, args.init_from, support=args.support,
                         tokenizer_sha256=getattr(args, "tokenizer_sha256", None))
-    if args.freeze == "lowrank":  # Table 2's sparse training: L0 and every dense weight stay, only V learns
+    if args.freeze == "lowrank":  # Table 1's sparse training: L0 and every dense weight stay, only V learns
         freeze_all_but_values(model)
 
 
@@ -424,7 +424,7 @@ def get_args(argv=None):
                    "sltrain_ft checkpoints; default 0.04)")
     s.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the tables")
     s.add_argument("--figures", help="write one SVG per layer kind into this folder")
-    q = sub.add_parser("prune", help="Table 2: perplexity of a full-rank model pruned to L0 (+ δ of the residual)")
+    q = sub.add_parser("prune", help="Table 1: perplexity of a full-rank model pruned to L0 (+ δ of the residual)")
     q.add_argument("ckpt", help="a full-rank checkpoint written by train.py (or export.py --merged)")
     q.add_argument("--rank", type=int, help="r of L0 (default: the checkpoint's rank)")
     q.add_argument("--delta", type=float, default=0.03, help="fraction of residual entries kept, in [0, 1)")

@@ -1,10 +1,10 @@
 """
-Memory of pretraining LLaMA with each method: the paper's estimate (Table 1's Mem column, Appendix F), computed
+Memory of pretraining LLaMA with each method: the paper's estimate (Table 2's Mem column, Appendix F), computed
 from the models of model.py without allocating them (on the meta device, activations on fake tensors), and measured
 on a few real training steps.
 
-    python estimate_memory.py                                              # Table 1 + Appendix F, all sizes
-    python estimate_memory.py --size 60m --method sltrain --rank 128 --delta 0.01   # an ablation (Table 4): 43.02M
+    python estimate_memory.py                                              # Table 2 + Appendix F, all sizes
+    python estimate_memory.py --size 60m --method sltrain --rank 128 --delta 0.01   # an ablation (Table 6): 43.02M
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 1
     python estimate_memory.py --size 7b --method sltrain --optimizer adam8bit --per_layer --batch_size 8 \
         --activation_checkpointing                                         # as train.py --activation_checkpointing
@@ -76,7 +76,7 @@ SLIPS = {
                        "= 0.17G; its 102.77M stored parameters are 58.07M + 42.77M = 100.84M (still 0.20G)",
     ("350m", "galore"): "paper prints optim 0.85 (total 1.59) from a projection of 144.04M; the configuration "
                         "gives 7·24·256·1024 = 44.04M (its 60m/130m/1b projections are right)",
-    ("130m", "sltrain", 224, 0.03): "paper's Appendix F and Table 4 print total 0.58 for r=224, but its own "
+    ("130m", "sltrain", 224, 0.03): "paper's Appendix F and Table 6 print total 0.58 for r=224, but its own "
                                     "cells add to 0.20 + 0.36 = 0.56",
 }
 
@@ -317,7 +317,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         # the model as built holds the frozen projections (W0) beside the low-rank model, whose embeddings, norms
         # and head are the only ones: the paper's count (Appendix F) has those twice
         held = width * (full.num_params()["total"] - n["dense"] + n["total"])
-        row["params_m"] = full.num_params()["total"] / 1e6  # Table 1's Param column: the merged model
+        row["params_m"] = full.num_params()["total"] / 1e6  # Table 2's Param column: the merged model
 
     if method == "sltrain_ft":  # fine-tuning: the pretrained projections kept, frozen, as W0 under the factors
         frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))

@@ -22,7 +22,7 @@ from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for, length_refusal
 
-# size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §4.1 and the authors' scripts,
+# size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §5.1 and the authors' scripts,
 # whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share
 RECIPES = {"tiny": (1000, 100, 3e-3, 16), "60m": (11_000, 1100, 3e-3, 128), "130m": (22_000, 2200, 3e-3, 128),
            "350m": (65_000, 6500, 3e-3, 64), "1b": (140_000, 10_000, 3e-3, 32), "7b": (150_000, 15_000, 5e-4, 8)}
@@ -469,7 +469,7 @@ def unused_flags(method, optimizer):
 
 
 def check_baseline_flags(p, args, config, rank_given=None):
-    """GaLore's and ReLoRA's flags (the baselines of Table 1). GaLore's rank is --galore_rank, or --rank (the
+    """GaLore's and ReLoRA's flags (the baselines of Table 2). GaLore's rank is --galore_rank, or --rank (the
     authors' name for it), or the size's rank; rank_given: --rank as given, None if not."""
     galore = args.optimizer.startswith("galore")
     relora_given = [name for name in ("relora_reset", "relora_warmup", "relora_prune")

@@ -1,6 +1,6 @@
 """
 GaLore (Zhao et al. 2024, "Memory-Efficient LLM Training by Gradient Low-Rank Projection"), the baseline of the
-paper's Table 1 and Figure 3: Adam in the space of a low-rank projection of each weight's gradient, over optim.py's
+paper's Table 2 and Figure 3: Adam in the space of a low-rank projection of each weight's gradient, over optim.py's
 AdamW or Adam8bit.
 
     G (m, n)  ->  R = G Pᵀ (m, r), P (r, n) the top-r right singular vectors of G, when m >= n

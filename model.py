@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sllinear import SLLinear, one_call, projections
 
-PRETRAINING = ("full", "lowrank", "relora", "sltrain")  # the paper's Table 1 methods
+PRETRAINING = ("full", "lowrank", "relora", "sltrain")  # the paper's Table 2 methods
 METHODS = PRETRAINING + ("sltrain_ft",)  # and fine-tuning a pretrained model (its appendix)
 SPARSE = ("sltrain", "sltrain_ft")  # the methods with a sparse part S (and so a --delta)
 
@@ -46,7 +46,7 @@ class LLaMAConfig:
     packed_support: bool = False  # sltrain(_ft): each support packed, ~1.1 bytes a position where int32 takes 4
 
 
-# name -> (dim, ffn_dim, n_heads, n_layers, rank, alpha, delta): the paper's Table 1 and §4.1 defaults
+# name -> (dim, ffn_dim, n_heads, n_layers, rank, alpha, delta): the paper's Table 2 and §5.1 defaults
 SIZES = {
     "tiny": (64, 176, 4, 2, 16, 32.0, 0.03),
     "60m": (512, 1376, 8, 8, 128, 32.0, 0.03),
@@ -166,7 +166,7 @@ def train_only(model, leaves):
 
 
 def freeze_all_but_values(model):
-    """--freeze lowrank (Table 2's sparse training): only SLTrain's sparse values V learn; B, A, embeddings, norms
+    """--freeze lowrank (Table 1's sparse training): only SLTrain's sparse values V learn; B, A, embeddings, norms
     and head stay as they are."""
     train_only(model, ("values",))
 
@@ -471,8 +471,8 @@ def describe(model):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
-    # the parameter table of the paper (Table 1), counted on the meta device
-    # relora trains as many parameters as lowrank and Table 1 lists its merged model, as many as full: not repeated
+    # the parameter table of the paper (Table 2), counted on the meta device
+    # relora trains as many parameters as lowrank and Table 2 lists its merged model, as many as full: not repeated
     shown = [m for m in PRETRAINING if m != "relora"]
     print(f"{'size':>5} " + " ".join(f"{m:>9}" for m in shown) + "   (millions)")
     for size in SIZES:

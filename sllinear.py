@@ -7,7 +7,7 @@ The SLTrain linear layer: a weight that is low-rank plus sparse with a fixed ran
 "⊕_I V" scatter-adds the values V into the dense matrix at the positions I (Han et al. 2024, §3.2). For fine-tuning
 (the paper's appendix, SLTrain-FT) the merge starts from a frozen pretrained weight instead of zero,
 W = W0 + s·B A ⊕_I V; the gradients below are unchanged and W0 gets none.
-Only B, A and V are learned. Forward and backward (paper eq. (1)), with x: (N, in), z = x Wᵀ: (N, out)
+Only B, A and V are learned. Forward and backward (paper eq. (2)), with x: (N, in), z = x Wᵀ: (N, out)
 and g = ∂L/∂z:
 
     z      = x (s·BA ⊕_I V)ᵀ

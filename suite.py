@@ -91,8 +91,9 @@ MEMORY_SETTINGS = (("full", "adamw", False), ("sltrain", "adam8bit", True), ("fu
 GALORE_SETTING = ("galore", "adam8bit", True)
 MEMORY_ACCUMULATION = 2  # micro-batches an update of the memory section's last row (Figure 3's setting has one)
 PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTrain per-layer vs full-rank Adam
-# Figure 3 does not give its delta; the appendix's memory count for 7b has 194.28M sparse values, delta 0.03, where
-# 7b trains at 0.05 (§4.1). Where a size's delta differs, the memory section adds an SLTrain row at this one.
+# Figure 3 does not give its delta; a 7b memory count left commented out of the appendix's LaTeX has 194.28M sparse
+# values, delta 0.03, where 7b trains at 0.05 (§5.1). Where a size's delta differs, the memory section adds an
+# SLTrain row at this one.
 PAPER_MEMORY_DELTA = 0.03
 
 
@@ -942,7 +943,7 @@ def report_memory(r, key="memory"):
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
         print(f"{key} {size}, batch 1: {'galore' if key == 'memory_galore' else 'sltrain'} 8-bit per-layer vs full "
               f"AdamW {red}{paper}")
-        for field, what in (("reduction_at_paper_delta", f"at delta {PAPER_MEMORY_DELTA}, the appendix's count"),
+        for field, what in (("reduction_at_paper_delta", f"at delta {PAPER_MEMORY_DELTA}, the commented-out 7b count"),
                             ("reduction_packed", "with packed supports (--packed_support)"),
                             ("reduction_at_paper_delta_packed", f"at delta {PAPER_MEMORY_DELTA}, packed supports")):
             if field in P:

@@ -7,6 +7,7 @@ Tests of analyze.py and of train.py's --init_from, --freeze and --support_seed, 
 import json
 import math
 import os
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 import analyze
 import checkpoint
+import estimate_memory
+import sllinear
 import train
 from checkpoint import load_model
 from data import validation_batches
@@ -518,3 +521,83 @@ def test_prune_refuses_a_tokenizer_of_another_size(dense_ckpt, other_tokenizer, 
     got = refusal(capsys, ["prune", dense_ckpt, "--tokenizer", other_tokenizer])
     assert got == (f"analyze.py prune: tokenizer {other_tokenizer} has 80 pieces but the model 96; pass the "
                    "--tokenizer it was trained with"), got
+
+
+# ----------------------------------------------------------------------------- the paper's numbering
+
+PAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "shared", "paper", "sltrain.tex")
+
+
+def paper_numbers(tex):
+    """{label: its number as the paper prints it} from the LaTeX: tables, figures, numbered equations, sections
+    (lettered after \\appendix) and subsections, counted in the order they come, as LaTeX does; comments left
+    out."""
+    text = re.sub(r"(?<!\\)%.*", "", tex)
+    counters = dict(table=0, figure=0, equation=0, section=0, sub=0)
+    numbers, stack, last, appendix = {}, [], {}, False
+    kinds = dict(table="table", wraptable="table", figure="figure", wrapfigure="figure", equation="equation")
+    for m in re.finditer(r"\\(begin|end)\{(\w+\*?)\}|\\(caption|captionof\{table\})\{|\\label\{([^}]*)\}|"
+                         r"\\(section|subsection|appendix)\b", text):
+        if m.group(1) == "begin":
+            stack.append(m.group(2))
+            if m.group(2) == "equation":
+                counters["equation"] += 1
+                last["equation"] = str(counters["equation"])
+        elif m.group(1) == "end":
+            stack.pop()
+        elif m.group(3):
+            inner = next((e for e in reversed(stack) if e in kinds or e in ("subfigure", "algorithm")), None)
+            kind = "table" if m.group(3) != "caption" else kinds.get(inner)
+            if kind in ("table", "figure"):  # a subfigure's or an algorithm's caption is not numbered as these
+                counters[kind] += 1
+                last[kind] = last["float"] = str(counters[kind])
+        elif m.group(5) == "appendix":
+            appendix, counters["section"] = True, 0
+        elif m.group(5) == "section":
+            counters["section"], counters["sub"] = counters["section"] + 1, 0
+            n = counters["section"]
+            last["section"] = last["top"] = chr(ord("A") + n - 1) if appendix else str(n)
+        elif m.group(5) == "subsection":
+            counters["sub"] += 1
+            last["section"] = f"{last['top']}.{counters['sub']}"
+        elif m.group(4):
+            inner = next((e for e in reversed(stack) if e in kinds), None)
+            numbers[m.group(4)] = last["float" if kinds.get(inner) in ("table", "figure") else
+                                       "equation" if inner == "equation" else "section"]
+    return numbers
+
+
+@pytest.mark.skipif(not os.path.isfile(PAPER), reason="the paper's LaTeX (../shared/paper) is not here")
+def test_the_docs_cite_the_papers_tables_figures_and_sections_by_its_numbers():
+    """Where the README and the modules name a table, figure, appendix or equation of the paper, the number is the
+    one the paper prints for it (its pruning table is Table 1, its main comparison Table 2, ...)."""
+    with open(PAPER, encoding="utf-8") as f:
+        numbers = paper_numbers(f.read())
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    cited = [  # (where, a pattern whose group is the number, the paper's label for what it names)
+        (readme, r"the paper's recipe \(§([\d.]+) and", "sect:pretrain"),
+        (readme, r"7b: 5e-4, §([\d.]+)'s", "sect:pretrain"),
+        (readme, r"Initialization follows §([\d.]+)", "sect:practical_consider"),
+        (readme, r"`prune` is Table (\w+) on a full-rank", "tab:random_top_sparse"),
+        (readme, r"computes Table (\w+)'s memory column", "main_table_llama"),
+        (readme, r"the Appendix (\w) breakdown", "app:memory_estimation"),
+        (readme, r"diag\(UᵀSV\) \(Appendix (\w)", "sect:distribution_sing"),
+        (readme, r"diag\(UᵀSV\) \(Appendix \w, Figure (\w+)\)", "fig:svd_plot"),
+        (readme, r"gathered at I \(eq\. \((\w+)\)\)", "gradient_me"),
+        (readme, r"For Figure (\w+)'s memory baseline", "fig:actual_memory"),
+        (readme, r"compares the two \(Table (\w+)\)", "tab:"),
+        (analyze.__doc__, r"# Table (\w+): full, L0", "tab:random_top_sparse"),
+        (analyze.__doc__, r"the sparse factor carry \(Appendix (\w)\)", "sect:distribution_sing"),
+        (estimate_memory.__doc__, r"the paper's estimate \(Table (\w+)'s Mem column", "main_table_llama"),
+        (estimate_memory.__doc__, r"an ablation \(Table (\w+)\)", "table:ablation_l_s_delta"),
+        (sllinear.__doc__, r"paper eq\. \((\w+)\)", "gradient_me"),
+        (train.__doc__, r"recipe for each size \(§([\d.]+)", "sect:pretrain"),
+    ]
+    wrong = []
+    for text, pattern, label in cited:
+        found = re.search(pattern, text)
+        assert found, f"no match for {pattern!r}"
+        if found.group(1) != numbers[label]:
+            wrong.append(f"{found.group(0)!r} names {label}, which the paper numbers {numbers[label]}")
+    assert not wrong, "\n".join(wrong)

@@ -92,7 +92,7 @@ def test_fresh_buffers_are_written_not_read(monkeypatch, rank, nnz):
 
 
 def test_grad_values_is_dense_gradient_at_support():
-    # eq. (1): ∇_V L = (∇_z L xᵀ)_I, the dense weight gradient gathered at the support
+    # eq. (2): ∇_V L = (∇_z L xᵀ)_I, the dense weight gradient gathered at the support
     B, A, values, indices = random_factors(8, 6, 2, 15)
     x, grad_y = torch.randn(11, 6, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
     (grad_v,) = torch.autograd.grad(sl_linear(x, B, A, values, indices, 1.5), values, grad_y)
@@ -796,7 +796,7 @@ def test_compiled_operators_call_their_function_with_no_python_between(op):
 
 # ----------------------------------------------------------------------------- the model
 
-PAPER_PARAMS_M = {  # Table 1 / Appendix F, millions
+PAPER_PARAMS_M = {  # Table 2 / Appendix F, millions
     "60m": {"full": 58.07, "lowrank": 42.78, "sltrain": 43.53},
     "130m": {"full": 134.11, "lowrank": 94.00, "sltrain": 96.55},
     "350m": {"full": 367.97, "lowrank": 185.22, "sltrain": 194.29},
@@ -823,7 +823,7 @@ def test_parameter_breakdown_and_ablation_counts():
     assert [round(n[k] / 1e6, 2) for k in ("total", "dense", "lowrank", "sparse")] == [43.02, 32.78, 9.99, 0.25]
     n = LLaMA(config_for("130m", method="sltrain", rank=288), device="meta").num_params()
     assert round(n["total"] / 1e6, 2) == 102.15
-    # 7b: the dense parameters the paper names, 262.41M base
+    # 7b: 262.41M base, the dense parameters of a 7b count left commented out of the paper's appendix
     n = LLaMA(config_for("7b", method="sltrain"), device="meta").num_params()
     assert round(n["dense"] / 1e6, 2) == 262.41
 

@@ -244,7 +244,7 @@ def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at
     assert mem["reduction"] == pytest.approx(1 - default["estimate_gb"] / full["estimate_gb"])
     suite.report_memory({"memory": {"tiny": mem}})
     out = capsys.readouterr().out
-    assert f"sltrain at delta 0.05, the appendix's count: -{100 * mem['reduction_at_paper_delta']:.1f}%" in out
+    assert f"sltrain at delta 0.05, the commented-out 7b count: -{100 * mem['reduction_at_paper_delta']:.1f}%" in out
     assert f"sltrain with packed supports (--packed_support): -{100 * mem['reduction_packed']:.1f}%" in out
     assert f"sltrain at delta 0.05, packed supports: -{100 * mem['reduction_at_paper_delta_packed']:.1f}%" in out
     monkeypatch.setattr(suite, "PAPER_MEMORY_DELTA", 0.03)  # tiny's own: no extra rows

@@ -9,7 +9,7 @@ Pretrain a LLaMA on C4 with SLTrain (W = s·BA + S), low-rank, or full-rank weig
     python train.py --size 60m --method full --optimizer galore_adamw   # the baselines: GaLore, and ReLoRA
     python train.py --size 60m --method relora
 
-Defaults are the paper's recipe for each size (§4.1 and the authors' scripts); every flag has a help line, and is
+Defaults are the paper's recipe for each size (§5.1 and the authors' scripts); every flag has a help line, and is
 checked before any work (flags.py). What a run keeps in out_dir (the lock, metrics.jsonl, ckpt.pt) is keeper.py's.
 The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha, ...) are accepted too.
 """
