@@ -10,6 +10,7 @@ arithmetic (total = micro-batch x accumulation x devices), and whether the run f
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -588,20 +589,27 @@ def check_bf16_decay(p, args, device):
     """Refuse a --weight_decay that bf16 parameters cannot take. Every optimizer here decays as torch's AdamW does, by
     a multiply of its own, w·(1 - lr·wd), rounded to the parameter's dtype; in bf16, for lr·wd < 2⁻⁹ (half a step of
     bf16's 8-bit significand, relative to any weight) that rounds back to w: nothing decays, at any weight, ever
-    (the schedule only lowers lr). --amp keeps float32 parameters, where it does decay."""
+    (the schedule only lowers lr). --amp keeps float32 parameters, where it does decay. A resume is asked once its
+    checkpoint gives the run's own dtype (train.load_for_resume): a float32 run goes on in float32 on a GPU too."""
+    if args.resume:
+        return
     refusal = bf16_decay_refusal(args, run_dtype(args, device))
     if refusal:
         p.error(refusal)
 
 
-def bf16_decay_refusal(args, dtype):
+def bf16_decay_refusal(args, dtype, resuming=False):
     """check_bf16_decay's refusal for parameters of dtype, or None; train.py asks again once a resume has taken the
-    run's own dtype, lr and weight decay."""
+    run's own dtype, lr and weight decay (resuming: a bf16 run cannot take --amp, whose parameters are float32)."""
     if dtype == "bfloat16" and not args.eval_only and args.weight_decay and args.lr * args.weight_decay < 2 ** -9:
+        least = 2 ** -9 / args.lr  # the smallest decay that acts, rounded up to 3 digits
+        digits = 2 - math.floor(math.log10(least))
+        fix = (f"the run's parameters stay bf16 (--amp's are float32, another dtype): pass --weight_decay 0, or one "
+               f"of at least {math.ceil(least * 10 ** digits) / 10 ** digits:g} at --lr {args.lr:g}") if resuming else \
+            "pass --amp (float32 parameters, bf16 compute) to decay, or --weight_decay 0"
         return (f"--weight_decay {args.weight_decay} with bf16 parameters: its decay per update, lr x weight_decay = "
                 f"{args.lr * args.weight_decay:.2g} at most, is under 2^-9, half a bf16 step of any weight, so it "
-                "rounds away and would do nothing; pass --amp (float32 parameters, bf16 compute) to decay, or "
-                "--weight_decay 0")
+                f"rounds away and would do nothing; {fix}")
     return None
 
 

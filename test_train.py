@@ -336,14 +336,50 @@ def test_a_resume_past_a_warmups_end_keeps_the_runs_warmup(corpus, tmp_path, bef
 def test_a_decay_a_resumed_bf16_run_cannot_take_is_refused(corpus, tmp_path):
     """On a CPU a new run's parameters are float32, where any decay acts; a resume without --dtype takes the run's
     bf16, where --weight_decay 0.1 at lr 3e-3 rounds away: refused once the run's dtype is known, before any update,
-    as at the start of a bf16 run. --amp's float32 parameters are another dtype, refused as a change."""
+    as at the start of a bf16 run. --amp's float32 parameters are another dtype, which this resume refuses too (naming
+    --amp, not a --dtype it was not given), so the refusal names fixes the resume takes: --weight_decay 0, or one at
+    the bound it names."""
     train.main(base_args(corpus, tmp_path, 4, "--dtype", "bfloat16", "--lr", "3e-3", "--stop_after", "2"))
-    with pytest.raises(SystemExit, match=r"^--resume: .*ckpt.pt holds bf16 parameters, and --weight_decay 0.1 with "
-                                         r"bf16 parameters: .*pass --amp"):
+    with pytest.raises(SystemExit) as e:
         train.main(base_args(corpus, tmp_path, 4, "--resume", "--weight_decay", "0.1"))
+    found = re.search(r"^--resume: .*ckpt.pt holds bf16 parameters, and --weight_decay 0.1 with bf16 parameters: .* "
+                      r"would do nothing; (.*)$", str(e.value))
+    assert found and "pass --amp" not in found[1], e.value  # --amp is refused on this resume: no fix to name
+    bound = re.fullmatch(r".*: pass --weight_decay 0, or one of at least ([\d.]+) at --lr 0.003", found[1])
+    assert bound, found[1]
+    with pytest.raises(SystemExit, match=r"dtype bfloat16 \(now float32, by --amp: drop --amp\)"):
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--weight_decay", "0.1", "--amp"))
     assert final_state(tmp_path)["step"] == 2
-    train.main(base_args(corpus, tmp_path, 4, "--resume", "--weight_decay", "1.0"))  # lr x 1.0 > 2^-9: it acts
-    assert final_state(tmp_path)["step"] == 4 and final_state(tmp_path)["args"]["weight_decay"] == 1.0
+    train.main(base_args(corpus, tmp_path, 4, "--resume", "--weight_decay", bound[1]))  # lr x bound >= 2^-9: it acts
+    assert final_state(tmp_path)["step"] == 4 and final_state(tmp_path)["args"]["weight_decay"] == float(bound[1])
+
+
+def test_an_amp_run_resumed_without_amp_on_a_gpu_is_refused_naming_amp(corpus, tmp_path, monkeypatch):
+    """An --amp run's parameters are float32; resumed on a GPU (faked) without --amp, the device's pure bf16 is
+    another dtype: refused, naming --amp, the flag that made the difference."""
+    train.main(base_args(corpus, tmp_path, 4, "--amp", "--stop_after", "2"))
+    one_gpu(monkeypatch, 70e9)
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--device", "cuda"))
+    assert "dtype float32 (now bfloat16, the run's was --amp's: pass --amp)" in str(e.value), e.value
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, 4, "--resume", "--device", "cuda", "--dtype", "bfloat16"))
+    assert "the run's was --amp's: pass --amp instead of --dtype" in str(e.value), e.value
+
+
+def test_a_float32_run_with_a_decay_resumes_on_a_gpu_in_float32(corpus, tmp_path, monkeypatch):
+    """A resume without --dtype takes the run's own, also on a GPU (faked), whose default is bf16: a float32 run's
+    --weight_decay 0.1 at lr 3e-3, which bf16 would round away, is checked against the run's float32, not refused
+    as bf16's, whether the command line repeats it or not."""
+    train.main(base_args(corpus, tmp_path, 4, "--lr", "3e-3", "--weight_decay", "0.1", "--stop_after", "2"))
+    one_gpu(monkeypatch, 70e9)
+    for extra in ([], ["--weight_decay", "0.1"]):
+        args = train.get_args(base_args(corpus, tmp_path, 4, "--resume", "--device", "cuda", *extra))
+        args.dtype = flags.run_dtype(args, torch.device("cuda"))  # as train.setup: the device's default, bf16
+        args.tokenizer_sha256 = final_state(tmp_path)["args"]["tokenizer_sha256"]
+        train.load_for_resume(args, 96, 1, torch.device("cuda"), dtype_given=False, given=flags.given_flags(
+            base_args(corpus, tmp_path, 4, "--resume", "--device", "cuda", *extra)))
+        assert (args.dtype, args.weight_decay) == ("float32", 0.1), (extra, args.dtype, args.weight_decay)
 
 
 def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):

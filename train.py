@@ -185,7 +185,13 @@ def same_run(args, ckpt, path, vocab_size, dtype_given):
     must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
     def same(k):  # a data folder reached through a link is the same folder
         return same_file(old[k], args.data_dir) if k == "data_dir" and old.get(k) else old.get(k) == getattr(args, k)
-    diff = [f"{k} {old.get(k)} (now {getattr(args, k)})" for k in must_match if not same(k)]
+    def why(k):  # --amp sets the dtype too (float32): a difference it makes is named by it, not by --dtype
+        if k == "dtype" and args.amp and not old.get("amp"):
+            return f", by --amp: drop --amp{' and --dtype' if dtype_given else ''}"
+        if k == "dtype" and old.get("amp") and not args.amp:
+            return f", the run's was --amp's: pass --amp{' instead of --dtype' if dtype_given else ''}"
+        return ""
+    diff = [f"{k} {old.get(k)} (now {getattr(args, k)}{why(k)})" for k in must_match if not same(k)]
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
     if not args.eval_only and "optimizer" not in ckpt:
@@ -233,7 +239,7 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     fits = micro and args.total_batch_size % (micro * world) == 0  # (on another number of processes it may not)
     if fits and not {"batch_size", "gradient_accumulation"} & set(given):
         args.batch_size, args.gradient_accumulation = micro, args.total_batch_size // (micro * world)
-    refusal = flags.bf16_decay_refusal(args, args.dtype)  # the run's dtype, lr and decay, known only now
+    refusal = flags.bf16_decay_refusal(args, args.dtype, resuming=True)  # the run's dtype, lr and decay, known now
     if refusal:
         raise SystemExit(f"--resume: {path} holds bf16 parameters, and {refusal}")
     step = ckpt["step"]
