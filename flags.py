@@ -151,7 +151,8 @@ def make_parser(description=None):
     a("--grad_clipping", type=float, help="clip the global gradient norm to this, 0: off (default: 1.0 at 7b, as its "
       "authors' script, unless --per_layer, which cannot clip globally; else 0)")
     a("--activation_checkpointing", action="store_true", help="recompute each block in backward")
-    a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU)")
+    a("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 on GPU, float32 on CPU; "
+      "--resume and --eval_only take the run's)")
     a("--amp", action="store_true", help="mixed precision: float32 parameters and optimizer state, bf16 autocast "
       "for forward and backward (the default on GPU is the paper's pure bf16)")
     a("--compile", action="store_true", help="torch.compile each transformer block (model.compile_blocks: one "

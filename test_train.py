@@ -1562,6 +1562,24 @@ def test_eval_only_cuts_the_validation_set_as_the_run_did_unless_told(corpus, tm
     assert "the run's own --pack True, --eval_tokens 2000" in out and "sequences of 32 tokens" in out, out
 
 
+@pytest.mark.parametrize("precision", [["--amp"], ["--dtype", "bfloat16"]])
+def test_eval_only_computes_as_the_run_did_unless_told(precision, corpus, tmp_path, capsys):
+    """An --amp or a bf16 run evaluated without --amp or --dtype computed in the device's default (float32 on a CPU)
+    and gave another val_loss than its own (3.9393 against 3.9391): it takes the run's and says so; a --dtype
+    given is honored."""
+    train.main(base_args(corpus, tmp_path, 2, *precision))
+    val = metrics(tmp_path)[1][-1]["val_loss"]
+    capsys.readouterr()
+    train.main(eval_args(corpus, tmp_path))
+    out = capsys.readouterr().out
+    said = "--amp (bf16 compute)" if precision == ["--amp"] else "--dtype bfloat16"
+    assert f"--eval_only: the run's own {said} (pass others to choose)" in out, out
+    assert f"at step 2 | val loss {val:.4f}" in out, out
+    train.main(eval_args(corpus, tmp_path, "--dtype", "float32"))
+    out = capsys.readouterr().out
+    assert "--eval_only: the run's own" not in out and "| float32 |" in out, out
+
+
 def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tmp_path, capsys):
     """Evaluation depends on the model and the tokenizer alone: the training run's batch, schedule, optimizer and
     seed need not be repeated, and another model is one line naming its flags. The batch need not divide an update

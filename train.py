@@ -178,9 +178,10 @@ def same_run(args, ckpt, path, vocab_size, dtype_given):
         old["adam8bit_kernel"] = "auto" if old.get("optimizer", "").endswith("adam8bit") else None
     if args.init_from is None:  # the run's start, read once when it began: the file need not exist any more
         args.init_from = old.get("init_from")
-    if not (dtype_given or args.eval_only or args.amp) and old.get("dtype") and not old.get("amp"):
+    if not (dtype_given or args.amp) and old.get("dtype") and (args.eval_only or not old.get("amp")):
         args.dtype = old["dtype"]  # the device's default was for a new run
-    # evaluation needs the same model and tokenizer only: batch, data, dtype and length are this run's to choose
+        args.amp = bool(args.eval_only and old.get("amp"))  # evaluated as it trained: its val_loss again
+    # evaluation needs the same model and tokenizer only: batch, data, dtype and length are its own to choose
     unused = flags.unused_flags(args.method, args.optimizer)  # an older run may have stored them
     must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
     def same(k):  # a data folder reached through a link is the same folder
@@ -214,6 +215,7 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
     new run (flags.check_memory, on `device`), at the run's own settings."""
     path = resume_path(args)  # (there: prepare checked, flags.no_checkpoint)
+    precision = (args.dtype, args.amp)  # the device's default, or the command line's
     peeked = checkpoint.peek(path)  # its args, without reading its tensors: another run's is refused at once, not
     if isinstance(peeked, dict) and {"args", "model_config"} <= set(peeked):  # after a read of minutes at 7b
         same_run(args, peeked, path, vocab_size, dtype_given)
@@ -227,8 +229,12 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
         kept = [k for k in EVAL_KEPT if k not in given and k in old and old[k] != getattr(args, k)]
         for k in kept:
             setattr(args, k, old[k])
+        said = [f"--{k} {old[k]}" for k in kept]
+        if (args.dtype, args.amp) != precision:  # same_run took the run's, which the command line did not name
+            kept.append("dtype")
+            said.insert(0, "--amp (bf16 compute)" if args.amp else f"--dtype {args.dtype}")
         if kept and master:
-            print(f"--eval_only: the run's own {', '.join(f'--{k} {old[k]}' for k in kept)} (pass others to choose)")
+            print(f"--eval_only: the run's own {', '.join(said)} (pass others to choose)")
         if kept:
             flags.check_memory(flags.make_parser(), args, device, world)  # at the run's length
         return ckpt, path
