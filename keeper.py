@@ -334,6 +334,9 @@ class Keeper:
         except checkpoint.SaveFailed as e:  # last_good is still the one before
             said = after_failed_write(e.cause, self.last_good)
             raise SystemExit(f"{e}. {said[0].upper()}{said[1:]}") from None
+        # written whole: on the master at once, before the ranks agree on it in master_writes, so that should that
+        # collective fail (a rank killed meanwhile) the line names this checkpoint, not the one it replaced
+        self.last_good[:] = self.path, state["step"]
 
     def close(self):
         if self.metrics:

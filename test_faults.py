@@ -324,28 +324,36 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(corpus, tmp_path)
     assert 2 <= state["step"] < 60 and state["world"] == 2 and all(state["data"])
 
 
-def test_a_rank_killed_mid_run_leaves_the_others_one_line_and_the_last_checkpoint(corpus, tmp_path):
-    """One rank killed outright (the OOM killer's SIGKILL, which no handler sees) while the others train: each rank
-    left finds its next collective failed (gloo here, NCCL on GPUs) and says so in one line, with the checkpoint to
-    resume from, where it printed gloo's traceback from inside backward. torchrun then reports the dead rank."""
+def kill_rank_at(cmd, marker, rank=1, after=0.0):
+    """Runs cmd (torchrun) and SIGKILLs one rank `after` seconds past the first output line starting with marker, as
+    the OOM killer does: no handler sees it. Returns (torchrun's exit code, the whole output)."""
     from suite import process_tree
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(HERE / "train.py"),
-           *base_args(corpus, tmp_path, 200, "--total_batch_size", "6", "--batch_size", "2", "--save_every", "2")]
     proc, lines = start(cmd), []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("step 5/"):  # saved at step 4
-                rank_1 = [pid for pid in process_tree(proc.pid) if pid != proc.pid and
-                          b"\0RANK=1\0" in b"\0" + open(f"/proc/{pid}/environ", "rb").read()]
-                os.kill(rank_1[0], signal.SIGKILL)
+            if line.startswith(marker):
+                time.sleep(after)
+                pids = [pid for pid in process_tree(proc.pid) if pid != proc.pid and
+                        f"\0RANK={rank}\0".encode() in b"\0" + open(f"/proc/{pid}/environ", "rb").read()]
+                assert len(pids) == 1, pids
+                os.kill(pids[0], signal.SIGKILL)
                 break
         rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    output = "".join(lines) + rest
-    assert proc.returncode != 0 and len(rank_1) == 1, output[-3000:]
+    return proc.returncode, "".join(lines) + rest
+
+
+def test_a_rank_killed_mid_run_leaves_the_others_one_line_and_the_last_checkpoint(corpus, tmp_path):
+    """One rank killed outright (the OOM killer's SIGKILL, which no handler sees) while the others train: each rank
+    left finds its next collective failed (gloo here, NCCL on GPUs) and says so in one line, with the checkpoint to
+    resume from, where it printed gloo's traceback from inside backward. torchrun then reports the dead rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(HERE / "train.py"),
+           *base_args(corpus, tmp_path, 200, "--total_batch_size", "6", "--batch_size", "2", "--save_every", "2")]
+    returncode, output = kill_rank_at(cmd, "step 5/")  # saved at step 4
+    assert returncode != 0, output[-3000:]
     for rank in (0, 2):
         said = [line for line in output.splitlines() if line.startswith(f"rank {rank}: ")]
         assert len(said) == 1 and "a collective with the other ranks failed" in said[0], output[-3000:]
@@ -353,6 +361,23 @@ def test_a_rank_killed_mid_run_leaves_the_others_one_line_and_the_last_checkpoin
     assert 'train.py", line' not in output, output[-3000:]  # no traceback through train.py
     state = final_state(tmp_path)
     assert 4 <= state["step"] < 200 and state["world"] == 3
+
+
+def test_a_rank_killed_while_rank_0_writes_a_checkpoint_leaves_the_line_naming_that_one(corpus, tmp_path):
+    """Rank 1 killed while rank 0 writes the checkpoint of update 4 (tens of seconds at 7b): the write ends whole,
+    then the ranks' agreement on it fails. Rank 0's line names that checkpoint's step, not the one before it."""
+    script = tmp_path / "slow_save.py"  # train.py whose checkpoint writes take 3 s
+    script.write_text(f"import sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport checkpoint, train\n"
+                      "save = checkpoint.save\ndef slow(path, state):\n"
+                      "    print(f'saving step {state[\"step\"]}', flush=True)\n    time.sleep(3)\n"
+                      "    save(path, state)\ncheckpoint.save = slow\ntrain.main(sys.argv[1:])\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *base_args(corpus, tmp_path / "out", 200, "--batch_size", "2", "--save_every", "2")]
+    output = kill_rank_at(cmd, "saving step 4")[1]
+    said = [line for line in output.splitlines() if line.startswith("rank 0: ")]
+    assert len(said) == 1 and "a collective with the other ranks failed" in said[0], output[-3000:]
+    assert final_state(tmp_path / "out")["step"] == 4
+    assert said[0].endswith(f"rerun with --resume {tmp_path}/out/ckpt.pt (step 4)"), said[0]
 
 
 def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_path):
@@ -368,6 +393,48 @@ def test_ranks_whose_torchrun_is_killed_while_they_set_up_end_too(corpus, tmp_pa
     assert "step 1/" not in output and not (tmp_path / "out" / "ckpt.pt").exists(), output[-3000:]
     assert "stopped by SIGTERM before the first update: nothing was saved" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+def slow_on_rank(tmp_path, name, rank, what):
+    """train.py as a script whose train.<what> on one rank says `name` and then takes 30 s: the other ranks go on
+    to their next collective and wait there, as they do while a rank loads a large checkpoint or builds a model."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport train\nslow = train.{what}\n"
+                      f"def {what}(*a):\n    if os.environ['RANK'] == '{rank}':\n"
+                      f"        print({name!r}, flush=True)\n        time.sleep(30)\n    return slow(*a)\n"
+                      f"train.{what} = {what}\ntrain.main(sys.argv[1:])\n")
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+
+
+def test_a_rank_killed_while_the_ranks_set_up_leaves_the_others_one_line(corpus, tmp_path):
+    """A rank killed before the first update (the OOM killer, as every rank reads the checkpoint it resumes): the
+    rank waiting for it in a collective of the setup (here DDP's broadcast of the supports) says so in one line, as
+    mid-run, where it printed gloo's traceback through train.py."""
+    cmd = slow_on_rank(tmp_path, "building", 1, "build") + base_args(corpus, tmp_path / "out", 4, "--batch_size", "2")
+    output = kill_rank_at(cmd, "building", after=1.0)[1]  # rank 0 is in the broadcast of the supports by then
+    said = [line for line in output.splitlines() if line.startswith("rank 0: ")]
+    assert len(said) == 1 and "setting up the run: a collective with the other ranks failed" in said[0], output[-3000:]
+    assert "Nothing was trained yet: run the same command again" in said[0], said[0]
+    assert 'train.py", line' not in output and "[rank0]" not in output, output[-3000:]
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("eval_only", [False, True], ids=["train", "eval-only"])
+def test_a_stop_signal_while_one_rank_still_sets_up_is_one_line(corpus, tmp_path, eval_only):
+    """torchrun passes the signal to every rank at once; one still setting up (rank 0 here, after the last collective
+    of the setup) stops before the first update, while the other, set up, waits for it in its first collective (the
+    metrics opened, or the evaluation's). That one must stop with it in silence, where it printed gloo's traceback
+    through train.py, or said that a rank had died."""
+    out = tmp_path / "out"
+    if eval_only:
+        train.main(base_args(corpus, out, 1))
+    args = eval_args(corpus, out) if eval_only else base_args(corpus, out, 4, "--batch_size", "2")
+    output = signal_group_at(start(slow_on_rank(tmp_path, "describing", 0, "describe") + args), "describing",
+                             signal.SIGTERM)
+    assert output.count("stopped by SIGTERM before the first update: nothing was saved") == 1, output[-3000:]
+    assert 'train.py", line' not in output and "[rank1]" not in output, output[-3000:]
+    assert "a collective with the other ranks failed" not in output and "step 1/" not in output, output[-3000:]
+    assert final_state(out)["step"] == 1 if eval_only else not (out / "ckpt.pt").exists()
 
 
 def test_ranks_whose_torchrun_is_killed_while_they_import_torch_end_too(corpus, tmp_path):

@@ -329,12 +329,22 @@ def lost_a_rank(error):
                for e in causes(error))
 
 
-def rank_lost(run, where, error, fix):
+def rank_lost(rank, where, error, fix):
     """The line for a collective that failed mid-run, said by each rank left (its own view of the failure)."""
     said = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return RankFault(f"rank {run.rank}: {where}: a collective with the other ranks failed ({said.strip()[:200]}): "
+    return RankFault(f"rank {rank}: {where}: a collective with the other ranks failed ({said.strip()[:200]}): "
                      f"a rank died (torchrun's report names it and its exit code; -9 is a kill, often for memory) "
                      f"or the network broke. {fix}")
+
+
+def lost_in_setup(rank, error, signalled):
+    """The line for a collective that failed before the first update. torchrun signals every rank at once: a rank
+    still setting up stops there (StoppedBeforeTheRun) and ends, while one already set up waits for it in a
+    collective, which fails. Signalled too, that rank stops with it (said once, by local rank 0); else another rank
+    died in its setup (killed for memory as it read the checkpoint, say). Nothing was trained yet either way."""
+    if signalled:
+        return SystemExit(f"stopped by {signalled} before the first update: nothing was saved")
+    return rank_lost(rank, "setting up the run", error, "Nothing was trained yet: run the same command again")
 
 
 def out_of_memory(args, run, where, last_good):
@@ -738,6 +748,10 @@ def main(argv=None, exiting=False):
             except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
                 raise SystemExit(f"stopped by {str(e) or 'Ctrl-C'} before the first update: nothing was saved") \
                     from None
+            except Exception as e:  # under torchrun: a collective of the setup (the lock, DDP's broadcasts) failed
+                if "RANK" in os.environ and lost_a_rank(e):
+                    raise lost_in_setup(int(os.environ["RANK"]), e, early.signal) from None
+                raise
             finally:  # from here a signal is the run's to answer, or comes while this exit unwinds
                 early.armed = False
             run_or_evaluate(args, *prepared, list(original), early)
@@ -773,8 +787,11 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered, early):
             try:
                 result = evaluate(run.raw_model, val, device, rank, world, stop)
             except Exception as e:
+                if run.world > 1 and lost_a_rank(e) and stop["signal"]:  # another rank took it setting up
+                    raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only "
+                                     "again") from None
                 if run.world > 1 and lost_a_rank(e):
-                    raise rank_lost(run, "the evaluation", e, "Run --eval_only again") from None
+                    raise rank_lost(run.rank, "the evaluation", e, "Run --eval_only again") from None
                 if not ran_out_of_memory(e):
                     raise
                 raise out_of_memory(args, run, "the evaluation", None) from None
@@ -821,7 +838,12 @@ def train_loader(args, rank, world, ckpt):
 
 def train(args, run, ckpt, val, loader, stop):
     """Exactly num_training_steps updates (from the checkpoint's step on), with logs, evaluations and checkpoints."""
-    loop = Loop(args, run, ckpt, val, loader, stop)
+    try:
+        loop = Loop(args, run, ckpt, val, loader, stop)  # its first collective: the metrics opened (Keeper)
+    except Exception as e:
+        if run.world > 1 and lost_a_rank(e):
+            raise lost_in_setup(run.rank, e, stop["signal"]) from None
+        raise
     batches, syncs = iter(loop.loader), HostSyncs(run.device) if args.sync_debug else None
 
     def watching(done):  # --sync_debug: the updates between log, eval and save steps, which should never sync
@@ -866,7 +888,7 @@ def train(args, run, ckpt, val, loader, stop):
             good = loop.keeper.last_good
             fix = (f"Nothing since the last checkpoint is kept: rerun with --resume {good[0]} (step {good[1]})"
                    if good else f"No checkpoint was saved yet: {START_AGAIN}")
-            raise rank_lost(run, where, e, fix) from None
+            raise rank_lost(run.rank, where, e, fix) from None
         if not ran_out_of_memory(e):
             raise
         raise out_of_memory(args, run, where, loop.keeper.last_good) from None
