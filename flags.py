@@ -578,7 +578,7 @@ def resolve_device_and_batch(p, args):
                 f"{world} devices; pass {fix}")
     args.gradient_accumulation = args.total_batch_size // per_micro
     if not args.resume:  # a resume is checked once it has taken the run's own batch and dtype (load_for_resume)
-        check_memory(p, args, device, world)
+        check_memory(p, args, device, world, accumulation_given=accumulation is not None)
 
 
 def run_dtype(args, device):
@@ -632,12 +632,13 @@ def cuda_device(p, args, device, local_rank):
     return device
 
 
-def check_memory(p, args, device, world):
+def check_memory(p, args, device, world, accumulation_given=False):
     """Refuse, before anything is built, a run whose estimated peak (estimate_memory.py at this run's settings) exceeds
-    the memory it has, naming a --batch_size that fits. On CPU: 80% of the machine's memory, shared by the ranks;
-    beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of its free memory (other
-    processes' and CUDA's own context already taken out), the rest left to the allocator; beyond it CUDA would run
-    out of memory once the model is built."""
+    the memory it has, naming a --batch_size that fits (and, where the command line gave --gradient_accumulation, the
+    one that makes up the update with it: a --batch_size alone would be refused then). On CPU: 80% of the machine's
+    memory, shared by the ranks; beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of
+    its free memory (other processes' and CUDA's own context already taken out), the rest left to the allocator;
+    beyond it CUDA would run out of memory once the model is built."""
     there = memory_there(device, world)
     if there is None:
         return
@@ -663,13 +664,16 @@ def check_memory(p, args, device, world):
     divides = lambda b: args.eval_only or args.total_batch_size % (b * world) == 0  # an update's batch must divide
     smaller = lambda **kw: next((b for b in range(args.batch_size - 1, 0, -1)
                                  if divides(b) and need(b, **kw) <= share * available), None)
+    def batch(b):  # a given --gradient_accumulation stays unless named anew: the micro-batch alone cannot change
+        return f"--batch_size {b}" + (f" --gradient_accumulation {args.total_batch_size // (b * world)}"
+                                      if accumulation_given and not args.eval_only else "")
     fits = smaller()
-    fixes = [f"pass --batch_size {fits}"] if fits else []
+    fixes = [f"pass {batch(fits)}"] if fits else []
     if not args.eval_only and not args.activation_checkpointing:
         if need(args.batch_size, True) <= share * available:
             fixes.append("add --activation_checkpointing")
         elif not fits and smaller(checkpointing=True):  # neither alone, both together
-            fixes.append(f"pass --batch_size {smaller(checkpointing=True)} with --activation_checkpointing")
+            fixes.append(f"pass {batch(smaller(checkpointing=True))} with --activation_checkpointing")
     if method in SPARSE and not args.packed_support and need(args.batch_size, packed=True) <= share * available:
         fixes.append("add --packed_support")
     fix = " or ".join(fixes) or "pick a smaller --size or more memory"

@@ -257,7 +257,8 @@ def test_a_resume_without_the_runs_flags_takes_the_runs_own(corpus, tmp_path, ca
             "--total_batch_size", "8", "--max_length", "32", "--workers", "0"]
     capsys.readouterr()
     checked, check = [], flags.check_memory
-    spy = lambda p, args, *rest: (checked.append((args.batch_size, args.dtype)), check(p, args, *rest))  # noqa: E731
+    spy = lambda p, args, *rest, **kw: (checked.append((args.batch_size, args.dtype)),  # noqa: E731
+                                        check(p, args, *rest, **kw))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(flags, "check_memory", spy)
         train.main(bare + ["--resume"])
@@ -390,7 +391,8 @@ def test_a_resume_without_dtype_takes_the_runs_own(corpus, tmp_path):
         train.main(base_args(corpus, tmp_path, 4, "--resume", "--dtype", "float32"))
     checked, check = [], flags.check_memory
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(flags, "check_memory", lambda p, args, *rest: (checked.append(args.dtype), check(p, args, *rest)))
+        m.setattr(flags, "check_memory", lambda p, args, *rest, **kw: (checked.append(args.dtype),
+                                                                      check(p, args, *rest, **kw)))
         train.main(base_args(corpus, tmp_path, 4, "--resume"))
     assert checked == ["bfloat16"], checked
     state = final_state(tmp_path)
@@ -1220,6 +1222,24 @@ def test_cpu_run_that_cannot_fit_is_refused_naming_a_batch_size(monkeypatch, cap
     assert args.batch_size == flags.CPU_MICRO  # not the GPU micro-batch of 128
 
 
+@pytest.mark.parametrize("given", [["--gradient_accumulation", "1"],
+                                   ["--batch_size", "512", "--gradient_accumulation", "1"]])
+def test_a_run_that_cannot_fit_at_a_given_accumulation_names_a_fix_that_is_taken(monkeypatch, capsys, given):
+    """With --gradient_accumulation given, the micro-batch is the update's share of it: the refusal named a smaller
+    --batch_size alone, which the batch arithmetic then refused (and its fix, to drop --batch_size, led back to the
+    first refusal). It names the accumulation that makes up the update with it, and that fix is taken."""
+    pages = {"SC_PHYS_PAGES": 24 * 2**30 // 4096, "SC_PAGE_SIZE": 4096}  # a 24 GB machine, whatever runs the test
+    monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
+    argv = ["--size", "60m", "--device", "cpu", *given]  # 512 sequences of 256 tokens in one micro-batch
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    err = capsys.readouterr().err.strip()
+    found = re.search(r"--batch_size 512 needs about .* pass --batch_size (\d+) --gradient_accumulation (\d+)$", err)
+    assert found and int(found[1]) * int(found[2]) == 512, err
+    args = train.get_args(argv + ["--batch_size", found[1], "--gradient_accumulation", found[2]])
+    assert (args.batch_size, args.gradient_accumulation) == (int(found[1]), int(found[2]))
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_memory_check_counts_gradients_kept_between_micro_batches_and_in_ddp_buckets(monkeypatch, capsys, world):
     """Per-layer updates free each layer's gradients, but not while an update accumulates micro-batches nor under DDP,
@@ -1366,7 +1386,7 @@ def test_each_command_freezes_its_heap_for_the_exit(script, monkeypatch, capsys)
 
 
 def test_galore_defaults_are_its_scripts_and_explicit_ones_stand(monkeypatch):
-    monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 7b run need not fit this machine
+    monkeypatch.setattr(flags, "check_memory", lambda *args, **kw: None)  # a 7b run need not fit this machine
     galore = ["--method", "full", "--optimizer", "galore_adam8bit", "--device", "cpu"]
     for argv, lr, gap in ((["--size", "7b"], 5e-3, 500), (["--size", "1b"], 1e-2, 200),
                           (["--size", "7b", "--lr", "1e-3", "--galore_update_gap", "100"], 1e-3, 100)):
@@ -1375,7 +1395,7 @@ def test_galore_defaults_are_its_scripts_and_explicit_ones_stand(monkeypatch):
 
 
 def test_default_clipping_is_the_authors_at_7b_and_an_explicit_one_stands(monkeypatch):
-    monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 7b run need not fit this machine
+    monkeypatch.setattr(flags, "check_memory", lambda *args, **kw: None)  # a 7b run need not fit this machine
     for argv, clip in ((["--size", "7b"], 1.0), (["--size", "7b", "--optimizer", "adam8bit", "--per_layer"], 0.0),
                        (["--size", "7b", "--grad_clipping", "0"], 0.0), (["--size", "60m"], 0.0),
                        (["--size", "60m", "--grad_clipping", "0.5"], 0.5)):
@@ -1385,7 +1405,7 @@ def test_default_clipping_is_the_authors_at_7b_and_an_explicit_one_stands(monkey
 
 def test_default_warmup_is_the_recipes_share_of_the_steps(monkeypatch):
     # the authors' scripts warm up over 10% of the updates, except 1b's: 10,000 of 140,000
-    monkeypatch.setattr(flags, "check_memory", lambda *args: None)  # a 1b or 7b run need not fit this machine
+    monkeypatch.setattr(flags, "check_memory", lambda *args, **kw: None)  # a 1b or 7b run need not fit this machine
     for argv, warmup in ((["--size", "60m"], 1100), (["--size", "1b"], 10_000), (["--size", "7b"], 15_000),
                          (["--size", "1b", "--num_training_steps", "14000"], 1000),
                          (["--size", "tiny", "--num_training_steps", "6"], 0),
@@ -1421,7 +1441,7 @@ def test_a_rank_past_a_model_configs_width_names_the_file(tmp_path, capsys):
 def test_relora_restarts_only_after_its_first_warmup(monkeypatch, capsys, argv, message):
     """A restart inside the warmup merged, pruned 99% of the moments and began a jag while the learning rate still
     climbed: every default size from 130m up restarted at 2000, 4000 and 6000 inside warmups of 2200 to 15000."""
-    monkeypatch.setattr(flags, "check_memory", lambda *args: None)
+    monkeypatch.setattr(flags, "check_memory", lambda *args, **kw: None)
     run = [*argv, "--method", "relora", "--device", "cpu"]
     if message is None:
         args = train.get_args(run)

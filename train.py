@@ -267,7 +267,8 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
         raise SystemExit(f"--resume: {path} is at update {step}, past the end of {ended}, and --warmup_steps "
                          f"{args.warmup_steps} is not the run's {old['warmup_steps']}: a warmup can be changed "
                          "only while both are still ahead; drop --warmup_steps")
-    flags.check_memory(flags.make_parser(), args, device, world)
+    flags.check_memory(flags.make_parser(), args, device, world,
+                       accumulation_given="gradient_accumulation" in given)
     args.lr_restart = old.get("lr_restart")
     if args.num_training_steps != old["num_training_steps"] and step >= min(old["warmup_steps"], args.warmup_steps):
         # continue the cosine from where it stood; at a ReLoRA restart its jag is at 0, the cosine is not
