@@ -344,8 +344,12 @@ def lost_in_setup(rank, error, signalled):
     collective, which fails. Signalled too, that rank stops with it (said once, by local rank 0); else another rank
     died in its setup (killed for memory as it read the checkpoint, say). Nothing was trained yet either way."""
     if signalled:
-        return SystemExit(f"stopped by {signalled} before the first update: nothing was saved")
+        return stopped_before_the_run(signalled)
     return rank_lost(rank, "setting up the run", error, "Nothing was trained yet: run the same command again")
+
+
+def stopped_before_the_run(signal_name):
+    return SystemExit(f"stopped by {signal_name} before the first update: nothing was saved")
 
 
 def out_of_memory(args, run, where, last_good):
@@ -747,8 +751,7 @@ def main(argv=None, exiting=False):
                 set_deterministic(args.deterministic)  # before the first GEMM; and off, for a run after one with it
                 prepared = prepare(args, held, flags.given_flags(argv))
             except (KeyboardInterrupt, StoppedBeforeTheRun) as e:  # nothing to keep yet
-                raise SystemExit(f"stopped by {str(e) or 'Ctrl-C'} before the first update: nothing was saved") \
-                    from None
+                raise stopped_before_the_run(str(e) or "Ctrl-C") from None
             except Exception as e:  # under torchrun: a collective of the setup (the lock, DDP's broadcasts) failed
                 if "RANK" in os.environ and lost_a_rank(e):
                     raise lost_in_setup(int(os.environ["RANK"]), e, early.signal) from None
@@ -788,14 +791,14 @@ def run_or_evaluate(args, ddp, ckpt, ckpt_path, data, run, answered, early):
             try:
                 result = evaluate(run.raw_model, val, device, rank, world, stop)
             except Exception as e:
-                if run.world > 1 and lost_a_rank(e) and stop["signal"]:  # another rank took it setting up
-                    raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only "
-                                     "again") from None
-                if run.world > 1 and lost_a_rank(e):
+                if run.world > 1 and lost_a_rank(e) and not stop["signal"]:
                     raise rank_lost(run.rank, "the evaluation", e, "Run --eval_only again") from None
-                if not ran_out_of_memory(e):
+                if run.world > 1 and lost_a_rank(e):  # signalled, another rank stopped as it set up: this stop
+                    result = None
+                elif not ran_out_of_memory(e):
                     raise
-                raise out_of_memory(args, run, "the evaluation", None) from None
+                else:
+                    raise out_of_memory(args, run, "the evaluation", None) from None
             if result is None:
                 raise SystemExit(f"stopped by {stop['signal']} in the evaluation: no result; run --eval_only again")
             if master:
