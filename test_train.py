@@ -658,6 +658,33 @@ def test_resume_from_another_run_is_refused(corpus, tmp_path, monkeypatch):
         train.main(base_args(corpus, tmp_path / "empty", 4, "--resume"))
 
 
+@pytest.mark.parametrize("quick_look", [True, False])
+def test_every_resume_refusal_comes_before_the_whole_read(corpus, tmp_path, monkeypatch, quick_look):
+    """A finished run, a warmup changed past its end, a decay that bf16 rounds away and a batch that cannot fit are
+    each decided on the run's args and step at checkpoint.peek's look: refused before the read of minutes at 7b.
+    Where no look can be had (peek gives None), the same refusals come after the read."""
+    train.main(base_args(corpus, tmp_path, 4, "--dtype", "bfloat16", "--warmup_steps", "1", "--stop_after", "2"))
+    reads = []
+    load = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (reads.append(a), load(*a, **k))[1])
+    if not quick_look:
+        monkeypatch.setattr(checkpoint, "peek", lambda path: None)
+    def too_big(p, args, *rest, **kw):
+        raise SystemExit("too big")
+    for steps, extra, refusal in ((2, (), "already has 2 updates"), (4, ("--warmup_steps", "3"), "past the end of"),
+                                  (4, ("--weight_decay", "0.1"), "holds bf16 parameters"),
+                                  (4, ("--batch_size", "8"), "too big")):
+        with monkeypatch.context() as m:
+            if refusal == "too big":
+                m.setattr(flags, "check_memory", too_big)
+            with pytest.raises(SystemExit, match=refusal):
+                train.main(base_args(corpus, tmp_path, steps, "--resume", *extra))
+        assert len(reads) == (0 if quick_look else 1), (extra, reads)
+        reads.clear()
+    train.main(base_args(corpus, tmp_path, 4, "--resume"))  # and a resume that is taken reads it once, whole
+    assert len(reads) == 1 and final_state(tmp_path)["step"] == 4
+
+
 def test_a_run_resumed_into_another_out_dir_and_stopped_names_its_own_checkpoint(corpus, tmp_path, capsys):
     """Resumed from a's checkpoint into b and stopped there, the run said "rerun with --resume": its own command
     again (--resume a/ckpt.pt) is refused, since b now holds a checkpoint of its own. The stop names b's, and the

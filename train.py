@@ -213,31 +213,50 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU; so does
     each flag of RESUME_KEPT not in `given` (the flags on the command line), and the micro-batch where neither
     --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
-    new run (flags.check_memory, on `device`), at the run's own settings."""
+    new run (flags.check_memory, on `device`), at the run's own settings. All of it is decided on checkpoint.peek's
+    quick look where one can be had: a refusal comes at once, not after a read of minutes at 7b."""
     path = resume_path(args)  # (there: prepare checked, flags.no_checkpoint)
     precision = (args.dtype, args.amp)  # the device's default, or the command line's
-    peeked = checkpoint.peek(path)  # its args, without reading its tensors: another run's is refused at once, not
-    if isinstance(peeked, dict) and {"args", "model_config"} <= set(peeked):  # after a read of minutes at 7b
-        same_run(args, peeked, path, vocab_size, dtype_given)
-    del peeked
+    look, ckpt = checkpoint.peek(path), None  # its args and step, its tensors mapped from the file, not read
+    if not (isinstance(look, dict) and {"args", "model_config", "step"} <= set(look)):
+        look = ckpt = read_checkpoint(path)  # no quick look: the checks wait for the read (which says what is wrong)
+    old = same_run(args, look, path, vocab_size, dtype_given)
+    said = (eval_settings(args, old, device, world, given, precision) if args.eval_only else
+            resume_settings(args, old, look, path, device, world, given))
+    if ckpt is None:  # the verified file; its args (the look's) get the defaults of flags added since, for the run
+        del look, old
+        ckpt = read_checkpoint(path)
+        same_run(args, ckpt, path, vocab_size, dtype_given)
+    if master and said:
+        print(said)
+    return ckpt, path
+
+
+def read_checkpoint(path):
+    """checkpoint.load, its refusal of a damaged or foreign file one line."""
     try:
-        ckpt = checkpoint.load(path)
+        return checkpoint.load(path)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    old = same_run(args, ckpt, path, vocab_size, dtype_given)
-    if args.eval_only:  # the run's own validation set where the command line names none: its val_loss, again
-        kept = [k for k in EVAL_KEPT if k not in given and k in old and old[k] != getattr(args, k)]
-        for k in kept:
-            setattr(args, k, old[k])
-        said = [f"--{k} {old[k]}" for k in kept]
-        if (args.dtype, args.amp) != precision:  # same_run took the run's, which the command line did not name
-            kept.append("dtype")
-            said.insert(0, "--amp (bf16 compute)" if args.amp else f"--dtype {args.dtype}")
-        if kept and master:
-            print(f"--eval_only: the run's own {', '.join(said)} (pass others to choose)")
-        if kept:
-            flags.check_memory(flags.make_parser(), args, device, world)  # at the run's length
-        return ckpt, path
+
+
+def eval_settings(args, old, device, world, given, precision):
+    """--eval_only's cut and count of the validation set, and its dtype, taken from the run where the command line
+    names none (its val_loss, again) -> the line that says so, or None."""
+    kept = [k for k in EVAL_KEPT if k not in given and k in old and old[k] != getattr(args, k)]
+    for k in kept:
+        setattr(args, k, old[k])
+    said = [f"--{k} {old[k]}" for k in kept]
+    if (args.dtype, args.amp) != precision:  # same_run took the run's, which the command line did not name
+        said.insert(0, "--amp (bf16 compute)" if args.amp else f"--dtype {args.dtype}")
+    if said:
+        flags.check_memory(flags.make_parser(), args, device, world)  # at the run's length and dtype
+    return f"--eval_only: the run's own {', '.join(said)} (pass others to choose)" if said else None
+
+
+def resume_settings(args, old, ckpt, path, device, world, given):
+    """A resume's flags against the run's (old, its step and world in ckpt): the run's own where not given, the rest
+    checked against where the run stands -> the line that says what resumes and what changed."""
     for k in RESUME_KEPT:
         if k not in given and k in old:
             setattr(args, k, old[k])
@@ -276,10 +295,7 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     changed = [f"{k} {old.get(k)} -> {getattr(args, k)}" for k in RESUME_HONORED if old.get(k) != getattr(args, k)]
     if ckpt["world"] != world:  # the same updates (--total_batch_size), the data dealt anew (train_loader)
         changed.append(f"processes {ckpt['world']} -> {world}")
-    if master:
-        print(f"resuming from {path} at step {step}"
-              + (f"; changed and honored: {', '.join(changed)}" if changed else ""))
-    return ckpt, path
+    return f"resuming from {path} at step {step}" + (f"; changed and honored: {', '.join(changed)}" if changed else "")
 
 
 def same_validation(args, sha256, ckpt, path):
