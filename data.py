@@ -595,9 +595,10 @@ class TrainLoader:
 
 def validation_batches(data_dir, tokenizer_path, batch_size, max_length=256, eval_tokens=10_000_000, pack=False,
                        rank=0, world_size=1):
-    """The first eval_tokens non-pad tokens of the validation shards (file order, no shuffle; all of them if
-    there are fewer), as (x, y) batches with the training layout (a Validation: a list, with the set's sha256, its
-    tokens, and whether the shards ran out before eval_tokens: short).
+    """The first eval_tokens non-pad tokens of the validation shards, to the end of the row (--pack: the window) that
+    reaches them (file order, no shuffle; all of them if there are fewer), as (x, y) batches with the training
+    layout (a Validation: a list, with the set's sha256, its tokens, and whether the shards ran out before
+    eval_tokens: short).
     The last batch is filled up with rows of padding, which have no targets: every batch has one shape, so a
     compiled model (train.py --compile) compiles its evaluation once, where a short last batch would compile it
     again. The set does not depend on batch_size or world_size. Under DDP rank r gets batches r, r+w, ...: sum the

@@ -1627,6 +1627,23 @@ def test_eval_only_computes_as_the_run_did_unless_told(precision, corpus, tmp_pa
     assert "--eval_only: the run's own" not in out and "| float32 |" in out, out
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_eval_only_says_the_tokens_it_scores_from_the_start(corpus, tmp_path, capsys, pack):
+    """--eval_tokens 500 is scored to the end of the row (or --pack's window of 33) that reaches it: the start said
+    "the first 500 validation tokens" and the result line, of the same set, 528. Both say the set's count."""
+    train.main(base_args(corpus, tmp_path, 2, *(["--pack"] if pack else [])))
+    capsys.readouterr()
+    train.main(eval_args(corpus, tmp_path, "--eval_tokens", "500"))
+    out = capsys.readouterr().out
+    start = re.search(r"the first ([\d,]+) validation tokens \(--eval_tokens 500, to the end of the (\w+) that "
+                      r"reaches it\)", out)
+    end = re.search(r"\| ([\d,]+) validation tokens \(", out)
+    assert start and end and start.group(1) == end.group(1), out
+    assert start.group(2) == ("window" if pack else "row") and int(start.group(1)) > 500
+    if pack:  # whole windows of --max_length 32 + 1
+        assert int(start.group(1)) % 33 == 0, start.group(1)
+
+
 def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tmp_path, capsys):
     """Evaluation depends on the model and the tokenizer alone: the training run's batch, schedule, optimizer and
     seed need not be repeated, and another model is one line naming its flags. The batch need not divide an update
@@ -1636,7 +1653,7 @@ def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tm
     train.main(eval_args(corpus, tmp_path, "--batch_size", "3", "--max_length", "16"))
     out = capsys.readouterr().out
     assert f"{tmp_path}/ckpt.pt at step 2 | val loss" in out
-    assert "--eval_only: batches of 3 sequences of 16 tokens per device, the first 3,000 validation tokens" in out
+    assert "--eval_only: batches of 3 sequences of 16 tokens per device, the first " in out
     assert "accum" not in out and "per update" not in out, "the header of a training run"
     tokens = [re.search(r"([\d,]+) validation tokens \(", out).group(1)]
     train.main(eval_args(corpus, tmp_path, "--batch_size", "5", "--max_length", "16"))
@@ -1647,6 +1664,7 @@ def test_eval_only_takes_any_batch_and_data_but_refuses_another_model(corpus, tm
     said = re.search(r"hold ([\d,]+) tokens at --max_length 16", out).group(1)
     scored = re.search(r"validation tokens \(([\d,]+) targets scored", out).group(1)
     assert tokens[0] == said and int(scored.replace(",", "")) < int(said.replace(",", "")), out
+    assert f"the first {said} validation tokens\n" in out, "the shards' tokens, not the --eval_tokens beyond them"
     with pytest.raises(SystemExit, match=r"^--eval_only: .* holds another model: method sltrain \(now full\); pass "
                                          r"the --size, --method"):
         train.main(eval_args(corpus, tmp_path, "--method", "full"))

@@ -724,10 +724,19 @@ def prepare(args, held, given=()):
         exact = " | deterministic" if args.deterministic else ""
         print(f"{world} x {device.type} | {args.dtype}{amp}{exact}{eight_bit_step(args, device)} | " + (
             f"--eval_only: batches of {args.batch_size} sequences of {args.max_length} tokens per device, the first "
-            f"{args.eval_tokens:,} validation tokens" if args.eval_only else
+            f"{val.tokens:,} validation tokens{rounded_up(args, val)}" if args.eval_only else
             f"batch {args.batch_size} x {args.gradient_accumulation} accum x {world} = {args.total_batch_size} "
             f"sequences of {args.max_length} tokens per update | tok/s counts trained (non-pad) tokens; mem is {mem}"))
     return ddp, ckpt, ckpt_path, (val, loader), run
+
+
+def rounded_up(args, val):
+    """What the validation set's size owes to --eval_tokens, where they differ: it ends with the row (or --pack's
+    window) that reaches it. (Shards that hold fewer are said in a note of their own.)"""
+    if val.tokens == args.eval_tokens or val.short:
+        return ""
+    unit = "window" if args.pack else "row"
+    return f" (--eval_tokens {args.eval_tokens:,}, to the end of the {unit} that reaches it)"
 
 
 class StoppedBeforeTheRun(BaseException):
