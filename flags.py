@@ -39,6 +39,7 @@ READ_BY = {"rank": "a --method with factors (lowrank, relora, sltrain, sltrain_f
            "delta": "--method sltrain or sltrain_ft",
            **dict.fromkeys(("galore_rank", "galore_update_gap", "galore_scale"), "a galore_* --optimizer"),
            **dict.fromkeys(("relora_reset", "relora_warmup", "relora_prune"), "--method relora")}
+BETA_MAX = 0.999999  # the largest --beta1 and --beta2
 CPU_MICRO = 16  # micro-batch default on CPU: a 60m model at 16 x 256 tokens needs ~3 GB
 # what --eval_only reads: the checkpoint's model (checked against it), where and how it runs, and which validation
 # tokens; a training flag given with it is refused, not ignored
@@ -170,7 +171,8 @@ def make_parser(description=None):
       "same flags give the same numbers run after run and across a resume; at some speed (a scatter sorts its "
       "indices). A CPU run is so without it")
     a("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda (the local rank's GPU) or cuda:N")
-    a("--lr", type=float, help="peak learning rate (default 3e-3; 7b 5e-4)")
+    a("--lr", type=float, help=f"peak learning rate (default {RECIPES['60m'][2]:g}, 7b {RECIPES['7b'][2]:g}; a "
+      f"galore_* --optimizer: GaLore's {GALORE['60m'][0]:g}, 7b {GALORE['7b'][0]:g})")
     a("--batch_size", type=int, help="sequences per device per micro-batch (default: the size's GPU micro-batch, "
       f"at most {CPU_MICRO} on CPU)")
     a("--total_batch_size", type=int, default=512, help="sequences per update, over all devices and micro-batches")
@@ -320,7 +322,7 @@ def get_args(argv=None, description=None):
         args.block_size = BLOCK_SIZE if args.block_size is None else args.block_size
         if args.block_size < 1:
             p.error(f"--block_size must be >= 1, got {args.block_size}")
-    rank_given = args.rank  # (None where not given: config_for gives the size's)
+    rank_given, alpha_given = args.rank, args.alpha  # (None where not given: config_for gives the size's)
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                                   ffn_dim=args.ffn_dim)
@@ -336,10 +338,13 @@ def get_args(argv=None, description=None):
     if args.freeze and args.delta == 0:
         p.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above 0, or "
                 "drop --freeze")
-    for name in ("packed_support", "support_seed"):  # both are of the supports, which --delta 0 removes
-        if args.delta == 0 and getattr(args, name) not in (None, False):
+    for name in ("packed_support", "support_seed", "support"):  # each is of the supports, which --delta 0 removes
+        if args.delta == 0 and getattr(args, name) not in (None, False, "random"):
             p.error(f"--{name} is of the sparse supports, which --delta 0 removes: pass a --delta above 0, or drop "
                     f"--{name}")
+    if args.rank == 0 and alpha_given is not None and args.method in SPARSE:
+        p.error(f"--alpha scales the low-rank factors, which --rank 0 removes (S alone): pass a --rank above 0, or "
+                "drop --alpha")
     check_baseline_flags(p, args, model_config, rank_given)
     resolve_device_and_batch(p, args)
     check_adam8bit_kernel(p, args)
@@ -354,8 +359,8 @@ def get_args(argv=None, description=None):
 
 def check_ranges(p, args):
     """Each number within its range: counts positive (or >= 0) and at most int64's, floats at most float32's (NaN
-    refused), seeds 64-bit, the betas in [0, 1), --min_lr_ratio in [0, 1], --workers at most the CPUs, --max_length
-    in [2, 2^24]."""
+    refused), seeds 64-bit, the betas in [0, BETA_MAX], --min_lr_ratio in [0, 1], --workers at most the CPUs,
+    --max_length in [2, 2^24]."""
     positive = ("num_training_steps", "eval_every", "save_every", "log_every", "total_batch_size", "eval_tokens",
                 "lr", "alpha", "batch_size", "gradient_accumulation", "stop_after", "ffn_dim", "galore_scale")
     # a float flag becomes a float32 in the step: inf, nan or beyond float32's range would be inf there; a count
@@ -375,10 +380,12 @@ def check_ranges(p, args):
     for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2 ** 63:
             p.error(f"--{name} must be in [0, 2^63), got {getattr(args, name)}")
-    for name, low, high in (("min_lr_ratio", 0, 1), ("beta1", 0, 0.999999), ("beta2", 0, 0.999999)):
-        if not low <= getattr(args, name) <= high:
-            p.error(f"--{name} must be in [{low}, {high if high == 1 else 1}{']' if high == 1 else ')'}, "
-                    f"got {getattr(args, name)}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        p.error(f"--min_lr_ratio must be in [0, 1], got {args.min_lr_ratio}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) <= BETA_MAX:
+            p.error(f"--{name} must be in [0, {BETA_MAX}] (closer to 1, a moment averages over more than a million "
+                    f"updates, longer than any run), got {getattr(args, name)}")
     if args.max_length < 2:
         p.error(f"--max_length must be at least 2 (an input token and its target), got {args.max_length}")
     if refusal := length_refusal(args.max_length):
@@ -506,6 +513,8 @@ def check_baseline_flags(p, args, config, rank_given=None):
         p.error(f"{', '.join('--' + name for name in relora_given)}: --relora_reset {args.relora_reset} restarts "
                 f"nothing in a run of {args.num_training_steps} updates; pass a --relora_reset below "
                 "--num_training_steps, or drop them")
+    for name in set(unused_flags(args.method, args.optimizer)) & {"galore_rank", *BASELINES}:
+        setattr(args, name, None)  # a run records the baselines' settings only where it is one
 
 
 def check_rank(p, args, config):

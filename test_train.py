@@ -1091,7 +1091,11 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--alpha", "-5"], "--alpha must be positive"),
     (["--workers", "-1"], "--workers must be >= 0"),
     (["--lr", "-1"], "--lr must be positive"),
-    (["--beta1", "1.5"], "--beta1 must be in [0, 1)"),
+    (["--beta1", "1.5"], "--beta1 must be in [0, 0.999999] (closer to 1, a moment averages over more than a million "
+                         "updates, longer than any run), got 1.5"),
+    (["--beta2", "0.9999999"], "--beta2 must be in [0, 0.999999]"),
+    (["--rank", "0", "--alpha", "5"], "--alpha scales the low-rank factors, which --rank 0 removes (S alone): pass a "
+                                      "--rank above 0, or drop --alpha"),
     (["--weight_decay", "-1"], "--weight_decay must be >= 0"),
     (["--max_length", "1"], "--max_length must be at least 2 (an input token and its target), got 1"),
     (["--max_length", str(2 ** 24 + 1)], "--max_length must be at most 2^24 = 16,777,216"),
@@ -1141,7 +1145,8 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--method", "lowrank", "--packed_support"], "--packed_support stores the sparse supports: it needs --method "
                                                   "sltrain or sltrain_ft, not lowrank"),
     *[(["--delta", "0", *flag], f"{flag[0]} is of the sparse supports, which --delta 0 removes: pass a --delta above "
-       f"0, or drop {flag[0]}") for flag in (["--packed_support"], ["--support_seed", "3"])],
+       f"0, or drop {flag[0]}")
+      for flag in (["--packed_support"], ["--support_seed", "3"], ["--support", "top", "--resume"])],
     (["--method", "full", "--optimizer", "galore_adamw", "--rank", "8", "--galore_rank", "4"],
      "--rank 8 and --galore_rank 4: both set GaLore's projection rank; drop one"),
     (["--method", "full", "--optimizer", "galore_adamw", "--rank", "1000"], "--rank (GaLore's rank) must be in [1, "),
@@ -1156,6 +1161,17 @@ def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("method,optimizer,records", [
+    ("sltrain", "adamw", set()), ("relora", "adamw", {"relora_reset", "relora_warmup", "relora_prune"}),
+    ("full", "galore_adamw", {"galore_rank", "galore_update_gap", "galore_scale"})])
+def test_a_run_records_the_baselines_settings_only_where_it_is_one(corpus, tmp_path, method, optimizer, records):
+    """A plain sltrain run stored GaLore's gap and ReLoRA's resets among its args (its checkpoint's, its printed
+    config): settings of a run it is not. Each baseline's are recorded by its own runs, as None by the others."""
+    args = train.get_args(base_args(corpus, tmp_path, 4, "--method", method, "--optimizer", optimizer))
+    baselines = {"galore_rank", *flags.BASELINES}
+    assert {name for name in baselines if getattr(args, name) is not None} == records
 
 
 def test_paths_that_would_mix_a_run_with_its_data_or_its_start_are_refused(corpus, tmp_path, capsys):
@@ -1395,6 +1411,9 @@ def test_help_shows_every_default(capsys):
     out = capsys.readouterr().out
     for flag in ("--min_lr_ratio MIN_LR_RATIO", "--eval_tokens EVAL_TOKENS", "--workers WORKERS"):
         assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
+    lr = " ".join(out.split("--lr LR", 2)[2].split("\n  --", 1)[0].split())  # each peak a run can default to
+    for default in {lr for _, _, lr, _ in flags.RECIPES.values()} | {lr for lr, _ in flags.GALORE.values()}:
+        assert f"{default:g}" in lr, f"--lr's help omits the default {default:g}: {lr}"
 
 
 @pytest.mark.parametrize("script", ["analyze.py", "bench.py", "checkpoint.py", "data.py", "estimate_memory.py",
