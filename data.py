@@ -851,8 +851,8 @@ def check_args(p, args):
     if args.command == "train-tokenizer" and Path(f"{args.out}.model").exists() and not args.overwrite:
         p.error(f"--out {args.out}: {args.out}.model exists, and runs trained with it are checked against it (their "
                 "checkpoints keep its sha256); pass another --out, or --overwrite to replace it")
-    if args.command == "bench" and not args.seconds > 0:
-        p.error(f"--seconds must be positive, got {args.seconds}")
+    if args.command == "bench" and not 0 < args.seconds < float("inf"):  # inf measured forever; `not <`: NaN too
+        p.error(f"--seconds must be a positive number of seconds, got {args.seconds}")
     if args.command == "download":
         args.recheck = args.shards is not None
         try:

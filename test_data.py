@@ -676,7 +676,9 @@ def test_commands(corpus, tok, capsys):
     (["train-tokenizer", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),
     (["stats", "--max_length", "0"], "--max_length must be at least 2, got 0"),
     (["bench", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
-    (["bench", "--seconds", "0"], "--seconds must be positive"),
+    (["bench", "--seconds", "0"], "--seconds must be a positive number of seconds, got 0.0"),
+    (["bench", "--seconds", "inf"], "--seconds must be a positive number of seconds, got inf"),  # it measured forever
+    (["bench", "--seconds", "nan"], "--seconds must be a positive number of seconds, got nan"),
     (["stats", "--max_length", str(10 ** 20)], "--max_length must be at most 2^24 = 16,777,216, the positions a model "
                                                f"tells apart (its rotary positions are float32, exact to 2^24), got "
                                                f"{10 ** 20}"),
