@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from checkpoint import atomic_file, check_tokenizer, load_model, make_folder, remove_empty
-from data import load_tokenizer, validation_batches
+from data import empty_path_refusal, load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
 from model import SIZES, RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
@@ -440,6 +440,8 @@ def get_args(argv=None):
     c.add_argument("--key", default="val_ppl", choices=["val_ppl", "val_loss"], help="what to plot")
     c.add_argument("--out", default="curves.svg", help="the SVG file to write (its folder is created)")
     args = p.parse_args(argv)
+    if refusal := empty_path_refusal(args, ("ckpt", "metrics", "--figures", "--data_dir", "--tokenizer", "--out")):
+        p.error(refusal)  # (each command's own: the others are absent)
 
     positive = {"spectrum": ("rank",), "prune": ("rank", "eval_tokens", "batch_size"), "curves": ()}[args.command]
     for name in positive:  # counts become int64 sizes

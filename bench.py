@@ -64,6 +64,7 @@ import galore
 import optim
 import sample
 from checkpoint import atomic_file, make_folder
+from data import empty_path_refusal
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection, length_refusal
@@ -608,6 +609,8 @@ def pick_device(error, flag):
 
 def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix, before any work; returns the device."""
+    if refusal := empty_path_refusal(args, ("--out",)):
+        parser.error(refusal)
     only = set(args.only or ())
     if only & set(CPU_ONLY) and args.device not in (None, "cpu"):
         parser.error(f"--only {' '.join(sorted(only & set(CPU_ONLY)))} times the optimizers on CPU: drop --device "

@@ -54,6 +54,18 @@ def _cpus():
 
 # ----------------------------------------------------------------------------- files and tokenizer
 
+def empty_path_refusal(args, flags):
+    """The one line that refuses the first of the path flags (`--name`, or a positional's name) that was given
+    empty, as "$CKPT" of an unset variable gives it: taken as not given, it quietly became the default, or the
+    current folder. None where each is a path or absent. A list (nargs) is refused for any empty one in it."""
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-"), None)
+        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            drop = f", or drop {flag}" if flag[0] == "-" else ""  # (a positional cannot be dropped)
+            return f"{flag} is empty (an unset variable?): pass a path{drop}"
+    return None
+
+
 def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     """A sentencepiece model with an EOS piece (documents end with EOS); the default is T5's: pad 0, eos 1. data_dir
     is the folder a missing one could be trained on, for the message; pieces, a model's vocabulary size that the
@@ -783,6 +795,11 @@ def main(argv=None):
     c.add_argument("--pack", action="store_true", help="packed mode instead of the paper's padded rows")
     c.add_argument("--seconds", type=float, default=10.0, help="how long to measure")
     args = p.parse_args(argv)
+    # download's --tokenizer '' is its own: fetch no tokenizer
+    paths = {"download": ("--out",), "train-tokenizer": ("--data_dir", "--out")}.get(args.command, ("--data_dir",
+                                                                                                    "--tokenizer"))
+    if refusal := empty_path_refusal(args, paths):
+        p.error(refusal)
     check_args(p, args)
     if args.command == "download":
         try:  # named shards are checked and replaced if bad: the fix that a truncated shard's message gives

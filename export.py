@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from checkpoint import (SaveFailed, atomic_file, check_tokenizer, checkpoint_file, load_model, make_folder,
                         remove_empty, save)
-from data import load_tokenizer
+from data import empty_path_refusal, load_tokenizer
 from model import ReLoRALinear
 from sllinear import SLLinear
 
@@ -178,7 +178,8 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     # EOS, which ends every training document: right for scoring documents; pass add_special_tokens=False for prompts
     eos, unk = sp.id_to_piece(sp.eos_id()), sp.id_to_piece(max(sp.unk_id(), 0))
     tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
-           "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(pad_id), "clean_up_tokenization_spaces": False}
+           "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(pad_id),
+           "clean_up_tokenization_spaces": False}
     with whole(os.path.join(out_dir, "tokenizer_config.json")) as f:
         f.write(json.dumps(tok, indent=2).encode())
     return list(HF_FILES)  # (not the folder's listing: it may hold other files, a run's own when it is the run's)
@@ -206,6 +207,8 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace an existing --merged file, or the export files "
                    "already in --out")
     args = p.parse_args(argv)
+    if refusal := empty_path_refusal(args, ("ckpt", "--out", "--merged", "--tokenizer")):
+        p.error(refusal)
     if not (args.out or args.merged):
         p.error("nothing to write: pass --out FOLDER (Hugging Face) and/or --merged FILE (our format)")
     source = checkpoint_file(args.ckpt)  # a run's folder stands for its ckpt.pt

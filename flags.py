@@ -19,6 +19,7 @@ import torch
 
 import adam8bit_kernel
 import checkpoint
+from data import empty_path_refusal
 from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for, length_refusal
@@ -242,9 +243,9 @@ def get_args(argv=None, description=None):
         torchrun_ranks()
     except ValueError as e:
         p.error_here(str(e))  # every process says it: the rank it would be said by is in doubt
-    for name in PATHS:  # "$CKPT" of an unset variable: --resume "" trained afresh, with --overwrite over the run
-        if getattr(args, name) is not None and not getattr(args, name).strip():
-            p.error(f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
+    # "$CKPT" of an unset variable: --resume "" trained afresh, with --overwrite over the run
+    if refusal := empty_path_refusal(args, ["--" + name for name in PATHS]):
+        p.error(refusal)
     if args.model_config:
         check_model_config(p, args)
     args.size = args.size or "60m"

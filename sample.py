@@ -34,13 +34,14 @@ import sys
 import torch
 
 from checkpoint import check_tokenizer, load_model
-from data import load_tokenizer
+from data import empty_path_refusal, load_tokenizer
 from devices import device_from_flag
 from estimate_memory import memory_there
 from export import densify
 from model import KVCache
 
 BATCH = 16  # samples drawn at once by default
+TOP_K = 200  # draws from the k likeliest tokens by default
 
 
 def merged(model):
@@ -197,9 +198,10 @@ def main(argv=None):
                    "ends (a seed repeats at the same batch size)")
     p.add_argument("--max_new_tokens", type=int, default=100, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="below 1 sharpens, above 1 flattens; 0 is greedy")
-    p.add_argument("--top_k", type=int, default=200, help="draw only from the k most likely tokens (0: all)")
-    p.add_argument("--top_p", type=float, default=1.0,
-                   help="then only from the most likely tokens whose probabilities add up to this (1: all)")
+    p.add_argument("--top_k", type=int, help=f"draw only from the k most likely tokens (0: all; default {TOP_K})")
+    p.add_argument("--top_p", type=float,
+                   help="then only from the most likely tokens whose probabilities add up to this (1: all, the "
+                        "default)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the draws")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--tokenizer", help="sentencepiece model (default: the one the checkpoint was trained with)")
@@ -207,11 +209,18 @@ def main(argv=None):
                    help="generate from the SLTrain (or ReLoRA) weights as trained, not merged once: for SLTrain "
                         "about half the weights' memory, and several times slower")
     args = p.parse_args(argv)
+    if refusal := empty_path_refusal(args, ("ckpt", "--tokenizer")):
+        p.error(refusal)
     for name in ("num_samples", "max_new_tokens", "batch_size"):
         if not 0 < getattr(args, name) < 2 ** 63:  # a tensor's size is an int64
             p.error(f"--{name} must be positive and at most 2^63 - 1, got {getattr(args, name)}")
     if not 0 <= args.temperature < math.inf:  # `not <=`: NaN is refused too, not left to fail in the draw
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    cuts = [f"--{name}" for name in ("top_k", "top_p") if getattr(args, name) is not None]
+    if args.temperature == 0 and cuts:  # the likeliest token is in any cut
+        p.error(f"--temperature 0 takes the likeliest token, which {' and '.join(cuts)} keep{'s' * (len(cuts) == 1)} "
+                f"anyway: drop {'them' if len(cuts) > 1 else 'it'}, or pass a --temperature above 0 to draw")
+    args.top_k, args.top_p = TOP_K if args.top_k is None else args.top_k, 1.0 if args.top_p is None else args.top_p
     if args.top_k < 0:
         p.error(f"--top_k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:  # NaN is refused too

@@ -59,7 +59,7 @@ import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio, ratio_text, record_error, report_inference, start, summary, synchronizer, write_json)
 from cudagraph import MicroBatchGraph, PerLayerGraph, cuda_graphed
-from data import DEFAULT_TOKENIZER, find_shards, load_tokenizer
+from data import DEFAULT_TOKENIZER, empty_path_refusal, find_shards, load_tokenizer
 from devices import set_deterministic
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
@@ -1010,6 +1010,8 @@ def report_suite(r):
 
 def check_args(parser, args):
     """Every flag honored or refused, in one line that names the fix, before any work; returns the device."""
+    if refusal := empty_path_refusal(args, ("--data_dir", "--tokenizer", "--out")):
+        parser.error(refusal)
     device = pick_device(parser.error, args.device)
     if args.suite == "gpu" and device.type != "cuda":
         parser.error("gpu measures bf16 on a GPU; run it on a CUDA machine, or run tiny on CPU")

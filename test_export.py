@@ -10,14 +10,18 @@ import gc
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
 import analyze
+import bench
 import checkpoint
+import data
 import export
 import sample
+import suite
 import train
 from checkpoint import load_model
 from model import LLaMA, config_for
@@ -393,6 +397,9 @@ def refuse_to_load(path, *args, **kwargs):
     (["--top_p", "0"], "--top_p must be in (0, 1], got 0.0"),
     (["--top_p", "1.5"], "--top_p must be in (0, 1], got 1.5"),
     (["--top_p", "nan"], "--top_p must be in (0, 1], got nan"),
+    (["--temperature", "0", "--top_p", "0.5"], "--temperature 0 takes the likeliest token, which --top_p keeps "
+                                              "anyway: drop it, or pass a --temperature above 0 to draw"),
+    (["--temperature", "0", "--top_k", "5", "--top_p", "1"], "which --top_k and --top_p keep anyway: drop them"),
     (["--seed", str(2**70)], f"--seed must fit in 64 bits, got {2**70}"),
     (["--seed", str(-2**63 - 1)], f"--seed must fit in 64 bits, got {-2**63 - 1}"),
     (["--batch_size", "0"], "--batch_size must be positive and at most 2^63 - 1, got 0"),
@@ -405,6 +412,47 @@ def test_sample_refuses_bad_numbers_before_loading(tmp_path, monkeypatch, capsys
         sample.main([str(tmp_path / "ckpt.pt"), "--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("tool,argv,flag", [
+    (sample.main, ["", "--device", "cpu"], "ckpt"), (sample.main, ["ckpt.pt", "--tokenizer", " "], "--tokenizer"),
+    (export.main, ["", "--merged", "m.pt"], "ckpt"), (export.main, ["ckpt.pt", "--out", ""], "--out"),
+    (export.main, ["ckpt.pt", "--merged", ""], "--merged"),
+    (export.main, ["ckpt.pt", "--out", "hf", "--tokenizer", ""], "--tokenizer"),
+    (analyze.main, ["spectrum", "ckpt.pt", "--figures", ""], "--figures"),
+    (analyze.main, ["prune", "ckpt.pt", "--data_dir", ""], "--data_dir"),
+    (analyze.main, ["prune", "ckpt.pt", "--tokenizer", ""], "--tokenizer"),
+    (analyze.main, ["curves", "run", "", "--out", "c.svg"], "metrics"),
+    (analyze.main, ["curves", "run", "--out", ""], "--out"),
+    (data.main, ["download", "--out", ""], "--out"), (data.main, ["train-tokenizer", "--data_dir", ""], "--data_dir"),
+    (data.main, ["train-tokenizer", "--out", ""], "--out"), (data.main, ["stats", "--tokenizer", ""], "--tokenizer"),
+    (data.main, ["bench", "--data_dir", ""], "--data_dir"),
+    ("suite.py", ["tiny", "--only", "program", "--data_dir", ""], "--data_dir"),
+    ("suite.py", ["tiny", "--out", ""], "--out"), ("bench.py", ["--out", ""], "--out")])
+def test_every_tool_refuses_an_empty_path_before_any_work(tool, argv, flag, tmp_path, monkeypatch, capsys):
+    """"$CKPT" of an unset variable, given to a tool: sample.py and export.py took the run's tokenizer for
+    --tokenizer "", export.py said "nothing to write" for --out "", analyze.py wrote no figures for --figures "", and
+    data.py read the current folder for --data_dir "". Each is one line naming the flag, before any work."""
+    monkeypatch.chdir(tmp_path)  # what a tool might make or read here is not the repo's
+    for module in (sample, export, analyze):
+        monkeypatch.setattr(module, "load_model", refuse_to_load)
+    monkeypatch.setattr(data, "download", lambda *a, **k: pytest.fail("downloaded"))
+    if isinstance(tool, str):  # suite.py's and bench.py's main() read sys.argv
+        monkeypatch.setattr(sys, "argv", [tool, *argv])
+    with pytest.raises(SystemExit):
+        {"suite.py": suite.main, "bench.py": bench.main}[tool]() if isinstance(tool, str) else tool(argv)
+    err = capsys.readouterr().err
+    said = f"{flag} is empty (an unset variable?): pass a path" + (f", or drop {flag}" if flag[0] == "-" else "")
+    assert said in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_data_download_takes_an_empty_tokenizer_as_its_own_skip(tmp_path, monkeypatch):
+    """download's --tokenizer '' is documented: fetch the shards, no tokenizer (not an empty path refused)."""
+    fetched = []
+    monkeypatch.setattr(data, "download", lambda out, tokenizer, *a, **k: fetched.append((out, tokenizer)))
+    data.main(["download", "--out", str(tmp_path), "--tokenizer", ""])
+    assert fetched == [(str(tmp_path), None)]
 
 
 def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys):
