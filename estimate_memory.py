@@ -773,6 +773,9 @@ def check_model_flags(parser, args):
     if args.freeze and args.delta == 0:
         parser.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above "
                      "0, or drop --freeze")
+    if args.index_dtype is not None and args.delta == 0:  # as train.py refuses --packed_support there
+        parser.error(f"--index_dtype is of the sparse supports, which --delta 0 removes: pass a --delta above 0, or "
+                     f"drop --index_dtype {args.index_dtype}")
     sizes = ("tiny",) if args.measure and args.size == "all" else PAPER_SIZES if args.size == "all" else (args.size,)
     # the models the estimate builds: sltrain's and sltrain_ft's, a low-rank one for lowrank and relora; galore's
     # rank is its own

@@ -336,6 +336,8 @@ def test_table_and_breakdown_print(monkeypatch, capsys):
     (["--method", "full", "--index_dtype", "int32"], "--index_dtype is of SLTrain's sparse part, which --method full"),
     (["--method", "sltrain", "--freeze", "lowrank", "--delta", "0"], "which --delta 0 removes: pass a --delta above"),
     (["--method", "sltrain", "--freeze", "lowrank", "--delta", "0", "--measure"], "which --delta 0 removes"),
+    (["--method", "sltrain", "--delta", "0", "--index_dtype", "packed"], "--index_dtype is of the sparse supports, "
+     "which --delta 0 removes: pass a --delta above 0, or drop --index_dtype packed"),
     (["--measure", "--steps", "0"], "--max_length and --steps >= 1"),
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters and computes in bf16 under autocast: drop"),
     (["--gradient_accumulation", "0"], "--gradient_accumulation must be >= 1"),
