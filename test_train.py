@@ -1520,6 +1520,25 @@ def test_a_rows_time_counts_the_work_the_device_still_had_queued():
     assert row["ms_per_step"] >= 300 and row["tokens_per_s"] <= 1000 / 0.3, row
 
 
+def test_the_eta_is_the_pace_after_the_first_rows_one_off_costs(monkeypatch):
+    """The first interval holds what never comes again: a compile (or a CUDA graph's capture) and a resumed run's
+    pending evaluation, minutes at 7b, which the eta spread over every update to come: days on a run of 150k. The
+    first row's eta is its training time's pace (the evaluation left out, as from its ms/step); each later row's is
+    the pace since the first row, the evaluations and checkpoints since included, as they recur."""
+    clock = [0.0]
+    monkeypatch.setattr(train, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    meter = train.Meter(torch.device("cpu"), 0, 1000)
+    clock[0] += 30
+    meter.pause(30)  # the pending evaluation, before the first update
+    clock[0] += 60 + 10  # a compile, then 10 updates of a second
+    meter.row(10, 1e-3, torch.tensor(1.0), ddp=False)
+    assert meter.eta == pytest.approx(70 / 10 * 990)
+    clock[0] += 10 + 5  # 10 updates and an evaluation
+    meter.pause(5)
+    meter.row(20, 1e-3, torch.tensor(1.0), ddp=False)
+    assert meter.eta == pytest.approx(15 / 10 * 980)
+
+
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adam8bit", "--per_layer"]], ids=["adamw", "per_layer"])
 def test_a_rows_lr_is_the_one_its_update_stepped_with(corpus, tmp_path, extra):
     # warmup over 2 updates, then the cosine from its top: update k steps with lr · lr_lambda(k - 1); the first

@@ -464,6 +464,7 @@ class Meter:
         self.device, self.start, self.total, self.tokens_all = device, start, total, 0.0
         self.t_start = self.t_log = time.perf_counter()
         self.step_log = start
+        self.paced_from = None  # (step, time) of the first row: the eta counts the pace after it
 
     def add(self, loss, tokens):
         self.loss += loss
@@ -481,7 +482,12 @@ class Meter:
         row = {"step": done, "loss": self.loss.item() / (done - self.loss_from), "lr": lr, "grad_norm": norm.item(),
                "ms_per_step": 1000 * (now - self.t_log) / n, "tokens_per_s": tokens / (now - self.t_log),
                "peak_mem_gb": peak_mem_gb(self.device)}
-        self.eta = (now - self.t_start) / (done - self.start) * (self.total - done)
+        # the pace since the first row, whose interval held the one-off costs (a compile, a CUDA graph's capture, a
+        # resumed run's pending evaluation: minutes at 7b, which the eta of a long run carried for days); the
+        # evaluations and checkpoints since recur, so they count. The first row's own: its training time
+        since, then = self.paced_from or (self.step_log, self.t_log)
+        self.eta = (now - then) / (done - since) * (self.total - done)
+        self.paced_from = self.paced_from or (done, now)
         self.tokens_all += tokens
         self.loss.zero_()
         self.tokens.zero_()
