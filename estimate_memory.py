@@ -575,9 +575,10 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
         freeze_all_but_values(model)
     params = [p for p in model.parameters() if p.requires_grad]
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    # AdamW one tensor at a time: the multi-tensor path would add a temporary the size of all moments to the peak
+    # AdamW as train.py makes it: its multi-tensor calls take optim.FOREACH_BYTES of tensors each (or one larger
+    # one), so the step's temporary is that small, not a copy of every moment
     make = (lambda ps: optim.Adam8bit(ps, **hyper)) if optimizer == "adam8bit" else \
-        (lambda ps: optim.AdamW(ps, **hyper, foreach=False))
+        (lambda ps: optim.AdamW(ps, **hyper))
     if method == "galore":  # full-rank weights, the projections' moments in the projected space
         names = {p: name for name, p in model.named_parameters()}
         make = lambda ps: galore.GaLore(galore.galore_param_groups(  # noqa: E731

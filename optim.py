@@ -80,6 +80,10 @@ def _hyper(optimizer, group, state):
 # -----------------------------------------------------------------------------
 # AdamW
 
+# AdamW's multi-tensor calls take consecutive tensors of up to FOREACH_BYTES in all (a larger tensor alone): the
+# √v̂ + ε temporary of a call is that small, where one call over a whole group held a copy of every v (13 GB at 7b)
+FOREACH_BYTES = 1 << 26
+
 def _adamw_(params, grads, exp_avgs, exp_avg_sqs, hyper):
     """One AdamW update of tensors that share a step count, in the order of operations of torch.optim.AdamW's
     multi-tensor path, so that the two agree step for step. hyper: _hyper()'s numbers for their step."""
@@ -99,6 +103,20 @@ def _adamw_(params, grads, exp_avgs, exp_avg_sqs, hyper):
         p.add_(m.float().mul(step_size).div_(d))
 
 
+def runs_of(tensors, limit, size=lambda t: t.numel() * t.element_size(), key=lambda t: None):
+    """The tensors in order, in runs of consecutive ones of one key, their sizes (bytes, unless `size` says) at most
+    `limit` in all; a larger tensor is a run of its own."""
+    runs, total = [], 0
+    for t in tensors:
+        if runs and total + size(t) <= limit and key(t) == key(runs[-1][0]):
+            runs[-1].append(t)
+            total += size(t)
+        else:
+            runs.append([t])
+            total = size(t)
+    return runs
+
+
 def _scale_(tensors, factor, divide=False):
     """Each tensor multiplied (or divided) in place by factor: a number, or a 0-dim float32 tensor (under a CUDA
     graph, this update's value on the device). A tensor factor is applied in float32 and the result rounded once,
@@ -114,8 +132,9 @@ def _scale_(tensors, factor, divide=False):
 class AdamW(torch.optim.Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter 2019) and bias correction; matches torch.optim.AdamW.
 
-    foreach=None or True updates a group's tensors with one multi-tensor call per (device, dtype, step); False goes
-    one tensor at a time, which bounds the temporaries (the √v̂ + ε denominator) to one tensor's size."""
+    foreach=None or True updates a group's tensors with multi-tensor calls per (device, dtype, step), each over
+    FOREACH_BYTES of them, which bounds the temporaries (the √v̂ + ε denominator) to that, or the largest tensor;
+    False goes one tensor at a time, bounding them to one tensor's size."""
 
     device_scalars = None  # a cudagraph.DeviceScalars while its updates are captured in a CUDA graph (_hyper)
 
@@ -142,7 +161,7 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 lists[(p.device, p.dtype, state["step"])].append(p)
             for params in lists.values():
-                for chunk in [params] if group["foreach"] else [[p] for p in params]:
+                for chunk in runs_of(params, FOREACH_BYTES) if group["foreach"] else [[p] for p in params]:
                     states = [self.state[p] for p in chunk]
                     _adamw_(chunk, [p.grad for p in chunk], [s["exp_avg"] for s in states],
                             [s["exp_avg_sq"] for s in states], _hyper(self, group, states[0]))
@@ -349,18 +368,8 @@ class Adam8bit(torch.optim.Optimizer):
         by one on CPU, whose chunks keep the temporaries in cache."""
         if len(params) < 2 or params[0].device.type in CHUNKED_DEVICES:
             return [[p] for p in params]
-        runs, total = [], 0
-        for p in params:
-            size = self.state[p]["exp_avg_codes"].numel()
-            run = runs[-1] if runs else []
-            if run and total + size <= limit and p.dtype == run[0].dtype and p.device == run[0].device \
-                    and self.state[p]["step"] == self.state[run[0]]["step"]:
-                run.append(p)
-                total += size
-            else:
-                runs.append([p])
-                total = size
-        return runs
+        return runs_of(params, limit, size=lambda p: self.state[p]["exp_avg_codes"].numel(),
+                       key=lambda p: (p.dtype, p.device, self.state[p]["step"]))
 
     def load_state_dict(self, state_dict):
         _check_8bit_format(state_dict)  # before loading: a refused state leaves the optimizer as it was

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+import optim
 from bench import count_ops, heavy_tailed
 from hostsync import HostSyncs
 from model import LLaMA, config_for
@@ -79,6 +80,29 @@ def test_adamw_matches_torch(weight_decay, foreach):
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, msg=lambda m: f"AdamW vs torch after 100 steps: max diff "
                                                        f"{max_diff(a, b):.3e}\n{m}")
+
+
+def test_adamws_multi_tensor_calls_hold_a_bounded_temporary(monkeypatch):
+    """One multi-tensor call over a whole group made √v̂ + ε for every tensor at once: a copy of all of v beside the
+    model and its state at the step's peak (13 GB at 7b). Each call now takes runs of FOREACH_BYTES (a larger tensor
+    alone), in order, and the updates are torch's still."""
+    monkeypatch.setattr(optim, "FOREACH_BYTES", 4000)  # bytes: runs of a few of these float32 tensors
+    calls, sqrt = [], torch._foreach_sqrt
+    monkeypatch.setattr(torch, "_foreach_sqrt", lambda ts: calls.append([t.numel() * 4 for t in ts]) or sqrt(ts))
+    torch.manual_seed(0)
+    shapes = [(10, 30), (400,), (30, 30), (8,), (5, 50), (3000,), (7,)]  # bytes: 1200 1600 3600 32 1000 12000 28
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref, opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1), AdamW(ours, lr=1e-2, weight_decay=0.1)
+    for _ in range(5):
+        for a, b in zip(ref, ours):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt_ref.step()
+        opt.step()
+    assert calls == [[1200, 1600], [3600, 32], [1000], [12000], [28]] * 5, calls
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
