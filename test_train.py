@@ -1563,6 +1563,23 @@ def test_resume_honors_new_flags_and_continues_the_schedule(corpus, tmp_path, ca
     assert metrics(tmp_path)[0][-1]["lr"] < 1e-4 and final_state(tmp_path)["args"]["lr"] == 1e-4
 
 
+def test_a_resume_naming_the_runs_start_another_way_is_the_same_run(corpus, tmp_path, monkeypatch):
+    """--init_from on a resume is checked against the run's start as a file, as --data_dir is as a folder: the same
+    checkpoint by another path (./full, its absolute path), or the run's own command again once the start's folder is
+    gone (the resumed run does not need it, its help says), was refused as "written by another run"."""
+    monkeypatch.chdir(tmp_path)
+    train.main(base_args(corpus, "full", 2, "--method", "full"))
+    train.main(base_args(corpus, "run", 6, "--init_from", "full", "--stop_after", "1"))
+    train.main(base_args(corpus, "run", 6, "--init_from", "./full", "--resume", "--stop_after", "1"))
+    train.main(base_args(corpus, "run", 6, "--init_from", str(tmp_path / "full"), "--resume", "--stop_after", "1"))
+    shutil.rmtree("full")
+    train.main(base_args(corpus, "run", 6, "--init_from", "full", "--resume"))
+    assert final_state("run")["step"] == 6
+    train.main(base_args(corpus, "other", 2, "--method", "full"))
+    with pytest.raises(SystemExit, match="written by another run: init_from full/ckpt.pt"):
+        train.main(base_args(corpus, "run", 8, "--init_from", "other", "--resume"))
+
+
 def test_resume_with_another_tokenizer_is_refused(corpus, tmp_path):
     train.main(base_args(corpus, tmp_path, 2))
     other = data.train_tokenizer(corpus[0], tmp_path / "other", vocab_size=96, max_docs=50)  # same vocabulary size

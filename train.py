@@ -184,8 +184,12 @@ def same_run(args, ckpt, path, vocab_size, dtype_given):
     # evaluation needs the same model and tokenizer only: batch, data, dtype and length are its own to choose
     unused = flags.unused_flags(args.method, args.optimizer)  # an older run may have stored them
     must_match = [k for k in (EVAL_MUST_MATCH if args.eval_only else RESUME_MUST_MATCH) if k not in unused]
-    def same(k):  # a data folder reached through a link is the same folder
-        return same_file(old[k], args.data_dir) if k == "data_dir" and old.get(k) else old.get(k) == getattr(args, k)
+    def same(k):  # a data folder reached through a link is the same folder; the run's start, the same file by any
+        if k == "data_dir" and old.get(k):  # path (its folder's too, that folder since removed: the run needs it not)
+            return same_file(old[k], args.data_dir)
+        if k == "init_from" and old.get(k) and args.init_from:
+            return any(same_file(old[k], p) for p in (args.init_from, os.path.join(args.init_from, "ckpt.pt")))
+        return old.get(k) == getattr(args, k)
     def why(k):  # --amp sets the dtype too (float32): a difference it makes is named by it, not by --dtype
         if k == "dtype" and args.amp and not old.get("amp"):
             return f", by --amp: drop --amp{' and --dtype' if dtype_given else ''}"
@@ -193,6 +197,8 @@ def same_run(args, ckpt, path, vocab_size, dtype_given):
             return f", the run's was --amp's: pass --amp{' instead of --dtype' if dtype_given else ''}"
         return ""
     diff = [f"{k} {old.get(k)} (now {getattr(args, k)}{why(k)})" for k in must_match if not same(k)]
+    if "init_from" in must_match and old.get("init_from") and same("init_from"):
+        args.init_from = old["init_from"]  # recorded as the run began, however this command line spells it
     if ckpt["model_config"]["vocab_size"] != vocab_size:
         diff.append(f"vocab_size {ckpt['model_config']['vocab_size']} (now {vocab_size})")
     if not args.eval_only and "optimizer" not in ckpt:
