@@ -1025,6 +1025,25 @@ def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_
     assert not fetched
 
 
+@pytest.mark.parametrize("extra,validation", [([], 3), (["--eval_tokens", "100000"], 1)])
+@pytest.mark.parametrize("mode", ["--resume", "--eval_only"])
+def test_a_resumed_or_evaluated_download_fetches_the_validation_shards_of_the_runs_eval_tokens(
+        monkeypatch, tmp_path, capsys, mode, extra, validation):
+    """A resume (and --eval_only) takes the run's --eval_tokens where the command line gives none, so --download
+    fetches the validation shards those need: 3 for a run of 20M tokens, not the 2 of the default 10M (the resume
+    then found a shorter set than the run's, and refused it as changed). One given is the command line's."""
+    ckpt = tmp_path / "out" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    checkpoint.save(str(ckpt), {"data": [{"shards": download.shard_names(train=3, validation=0), "rank": 0}],
+                                "step": 5, "args": {"eval_tokens": 20_000_001}, "model_config": {}})
+    fetched = []
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
+                    str(tmp_path / "out"), mode, *extra])
+    assert [name for name in fetched.pop() if "validation" in name] == download.shard_names(0, validation)
+
+
 @pytest.mark.parametrize("extra", [[], ["--packed_support"]], ids=["flat", "packed"])
 def test_every_rank_trains_rank_0s_supports(corpus, tmp_path, extra):
     """Each rank draws its own supports, which DDP does not broadcast (buffers): alike from one seed on one kind of

@@ -527,31 +527,36 @@ def peak_mem_gb(device):
 
 # ----------------------------------------------------------------------------- setup
 
-def download_shards(args):
+def download_shards(args, given=()):
     """What --download fetches: the train shard names, and how many validation shards. Enough train shards that the
     run sees no document twice (a C4 en shard holds ~356k documents); on a resume the checkpoint's own, which its
     data position needs, whatever this command line's --num_training_steps (the run's own is taken later) says. And
     validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
-    documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two."""
-    n_val = min(8, math.ceil(args.eval_tokens / VALIDATION_SHARD_TOKENS))
+    documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two. A resume
+    or --eval_only takes the run's --eval_tokens where `given` (the command line's flags) has none (RESUME_KEPT,
+    EVAL_KEPT): its shards are fetched, not the default's."""
+    ckpt = checkpoint.peek(resume_path(args)) if args.resume or args.eval_only else None  # none: said later
+    run = ckpt.get("args") if isinstance(ckpt, dict) and isinstance(ckpt.get("args"), dict) else {}
+    eval_tokens = args.eval_tokens if "eval_tokens" in given else run.get("eval_tokens", args.eval_tokens)
+    n_val = min(8, math.ceil(eval_tokens / VALIDATION_SHARD_TOKENS))
     if args.eval_only:  # an evaluation reads no train shard
         return [], n_val
-    ckpt = checkpoint.peek(resume_path(args)) if args.resume else None  # none there: load_for_resume says so
     if isinstance(ckpt, dict) and ckpt.get("data"):
         return list(ckpt["data"][0]["shards"]), n_val  # every rank's state names the same shards
     n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
     return shard_names(train=n_train, validation=0), n_val
 
 
-def setup(args):
-    """DDP (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE), the download, the device, and cheap data checks."""
+def setup(args, given=()):
+    """DDP (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE), the download, the device, and cheap data checks. given: the
+    flags on the command line (a resume's download fetches what the run's own settings read)."""
     ddp = "RANK" in os.environ  # then every variable of torchrun's is there, and sound (flags.torchrun_ranks)
     rank, _, world = flags.torchrun_ranks()
     # a tokenizer already there is read before a download's minutes (which keeps it): a --model_config of another
     # vocabulary, or a file that is no tokenizer, is refused first
     vocab_size = tokenizer_pieces(args) if os.path.isfile(args.tokenizer) else None
     if args.download:
-        train_shards, n_val = download_shards(args)
+        train_shards, n_val = download_shards(args, given)
         if ddp:  # the other ranks would wait on a barrier for the whole download, past the process group's timeout
             raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
                              f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {len(train_shards)} "
@@ -691,7 +696,7 @@ def prepare(args, held, given=()):
     dtype_given = args.dtype is not None  # else the device's default, or a resumed run's own
     if refusal := flags.no_checkpoint(args):  # before the tokenizer, a download and the process group
         raise SystemExit(refusal)
-    ddp, rank, world, device, vocab_size = setup(args)
+    ddp, rank, world, device, vocab_size = setup(args, given)
     ckpt = ckpt_path = None
     if not args.eval_only:  # which writes nothing
         lock_out_dir(args, held, rank, world)
