@@ -1044,6 +1044,23 @@ def test_a_resumed_or_evaluated_download_fetches_the_validation_shards_of_the_ru
     assert [name for name in fetched.pop() if "validation" in name] == download.shard_names(0, validation)
 
 
+def test_a_download_for_an_out_dir_the_run_cannot_write_is_refused_before_it(monkeypatch, tmp_path, capsys):
+    """--download fetches minutes of shards (17 at 60m): a run refused for its --out_dir alone (a checkpoint there
+    without --resume or --overwrite, another run writing there) is refused first, having fetched nothing."""
+    fetched = []
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
+    argv = ["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path / "out")]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ckpt.pt").write_bytes(b"a run's")
+    with pytest.raises(SystemExit, match="ckpt.pt exists: continue that run with --resume"):
+        train.main(argv)
+    (tmp_path / "out" / "ckpt.pt").unlink()
+    with checkpoint.folder_lock(str(tmp_path / "out")):  # another run writing there
+        with pytest.raises(SystemExit, match="another process .* is writing into"):
+            train.main(argv)
+    assert not fetched
+
+
 @pytest.mark.parametrize("extra", [[], ["--packed_support"]], ids=["flat", "packed"])
 def test_every_rank_trains_rank_0s_supports(corpus, tmp_path, extra):
     """Each rank draws its own supports, which DDP does not broadcast (buffers): alike from one seed on one kind of

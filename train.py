@@ -688,6 +688,14 @@ def rank_0_speaks(fn):
     return said_once
 
 
+def claim_out_dir(args, held, rank, world):
+    """out_dir's lock (but for --eval_only, which writes nothing), and the refusal of a checkpoint there that this
+    run would replace unasked."""
+    if not args.eval_only:
+        lock_out_dir(args, held, rank, world)
+    refuse_overwrite(args)
+
+
 def prepare(args, held, given=()):
     """Everything before the first update: processes, data checks, out_dir's lock (into held, an ExitStack), the
     checkpoint to resume, the data and the Run, the config printed. Returns (ddp, ckpt, its path, (validation batches,
@@ -696,11 +704,14 @@ def prepare(args, held, given=()):
     dtype_given = args.dtype is not None  # else the device's default, or a resumed run's own
     if refusal := flags.no_checkpoint(args):  # before the tokenizer, a download and the process group
         raise SystemExit(refusal)
+    # --download fetches for minutes, in one process (torchrun refuses it): out_dir's lock and refusals come first
+    out_dir_first = args.download and "RANK" not in os.environ
+    if out_dir_first:
+        claim_out_dir(args, held, 0, 1)
     ddp, rank, world, device, vocab_size = setup(args, given)
     ckpt = ckpt_path = None
-    if not args.eval_only:  # which writes nothing
-        lock_out_dir(args, held, rank, world)
-    refuse_overwrite(args)
+    if not out_dir_first:
+        claim_out_dir(args, held, rank, world)
     if args.resume or args.eval_only:
         ckpt, ckpt_path = load_for_resume(args, vocab_size, world, device, rank == 0, dtype_given, given)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
