@@ -685,6 +685,19 @@ def test_every_resume_refusal_comes_before_the_whole_read(corpus, tmp_path, monk
     assert len(reads) == 1 and final_state(tmp_path)["step"] == 4
 
 
+def test_a_resume_over_other_training_shards_is_refused_before_the_whole_read(corpus, tmp_path, monkeypatch):
+    """The data position's check (the shards the checkpoint names, and their sizes) needs only the checkpoint's look
+    and the folder's listing: refused before the checkpoint is read whole (minutes at 7b) and the validation set."""
+    folder = tmp_path / "c4"
+    shutil.copytree(corpus[0], folder)
+    train.main(base_args((str(folder), corpus[1]), tmp_path / "run", 4, "--stop_after", "2"))
+    (folder / "c4-train.00001-of-00002.json.gz").unlink()
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("read whole before the refusal"))
+    monkeypatch.setattr(train, "validation_batches", lambda *a, **k: pytest.fail("validation read before it"))
+    with pytest.raises(SystemExit, match="training shards are not the checkpoint's: 1 gone"):
+        train.main(base_args((str(folder), corpus[1]), tmp_path / "run", 4, "--resume"))
+
+
 def test_a_run_resumed_into_another_out_dir_and_stopped_names_its_own_checkpoint(corpus, tmp_path, capsys):
     """Resumed from a's checkpoint into b and stopped there, the run said "rerun with --resume": its own command
     again (--resume a/ckpt.pt) is refused, since b now holds a checkpoint of its own. The stop names b's, and the

@@ -213,14 +213,15 @@ def same_run(args, ckpt, path, vocab_size, dtype_given):
     return old
 
 
-def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=True, given=()):
+def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=True, given=(), on_look=None):
     """The checkpoint to resume from, checked against this run. Every flag either must match (the differences are
     listed in one refusal) or is honored and said so (by the master); args then records what this run does. A
     resume without --dtype (or --amp) takes the run's own: bf16, as on a GPU, also when resumed on a CPU; so does
     each flag of RESUME_KEPT not in `given` (the flags on the command line), and the micro-batch where neither
     --batch_size nor --gradient_accumulation is given and it still divides the update. Then the memory check of a
     new run (flags.check_memory, on `device`), at the run's own settings. All of it is decided on checkpoint.peek's
-    quick look where one can be had: a refusal comes at once, not after a read of minutes at 7b."""
+    quick look where one can be had: a refusal comes at once, not after a read of minutes at 7b. on_look(look): what
+    else is decided on that look (the data position, by prepare) before the read."""
     path = resume_path(args)  # (there: prepare checked, flags.no_checkpoint)
     precision = (args.dtype, args.amp)  # the device's default, or the command line's
     look, ckpt = checkpoint.peek(path), None  # its args and step, its tensors mapped from the file, not read
@@ -229,12 +230,14 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     old = same_run(args, look, path, vocab_size, dtype_given)
     said = (eval_settings(args, old, device, world, given, precision) if args.eval_only else
             resume_settings(args, old, look, path, device, world, given))
+    if master and said:
+        print(said)
+    if on_look:
+        on_look(look)
     if ckpt is None:  # the verified file; its args (the look's) get the defaults of flags added since, for the run
         del look, old
         ckpt = read_checkpoint(path)
         same_run(args, ckpt, path, vocab_size, dtype_given)
-    if master and said:
-        print(said)
     return ckpt, path
 
 
@@ -712,8 +715,10 @@ def prepare(args, held, given=()):
     ckpt = ckpt_path = None
     if not out_dir_first:
         claim_out_dir(args, held, rank, world)
+    loaders = []  # a resume's, at the data position of the checkpoint's look: its shards checked before the read
     if args.resume or args.eval_only:
-        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, device, rank == 0, dtype_given, given)
+        on_look = None if args.eval_only else lambda look: loaders.append(train_loader(args, rank, world, look))
+        ckpt, ckpt_path = load_for_resume(args, vocab_size, world, device, rank == 0, dtype_given, given, on_look)
     config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                         ffn_dim=args.ffn_dim, vocab_size=vocab_size, packed_support=args.packed_support)
     if args.init_from and not ckpt:  # a new run's start, checked on a quick look before the data and the model
@@ -733,7 +738,7 @@ def prepare(args, held, given=()):
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
     if not args.eval_only:
         same_validation(args, val.sha256, ckpt, ckpt_path)
-    loader = None if args.eval_only else train_loader(args, rank, world, ckpt)
+    loader = None if args.eval_only else loaders[0] if loaders else train_loader(args, rank, world, ckpt)
     run = build(args, config, device, getattr(torch, args.dtype), ddp, ckpt)
     for key in ("model", "optimizer", "scheduler") if ckpt else ():  # loaded: the rest of the run needs its step,
         ckpt.pop(key, None)  # args, data and RNG only, and these would sit in host memory to its end, on every rank
