@@ -795,9 +795,8 @@ def main(argv=None):
     c.add_argument("--pack", action="store_true", help="packed mode instead of the paper's padded rows")
     c.add_argument("--seconds", type=float, default=10.0, help="how long to measure")
     args = p.parse_args(argv)
-    # download's --tokenizer '' is its own: fetch no tokenizer
-    paths = {"download": ("--out",), "train-tokenizer": ("--data_dir", "--out")}.get(args.command, ("--data_dir",
-                                                                                                    "--tokenizer"))
+    paths = {"download": ("--out",),  # (its --tokenizer '' is its own: fetch no tokenizer)
+             "train-tokenizer": ("--data_dir", "--out")}.get(args.command, ("--data_dir", "--tokenizer"))
     if refusal := empty_path_refusal(args, paths):
         p.error(refusal)
     check_args(p, args)

@@ -336,16 +336,7 @@ def get_args(argv=None, description=None):
                 f"{largest:,} entries), and each tensor's 8-bit moments fill whole blocks: pass at most {largest}")
     args.rank, args.alpha, args.delta = model_config.rank, model_config.alpha, model_config.delta
     args.ffn_dim = model_config.ffn_dim
-    if args.freeze and args.delta == 0:
-        p.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above 0, or "
-                "drop --freeze")
-    for name in ("packed_support", "support_seed", "support"):  # each is of the supports, which --delta 0 removes
-        if args.delta == 0 and getattr(args, name) not in (None, False, "random"):
-            p.error(f"--{name} is of the sparse supports, which --delta 0 removes: pass a --delta above 0, or drop "
-                    f"--{name}")
-    if args.rank == 0 and alpha_given is not None and args.method in SPARSE:
-        p.error(f"--alpha scales the low-rank factors, which --rank 0 removes (S alone): pass a --rank above 0, or "
-                "drop --alpha")
+    check_removed_parts(p, args, alpha_given)
     check_baseline_flags(p, args, model_config, rank_given)
     resolve_device_and_batch(p, args)
     check_adam8bit_kernel(p, args)
@@ -356,6 +347,21 @@ def get_args(argv=None, description=None):
             args.warmup_steps = min(args.warmup_steps, args.relora_reset)
     args.lr_restart = None  # set on a resume that raised --num_training_steps: see lr_lambda_for
     return args
+
+
+def check_removed_parts(p, args, alpha_given):
+    """A flag of the sparse part refused where --delta 0 removes it, and --alpha (as given) where --rank 0 removes
+    the factors: each would be taken and do nothing."""
+    if args.freeze and args.delta == 0:
+        p.error("--freeze lowrank trains only the sparse values, which --delta 0 removes: pass a --delta above 0, or "
+                "drop --freeze")
+    for name in ("packed_support", "support_seed", "support"):  # each is of the supports
+        if args.delta == 0 and getattr(args, name) not in (None, False, "random"):
+            p.error(f"--{name} is of the sparse supports, which --delta 0 removes: pass a --delta above 0, or drop "
+                    f"--{name}")
+    if args.rank == 0 and alpha_given is not None and args.method in SPARSE:
+        p.error("--alpha scales the low-rank factors, which --rank 0 removes (S alone): pass a --rank above 0, or "
+                "drop --alpha")
 
 
 def check_ranges(p, args):

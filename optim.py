@@ -84,6 +84,7 @@ def _hyper(optimizer, group, state):
 # √v̂ + ε temporary of a call is that small, where one call over a whole group held a copy of every v (13 GB at 7b)
 FOREACH_BYTES = 1 << 26
 
+
 def _adamw_(params, grads, exp_avgs, exp_avg_sqs, hyper):
     """One AdamW update of tensors that share a step count, in the order of operations of torch.optim.AdamW's
     multi-tensor path, so that the two agree step for step. hyper: _hyper()'s numbers for their step."""
@@ -161,7 +162,7 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 lists[(p.device, p.dtype, state["step"])].append(p)
             for params in lists.values():
-                for chunk in runs_of(params, FOREACH_BYTES) if group["foreach"] else [[p] for p in params]:
+                for chunk in runs_of(params, FOREACH_BYTES if group["foreach"] else 0):  # 0: one at a time
                     states = [self.state[p] for p in chunk]
                     _adamw_(chunk, [p.grad for p in chunk], [s["exp_avg"] for s in states],
                             [s["exp_avg_sq"] for s in states], _hyper(self, group, states[0]))
