@@ -50,7 +50,7 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
     (also by a later call), checked (size, sha256 if given, gzip stream, sentencepiece model), then renamed."""
     dest = Path(dest)
     part = dest.with_name(dest.name + ".part")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _on_disk(dest.parent, dest.parent.mkdir, parents=True, exist_ok=True)
     for attempt in range(retries + 1):
         have = part.stat().st_size if part.exists() else 0
         try:
@@ -60,9 +60,12 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
                     have = 0  # the server ignored the Range header: start over
                 length = r.headers.get("Content-Length")
                 print(f"{url} -> {dest}" + (f" (resuming at {have:,} bytes)" if have else ""), flush=True)
-                with open(part, "ab" if have else "wb") as f:
-                    while chunk := r.read(1 << 20):
-                        f.write(chunk)
+                f = _on_disk(part, open, part, "ab" if have else "wb")
+                try:
+                    while chunk := r.read(1 << 20):  # (the network's errors are retried below)
+                        _on_disk(part, f.write, chunk)
+                finally:
+                    _on_disk(part, f.close)
             if length is not None and part.stat().st_size != have + int(length):  # urllib does not raise for this
                 raise ConnectionError(f"connection closed at {part.stat().st_size:,} of {have + int(length):,} bytes")
             break
@@ -84,6 +87,19 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
     _verify(part, dest.name, sha256)
     os.replace(part, dest)  # atomic: dest is either absent or complete and checked
     return dest
+
+
+def _on_disk(path, call, *args, **kwargs):
+    """call(*args, **kwargs), a step of writing path: an error of the disk (full, read-only, not ours) is one line,
+    raised at once, where as an OSError it was retried as a dropped connection's, for a minute, and then said to be
+    one. What the .part holds stays, for the resume."""
+    try:
+        return call(*args, **kwargs)
+    except OSError as e:
+        fix = "free space on its disk, or pass a path on another" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+            "pass a path you can write to"
+        raise ValueError(f"cannot write {path} ({e.strerror or e}): {fix} (data.py download --out or --tokenizer, "
+                         "train.py --data_dir or --tokenizer), then run the command again") from None
 
 
 # name or address lookup failed, network unreachable, connection refused: no retry will help soon

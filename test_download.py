@@ -4,9 +4,11 @@ tiny gzipped shards and a sentencepiece model made here; no network.
 
     python -m pytest -q test_download.py
 """
+import errno
 import gzip
 import hashlib
 import http.server
+import io
 import json
 import random
 import re
@@ -242,3 +244,25 @@ def test_download_of_a_named_shard_replaces_a_truncated_copy(serve, tmp_path, ca
     fix = str(e.value).split("(python ", 1)[1].split(")", 1)[0].split()  # the command the message gives
     data.main(fix[1:] + ["--tokenizer", "", "--base_url", server.url])
     assert (tmp_path / name).read_bytes() == body, "the suggested command must replace the truncated shard"
+
+
+def test_a_disk_that_cannot_take_the_download_is_said_at_once_not_retried(serve, tmp_path, monkeypatch):
+    """A write of the .part that fails (a full disk, a folder not ours) was taken for a dropped connection: retried for
+    a minute, then a ConnectionError saying to try again later. It is one line at once, naming the file and the fix;
+    the bytes written so far stay in the .part, for the resume once there is room."""
+    body = gz_shard(200)
+    server = serve({"/a.json.gz": body})
+
+    class Full(io.FileIO):
+        def write(self, chunk):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(download, "open", lambda path, mode: Full(path, mode[0]), raising=False)
+    with pytest.raises(ValueError, match=rf"^cannot write {re.escape(str(tmp_path / 'a.json.gz.part'))} \(No space "
+                                         r"left on device\): free space on its disk, or pass a path on another"):
+        download.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", backoff=0)
+    assert len(server.requests) == 1, f"a disk error was retried as the network's: {server.requests}"
+    monkeypatch.undo()
+    (tmp_path / "b.json.gz.part").mkdir()  # the .part cannot be opened for writing at all
+    with pytest.raises(ValueError, match=r"^cannot write .*b\.json\.gz\.part \(Is a directory\): pass a path you can "
+                                         r"write to \(data.py download --out or --tokenizer, train.py --data_dir"):
+        download.fetch(server.url + "/a.json.gz", tmp_path / "b.json.gz", backoff=0)
