@@ -999,10 +999,14 @@ def test_download_under_torchrun_names_the_one_process_command(monkeypatch, tmp_
 
 @pytest.mark.parametrize("extra,shards", [([], (17, 2)), (["--eval_tokens", "100000"], (17, 1)),
                                           (["--eval_tokens", "10**9"], (17, 8)),
-                                          (["--num_training_steps", "10", "--eval_tokens", "16000001"], (1, 3))])
+                                          (["--num_training_steps", "10", "--eval_tokens", "16000001"], (1, 3)),
+                                          (["--max_length", "64"], (17, 5)), (["--pack"], (17, 2)),
+                                          (["--pack", "--max_length", "1024"], (35, 2))])
 def test_download_fetches_the_shards_the_run_reads(monkeypatch, tmp_path, capsys, extra, shards):
     """Train shards enough that no document comes twice; validation shards enough for --eval_tokens: one holds about
-    8.9M tokens at 256 a row, so the paper's 10M once came from a shard that holds fewer."""
+    8.9M tokens at 256 a row, so the paper's 10M once came from a shard that holds fewer. A row of 64 holds fewer
+    still (a shard about 2.9M: 2 gave a short set), and a packed window of 1025 tokens takes about 2 documents (17
+    shards went round twice)."""
     fetched = []
     monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
     extra = [str(10 ** 9) if e == "10**9" else e for e in extra]
@@ -1055,6 +1059,22 @@ def test_a_resumed_or_evaluated_download_fetches_the_validation_shards_of_the_ru
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
                     str(tmp_path / "out"), mode, *extra])
     assert [name for name in fetched.pop() if "validation" in name] == download.shard_names(0, validation)
+
+
+@pytest.mark.parametrize("extra,validation", [([], 6), (["--max_length", "256"], 3)])
+def test_an_evaluated_download_fetches_the_validation_shards_of_the_runs_max_length(monkeypatch, tmp_path, extra,
+                                                                                     validation):
+    """--eval_only cuts the set at the run's --max_length where its command line gives none: a run of rows of 128
+    (a shard holds about 5.3M tokens of them) needs 6 shards for 20M tokens, where 3 hold them at 256."""
+    ckpt = tmp_path / "out" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    checkpoint.save(str(ckpt), {"step": 5, "args": {"eval_tokens": 20_000_001, "max_length": 128}, "model_config": {}})
+    fetched = []
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
+                    str(tmp_path / "out"), "--eval_only", *extra])
+    assert fetched.pop() == download.shard_names(0, validation)
 
 
 def test_a_download_for_an_out_dir_the_run_cannot_write_is_refused_before_it(monkeypatch, tmp_path, capsys):

@@ -74,6 +74,7 @@ MODEL_FIELDS = ("method", "rank", "alpha", "delta", "ffn_dim")
 # a checkpoint write longer than this is said once: schedulers commonly allow 30 s between SIGTERM and SIGKILL
 SLOW_SAVE_S = 20
 VALIDATION_SHARD_TOKENS = 8_000_000  # --download's reckoning of a C4 validation shard's tokens, a little under (setup)
+TRAIN_DOC_TOKENS = 480  # and of a C4 train document's, with its EOS, a little under (510 in shard 00000's first 1,000)
 
 
 def get_args(argv=None):
@@ -535,18 +536,24 @@ def download_shards(args, given=()):
     run sees no document twice (a C4 en shard holds ~356k documents); on a resume the checkpoint's own, which its
     data position needs, whatever this command line's --num_training_steps (the run's own is taken later) says. And
     validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
-    documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two. A resume
-    or --eval_only takes the run's --eval_tokens where `given` (the command line's flags) has none (RESUME_KEPT,
+    documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two; a shorter
+    row holds fewer (about 2.9M a shard at 64), a packed window every token (about 22M). A packed window of more
+    than TRAIN_DOC_TOKENS takes more than one document. A resume or --eval_only takes the run's --eval_tokens (and
+    --eval_only its --max_length and --pack) where `given` (the command line's flags) has none (RESUME_KEPT,
     EVAL_KEPT): its shards are fetched, not the default's."""
     ckpt = checkpoint.peek(resume_path(args)) if args.resume or args.eval_only else None  # none: said later
     run = ckpt.get("args") if isinstance(ckpt, dict) and isinstance(ckpt.get("args"), dict) else {}
-    eval_tokens = args.eval_tokens if "eval_tokens" in given else run.get("eval_tokens", args.eval_tokens)
-    n_val = min(8, math.ceil(eval_tokens / VALIDATION_SHARD_TOKENS))
+    kept = EVAL_KEPT if args.eval_only else RESUME_KEPT
+    eval_tokens, max_length, pack = (run.get(k, getattr(args, k)) if k in kept and k not in given else getattr(args, k)
+                                     for k in ("eval_tokens", "max_length", "pack"))
+    per_shard = VALIDATION_SHARD_TOKENS * (1 if pack else min(1, max_length / 256))  # a row holds max_length at most
+    n_val = min(8, math.ceil(eval_tokens / per_shard))
     if args.eval_only:  # an evaluation reads no train shard
         return [], n_val
     if isinstance(ckpt, dict) and ckpt.get("data"):
         return list(ckpt["data"][0]["shards"]), n_val  # every rank's state names the same shards
-    n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size / 350_000))
+    docs = max(1, (args.max_length + 1) / TRAIN_DOC_TOKENS) if args.pack else 1  # a sequence's documents
+    n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size * docs / 350_000))
     return shard_names(train=n_train, validation=0), n_val
 
 
