@@ -545,7 +545,10 @@ def _by_pieces(t):
 
 
 def _norm32(t):
-    """The 2-norm of t accumulated in float32, by pieces where a whole float32 copy would be made (_by_pieces)."""
+    """The 2-norm of t accumulated in float32, by pieces where a whole float32 copy would be made (_by_pieces). A
+    float64 t is reduced in float64 (vector_norm refuses to narrow it) and its norm given in float32, as the others."""
+    if t.dtype == torch.float64:
+        return torch.linalg.vector_norm(t).float()
     if not _by_pieces(t):
         return torch.linalg.vector_norm(t, dtype=torch.float32)
     parts = [torch.linalg.vector_norm(part, dtype=torch.float32) for part in t.reshape(-1).split(PIECE)]
@@ -555,7 +558,7 @@ def _norm32(t):
 def _norms32(grads):
     """[_norm32(g) for g in grads], in one multi-tensor launch (a few for many tensors) where it needs no float32
     copy of a whole tensor: on a GPU, where a launch a tensor is host time that per-layer updates wait on."""
-    if any(_by_pieces(g) for g in grads):
+    if any(_by_pieces(g) or g.dtype == torch.float64 for g in grads):
         return [_norm32(g) for g in grads]
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
 

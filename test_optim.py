@@ -134,6 +134,23 @@ def test_the_global_norm_and_clipping_are_float32_whatever_the_gradients(dtype):
         assert clipped == pytest.approx(1.0, rel=2e-3)
 
 
+def test_the_global_norm_and_clipping_take_float64_gradients():
+    """Float64 gradients (a float64 model, which AdamW steps as torch's does) are normed in float64, not refused for
+    narrowing to float32: the norm and the clipped gradients are torch's, the norm returned in float32."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in ((30, 7), (7,))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins):
+        q.grad = p.grad.clone()
+    theirs = torch.nn.utils.clip_grad_norm_(twins, 1.0)
+    norm = clip_grad_norm32(params, 1.0)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(theirs.item(), rel=1e-6)
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
 def test_adamw_continues_from_torch_adamw_state():
     """A state saved by torch.optim.AdamW (its step a tensor) loads into ours, which then steps as torch's would."""
     torch.manual_seed(0)

@@ -201,6 +201,25 @@ def test_per_layer_accumulation_updates_what_only_earlier_micro_batches_reached(
     assert_same_params(model, ref, "accumulated gradients that the last micro-batch did not reach")
 
 
+def test_per_layer_updates_a_float64_model_as_the_global_step():
+    """The layers' gradient norms took float64 gradients to float32, which torch refuses: backward raised there."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).double()
+    ref, model = build(), build()
+    opt = AdamW(ref.parameters(), lr=1e-2)
+    per_layer = attach_per_layer(model, lambda ps: AdamW(ps, lr=1e-2))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for _ in range(2):
+        ref(x).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        assert abs(per_layer.grad_norm().item() / norm.item() - 1) < 1e-6
+    assert_same_params(model, ref, "per-layer updates of a float64 model")
+
+
 def test_per_layer_grad_norm_and_clipping():
     with pytest.raises(ValueError, match="max_grad_norm_per_param"):
         attach_per_layer(tiny_llama(), OPTIMIZERS["AdamW"], clip_grad_norm=1.0)
