@@ -169,12 +169,16 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict):
-        for group in state_dict["param_groups"]:  # a torch.optim.AdamW state may ask for what this AdamW lacks
+        for group in state_dict["param_groups"]:  # a torch.optim.AdamW (or Adam) state may ask for what this lacks
             unknown = [flag for flag in ("amsgrad", "maximize") if group.get(flag)]
             if unknown or torch.is_tensor(group.get("lr")):
                 what = f"{'=True, '.join(unknown)}=True" if unknown else "a tensor lr"
                 raise ValueError(f"this state is of an AdamW with {what}, which optim.AdamW does not have: continue "
                                  "with torch.optim.AdamW, or start the optimizer afresh")
+            if group.get("decoupled_weight_decay") is False and group.get("weight_decay"):  # torch.optim.Adam's
+                raise ValueError("this state is of an Adam whose weight decay is added to the gradient (L2), with "
+                                 "decoupled_weight_decay=False, which optim.AdamW does not have: continue with "
+                                 "torch.optim.Adam, or start the optimizer afresh")
         super().load_state_dict(state_dict)
         for state in self.state.values():  # torch.optim.AdamW's state keeps its step as a tensor; ours, an int
             if torch.is_tensor(state.get("step")):

@@ -756,3 +756,10 @@ def test_what_these_optimizers_lack_is_refused():
         ref.step()
         with pytest.raises(ValueError, match=f"with {flag}=True, which optim.AdamW does not have: continue with torch"):
             AdamW([p], lr=1e-2).load_state_dict(ref.state_dict())
+    # torch.optim.Adam's weight decay is added to the gradient (L2), not decoupled: stepped here it would be AdamW's
+    ref = torch.optim.Adam([p], lr=1e-2, weight_decay=0.1)
+    ref.step()
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False, which optim.AdamW does not have: continue "
+                                         "with torch.optim.Adam"):
+        AdamW([p], lr=1e-2).load_state_dict(ref.state_dict())
+    AdamW([p], lr=1e-2).load_state_dict(torch.optim.Adam([p], lr=1e-2).state_dict())  # without decay: the same Adam
