@@ -162,7 +162,8 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 lists[(p.device, p.dtype, state["step"])].append(p)
             for params in lists.values():
-                for chunk in runs_of(params, FOREACH_BYTES if group["foreach"] else 0):  # 0: one at a time
+                # None as True (a torch.optim.AdamW state loaded brings its default, None); 0: one at a time
+                for chunk in runs_of(params, 0 if group["foreach"] is False else FOREACH_BYTES):
                     states = [self.state[p] for p in chunk]
                     _adamw_(chunk, [p.grad for p in chunk], [s["exp_avg"] for s in states],
                             [s["exp_avg_sq"] for s in states], _hyper(self, group, states[0]))

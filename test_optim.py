@@ -105,6 +105,21 @@ def test_adamws_multi_tensor_calls_hold_a_bounded_temporary(monkeypatch):
         torch.testing.assert_close(b, a)
 
 
+def test_adamw_resumed_from_a_torch_adamw_state_keeps_its_multi_tensor_calls(monkeypatch):
+    """torch.optim.AdamW's state carries foreach=None, its default, which replaced ours: None read as False, and every
+    later step went one tensor at a time (a launch per tensor and operation on a GPU). None means multi-tensor."""
+    calls, sqrt = [], torch._foreach_sqrt
+    monkeypatch.setattr(torch, "_foreach_sqrt", lambda ts: calls.append(len(ts)) or sqrt(ts))
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(8, 4), (4,), (3,)]]
+    ref = torch.optim.AdamW(params, lr=1e-2)
+    opt = AdamW(params, lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert calls == [3], f"one multi-tensor call for the three tensors, got calls over {calls}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_global_norm_and_clipping_are_float32_whatever_the_gradients(dtype):
     """train.py's global clipping: the norm of the gradients as they are (float64 reference), where torch's is
