@@ -575,6 +575,7 @@ def clip_grad_norm32(parameters, max_norm):
     gradients). Returns the norm before clipping, a float32 0-dim tensor on the gradients' device; when clipping, as
     torch's: a NaN norm makes every gradient NaN, an infinite one scales by 0 (its inf entries become NaN, the finite
     ones 0)."""
+    parameters = [parameters] if torch.is_tensor(parameters) else parameters  # one tensor, as torch's takes it
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())

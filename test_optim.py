@@ -166,6 +166,17 @@ def test_the_global_norm_and_clipping_take_float64_gradients():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
 
 
+def test_clipping_one_tensor_clips_it_as_torch_does():
+    """torch's clip_grad_norm_ takes one tensor for a list of it; iterated, a tensor gave its rows, which have no
+    gradient: the norm came back 0 and nothing was clipped."""
+    p, q = torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(4, 3))
+    p.grad, q.grad = torch.full((4, 3), 2.0), torch.full((4, 3), 2.0)
+    theirs = torch.nn.utils.clip_grad_norm_(q, 1.0)
+    norm = clip_grad_norm32(p, 1.0)
+    assert norm.item() == pytest.approx(theirs.item(), rel=1e-6)
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
 def test_adamw_continues_from_torch_adamw_state():
     """A state saved by torch.optim.AdamW (its step a tensor) loads into ours, which then steps as torch's would."""
     torch.manual_seed(0)
