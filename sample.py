@@ -37,11 +37,12 @@ from checkpoint import check_tokenizer, load_model
 from data import empty_path_refusal, load_tokenizer
 from devices import device_from_flag
 from estimate_memory import memory_there
-from export import densify
+from export import MERGED, densify
 from model import KVCache
 
 BATCH = 16  # samples drawn at once by default
 TOP_K = 200  # draws from the k likeliest tokens by default
+MERGES = ("sltrain", "sltrain_ft", "relora")  # the methods whose weights `merged` makes dense
 
 
 def merged(model):
@@ -50,7 +51,7 @@ def merged(model):
     never forms W, and stays as it is. The merge is in place (export.densify), a layer at a time: it holds the dense
     model and one layer more, about twice an SLTrain model's weights (7b: 6.74G parameters against 3.14G); copy the
     model first to keep it as trained."""
-    if model.config.method not in ("sltrain", "sltrain_ft", "relora"):
+    if model.config.method not in MERGES:
         return model
     return densify(model).eval()
 
@@ -140,7 +141,7 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
     sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     context = run.get("max_length", 256) - (0 if run.get("pack") else 1)  # the positions training saw
     batch_size = min(batch_size, num_samples)
-    check_batch(model, batch_size, context, torch.device(device))
+    check_batch(model, batch_size, context, torch.device(device), merge)
     model = merged(model) if merge else model
     # an empty prompt (or one of spaces alone, which encodes to nothing) starts after an end of document: with --pack
     # every training document follows one; the paper's padded rows never predict a document's first token, so there
@@ -171,16 +172,23 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
             yield head + text[len(typed):] if text.startswith(typed) else text
 
 
-def check_batch(model, batch_size, context, device):
-    """Refuse a batch whose cache and logits (batch_bytes) with the dense weights would not fit in the memory there
-    (estimate_memory.memory_there), naming the largest batch that would."""
+def check_batch(model, batch_size, context, device, merge=True):
+    """Refuse a batch whose cache and logits (batch_bytes) with the weights generated from (dense ones if merge)
+    would not fit in the memory there (estimate_memory.memory_there), naming the largest batch that would."""
     there = memory_there(device)
     if there is None:
         return
     available, share, where = there
     dtype = next(model.parameters()).dtype
-    # the merge's dense model, at most twice an SLTrain one's; on a GPU the loaded weights are out of its free memory
-    weights = sum(p.nbytes for p in model.parameters()) * (1 if device.type == "cuda" else 2)
+    # the model as loaded, buffers included (ReLoRA's and SLTrain-FT's W0 are its largest tensors), and as it is
+    # generated from: a merge replaces each merged layer by its dense weight; full and low-rank models, and
+    # --keep_factors, stay as loaded
+    held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    layers = [m for m in model.modules() if isinstance(m, MERGED)] if merge and model.config.method in MERGES else []
+    dense = held + sum(m.in_features * m.out_features * dtype.itemsize
+                       - sum(t.nbytes for t in (*m.parameters(), *m.buffers())) for m in layers)
+    # on a GPU the loaded weights are out of its free memory already, and only what the merge adds is needed
+    weights = max(dense - held, 0) if device.type == "cuda" else max(dense, held)
     room, need = share * available - weights, batch_bytes(model.config, batch_size, context, dtype)
     if need > room:
         fits = int(room // batch_bytes(model.config, 1, context, dtype))

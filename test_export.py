@@ -101,6 +101,26 @@ def test_sample_refuses_a_batch_that_cannot_fit_before_the_merge(sl_ckpt, monkey
     assert [next(texts) for _ in range(3)] == ["the the"] * 3  # drawn as read: 10^8 rows were never built
 
 
+@pytest.mark.parametrize("method,device,gb,fits", [("full", "cpu", 32, True), ("full", "cuda", 24, True),
+                                                   ("sltrain_ft", "cpu", 16, False), ("relora", "cpu", 16, False),
+                                                   ("sltrain", "cpu", 20, True), ("sltrain", "cpu", 16, False)])
+def test_the_batch_check_counts_the_weights_generated_from(monkeypatch, method, device, gb, fits):
+    """check_batch took every model for an SLTrain one to be merged, twice its parameters: a 7b full-rank (or merged)
+    model in bf16, 13.5 GB, was refused on a 32 GB machine and a 24 GB GPU, where it and a batch of 16 (2.4 GB) fit;
+    and 7b ReLoRA and SLTrain-FT ones, whose W0 (13 GB) is a buffer, passed on a 16 GB machine, where they do not;
+    an SLTrain one fits there with --keep_factors (6.3 GB), not merged (13.5 GB)."""
+    model = LLaMA(config_for("7b", method=method), device="meta").to(torch.bfloat16)
+    free = gb * 1e9 - (13.5e9 if device == "cuda" else 0)  # a GPU's free memory, after the load
+    monkeypatch.setattr(sample, "memory_there", lambda d: (free, 0.8, f"a {gb} GB {device}"))
+    if fits:
+        sample.check_batch(model, 16, 255, torch.device(device))
+    else:
+        with pytest.raises(ValueError, match=f"more than 80% of a {gb} GB {device}"):
+            sample.check_batch(model, 16, 255, torch.device(device))
+    if method == "sltrain":  # --keep_factors: generated from as trained, the model takes what it took loaded
+        sample.check_batch(model, 16, 255, torch.device(device), merge=False)
+
+
 def test_sample_keeps_the_factors_when_asked(sl_ckpt, monkeypatch):
     """--keep_factors generates from the weights as trained: the same greedy text (float32), from an SLTrain model."""
     merged = sample.sample(sl_ckpt, "the", num_samples=2, max_new_tokens=12, temperature=0)
@@ -136,7 +156,7 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     eos, seen = sample.load_tokenizer(ckpt["args"]["tokenizer"]).eos_id(), []
 
     class Spy:  # the model, recording the positions each call attends to: the cached ones and the new ones
-        config, parameters = model.config, model.parameters
+        config, parameters, buffers, modules = model.config, model.parameters, model.buffers, model.modules
 
         def __call__(self, idx, cache=None):
             seen.append((cache.pos if cache else 0) + idx.shape[1])
@@ -327,6 +347,9 @@ class Scripted:
 
     def parameters(self):
         return iter([torch.zeros(8)])
+
+    def buffers(self):
+        return iter([])
 
     def __call__(self, idx, cache=None):
         logits = torch.zeros(*idx.shape, self.config.vocab_size)  # (B, T, vocab)
