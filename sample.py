@@ -62,7 +62,9 @@ def draw(logits, temperature, top_k=None, top_p=None, generator=None):
     probabilities add up to top_p, the one that reaches it included."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    # shifted by the max first: a tiny temperature then sends the rest to -inf, never the max to inf (NaN)
+    # shifted by the max first: a tiny temperature then sends the rest to -inf, never the max to inf (NaN); and at
+    # least the dtype's smallest normal number, as one below it (1e-50) is 0 in float32, and the max's 0/0 NaN
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k:  # None or 0: no cut (sample.py's --top_k 0)
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)

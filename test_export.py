@@ -408,6 +408,16 @@ def test_draws_come_from_the_top_k_then_the_nucleus(top_k, top_p, kept):
     assert ((counts[kept] - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-46, 1e-50, 5e-324])
+def test_a_temperature_below_float32s_smallest_draws_the_likeliest_token(temperature):
+    """The logits are float32, in which a temperature under 1.4e-45 is 0: the max's 0/0 was NaN, and
+    --temperature 1e-50 ended in multinomial's RuntimeError, a traceback."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.2]])
+    for top_k, top_p in ((None, None), (2, 0.5)):
+        ids = sample.draw(logits, temperature, top_k, top_p, torch.Generator().manual_seed(0))
+        assert ids[:, 0].tolist() == [1, 0], (temperature, top_k, top_p, ids)
+
+
 def refuse_to_load(path, *args, **kwargs):
     raise AssertionError(f"{path} was loaded before the arguments were checked")
 
