@@ -233,6 +233,11 @@ def main(argv=None):
     if args.merged and os.path.isdir(args.merged):
         p.error(f"--merged {args.merged} is a folder; pass a file in it, such as "
                 f"{os.path.join(args.merged, 'dense.pt')}")
+    merged = os.path.realpath(args.merged or ".")
+    if args.merged and args.out and os.path.commonpath([os.path.realpath(args.out), merged]) == merged:
+        # --out itself, or a missing folder above it: a folder once --out is written, where --merged then failed
+        p.error(f"--merged {args.merged} is a folder that --out makes; pass a file in it, such as "
+                f"{os.path.join(args.merged, 'dense.pt')}")
     folder = os.path.realpath(os.path.dirname(args.merged or "") or ".")
     # a folder that --out makes (--out itself, or a missing folder above it) is there by the time --merged is written
     made_by_out = args.out and os.path.commonpath([folder, os.path.realpath(args.out)]) == folder

@@ -501,7 +501,12 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
               "--tokenizer is for the Hugging Face folder: add --out FOLDER, or drop --tokenizer"),
              (["--out", str(tmp_path / "a_file"), "--tokenizer", str(tmp_path / "t.model")], "is a file"),
              (["--out", str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "t.model")], "--tokenizer: tokenizer"),
-             (["--merged", str(tmp_path / "a_file")], "exists: pass another file, or --overwrite to replace it")]
+             (["--merged", str(tmp_path / "a_file")], "exists: pass another file, or --overwrite to replace it"),
+             # a folder once the export is written, where --merged failed ("Is a directory") after all the work
+             (["--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "hf")], "is a folder that --out makes; pass "
+              f"a file in it, such as {tmp_path / 'hf' / 'dense.pt'}"),
+             (["--out", str(tmp_path / "new" / "hf"), "--merged", str(tmp_path / "new") + "/"],
+              "is a folder that --out makes")]
     if os.path.isdir("/proc/self/fdinfo"):  # a folder there that no one writes into, root included
         cases.append((["--out", "/proc/self/fdinfo"], "--out /proc/self/fdinfo: cannot make or write into the folder"))
     for argv, message in cases:
