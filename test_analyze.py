@@ -398,6 +398,22 @@ def test_flags_are_checked_against_the_checkpoint(dense_ckpt, sltrain_ckpt, caps
         assert "is sltrain" in message and "drop them" in message, message
 
 
+def test_flags_that_do_not_fit_the_checkpoint_are_refused_at_a_quick_look(dense_ckpt, sltrain_ckpt, monkeypatch,
+                                                                          capsys):
+    """Its method and sizes are in checkpoint.peek's look: refused before the full read and checksum (half a minute
+    at 350m, minutes at 7b), as train.py refuses a resume's flags."""
+    def refuse_to_load(path, *args, **kwargs):
+        raise AssertionError(f"{path} was read whole before the flags were checked against it")
+
+    monkeypatch.setattr(analyze, "load_model", refuse_to_load)
+    for argv, message in [(["spectrum", sltrain_ckpt, "--rank", "4"], "is sltrain, shown as Σ split"),
+                          (["spectrum", dense_ckpt, "--rank", "1000"], "--rank must be in [1, 64) for this model"),
+                          (["prune", sltrain_ckpt], "is sltrain; prune needs a full-rank checkpoint"),
+                          (["prune", dense_ckpt, "--rank", "64"], "--rank must be in [1, 64) for this model, got 64")]:
+        got = refusal(capsys, argv)
+        assert got.startswith(f"analyze.py {argv[0]}: ") and message in got, got
+
+
 def test_the_default_rank_is_checked_where_it_is_used(corpus, dense_ckpt, tmp_path, capsys):  # noqa: F811
     from checkpoint import load, save
     state = load(dense_ckpt)
