@@ -21,6 +21,7 @@ train.py:
 
 import argparse
 import atexit
+import colorsys
 import gc
 import json
 import math
@@ -169,6 +170,15 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
            "#bcbd22")
 
 
+def line_colors(n):
+    """n colours, one per line: the palette, or past its 10 (the layers of 130m and up) hues from red to violet in
+    order, so that no two lines (layer 0 and layer 10) share one."""
+    if n <= len(PALETTE):
+        return PALETTE[:n]
+    rgb = [colorsys.hsv_to_rgb(0.8 * i / (n - 1), 0.85, 0.8) for i in range(n)]
+    return ["#" + "".join(f"{round(255 * c):02x}" for c in color) for color in rgb]
+
+
 def nice_ticks(lo, hi, n=5):
     """Round tick values covering [lo, hi]."""
     if hi <= lo:
@@ -187,6 +197,7 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
     esc = lambda s: (str(s).encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # noqa: E731
                      .replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
     left, right, top, bottom = 70, 20, 40, 50
+    height = max(height, top + 18 * len(series) + 10)  # tall enough for every legend entry (24 layers at 350m)
     legend_w = 10 + 7 * max(len(label) for label, _, _ in series) + 30
     plot_w, plot_h = width - left - right - legend_w, height - top - bottom
     xs_all = [x for _, xs, _ in series for x in xs]
@@ -211,8 +222,9 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 12}" text-anchor="middle">{esc(xlabel)}</text>')
     out.append(f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + plot_h / 2})">{esc(ylabel)}</text>')
+    colors = line_colors(len(series))
     for i, (label, xs, ys) in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
+        color = colors[i]
         points = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
         out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
         if len(xs) == 1:  # a line of one point draws nothing: a run evaluated once gets a dot

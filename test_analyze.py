@@ -493,6 +493,18 @@ def test_curves_takes_folder_names_and_labels_that_are_not_utf8(tmp_path):
         assert shown in texts, texts
 
 
+def test_a_spectrum_of_many_layers_gives_each_its_own_colour_and_legend_entry(tmp_path):
+    """Full-rank spectra draw a line per layer: at 350m's 24 layers the palette's 10 colours made layers 0, 10 and 20
+    one colour, and the legend ran past the figure's foot from layer 22 on."""
+    ns = "{http://www.w3.org/2000/svg}"
+    rows = [dict(kind="o_proj", layer=i, sigma=[2.0 - i / 24, 1.0, 0.1]) for i in range(24)]
+    root = ET.parse(analyze.spectrum_figures(rows, tmp_path, "350m full")[0]).getroot()
+    colours = [line.get("stroke") for line in root.iter(ns + "polyline")]
+    assert len(colours) == 24 and len(set(colours)) == 24, colours
+    legend = [float(t.get("y")) for t in root.iter(ns + "text") if (t.text or "").startswith("layer ")]
+    assert len(legend) == 24 and max(legend) < float(root.get("height")), (legend, root.get("height"))
+
+
 def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, capsys):
     """A write the filesystem refuses (a file past the process's size limit, as a full disk) is one line, and the
     SVG written before stays whole: figures are written through checkpoint.atomic_file."""
