@@ -554,7 +554,9 @@ def config_refusal(args, config):
         return (f"analyze.py prune: {args.ckpt} is {method}; prune needs a full-rank checkpoint: train with --method "
                 "full, or merge this one with export.py --merged")
     if method in ("lowrank", "sltrain") and (args.rank is not None or getattr(args, "threshold", None) is not None):
-        how = "Σ split into its low-rank and sparse parts" if method == "sltrain" else "its σ alone"
+        # an sltrain run of --rank 0 or --delta 0 has one part, so no split: its σ alone, as a lowrank run's
+        split = method == "sltrain" and config["rank"] > 0 and config.get("delta", 0) > 0
+        how = "Σ split into its low-rank and sparse parts" if split else "its σ alone"
         return (f"analyze.py spectrum: --rank and --threshold set the residual analysis of full-rank weights (full, "
                 f"relora and sltrain_ft checkpoints); {args.ckpt} is {method}, shown as {how}: drop them")
     rank = config["rank"] if args.rank is None else args.rank

@@ -426,6 +426,8 @@ def test_the_default_rank_is_checked_where_it_is_used(corpus, dense_ckpt, tmp_pa
     train.main(base_args(corpus, tmp_path / "sparse", 1, "--method", "sltrain", "--rank", "0", "--delta", "0.1"))
     analyze.main(["spectrum", str(tmp_path / "sparse" / "ckpt.pt")])  # rank 0 is no residual rank: not refused
     assert "q_proj" in capsys.readouterr().out
+    message = refusal(capsys, ["spectrum", str(tmp_path / "sparse" / "ckpt.pt"), "--rank", "4"])  # S alone: no split
+    assert "is sltrain, shown as its σ alone: drop them" in message, message
 
 
 def test_non_finite_weights_are_one_line(dense_ckpt, tmp_path, capsys):
