@@ -199,6 +199,8 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
     left, right, top, bottom = 70, 20, 40, 50
     height = max(height, top + 18 * len(series) + 10)  # tall enough for every legend entry (24 layers at 350m)
     legend_w = 10 + 7 * max(len(label) for label, _, _ in series) + 30
+    width = max(width, left + right + legend_w + 360)  # long labels (runs' folder names) widen it, never squeeze the
+    # plot to nothing or to a negative width, which SVG does not draw
     plot_w, plot_h = width - left - right - legend_w, height - top - bottom
     xs_all = [x for _, xs, _ in series for x in xs]
     ys_all = [y for _, _, ys in series for y in ys]

@@ -507,6 +507,21 @@ def test_a_spectrum_of_many_layers_gives_each_its_own_colour_and_legend_entry(tm
     assert len(legend) == 24 and max(legend) < float(root.get("height")), (legend, root.get("height"))
 
 
+def test_a_long_label_widens_the_figure_and_leaves_the_plot_its_width(tmp_path):
+    """A run's folder named by its settings (94 characters here) is its legend label: the legend took the plot's
+    width, which went negative (a frame SVG does not draw, every point at its left edge)."""
+    name = "sltrain_350m_rank256_delta0.05_alpha32_lr3e-3_wd0_packed_support_seed3_bf16_compile_run2_final"
+    path = write_metrics(tmp_path / name / "metrics.jsonl", [{"step": 10, "val_ppl": 50.0},
+                                                              {"step": 20, "val_ppl": 40.0}])
+    out = tmp_path / "curves.svg"
+    analyze.main(["curves", path, "--out", str(out)])
+    root = ET.parse(out).getroot()
+    frame = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("stroke") == "black"][0]
+    assert float(frame.get("width")) >= 360, frame.get("width")
+    xs = [float(p.split(",")[0]) for p in root.find("{http://www.w3.org/2000/svg}polyline").get("points").split()]
+    assert xs[1] - xs[0] >= 360 and max(xs) < float(root.get("width")), (xs, root.get("width"))
+
+
 def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, capsys):
     """A write the filesystem refuses (a file past the process's size limit, as a full disk) is one line, and the
     SVG written before stays whole: figures are written through checkpoint.atomic_file."""
