@@ -712,7 +712,10 @@ def refuse_what_would_not_fit(parser, args, methods, device):
     width = DTYPE_BYTES[check_dtype(args.dtype, args.amp)]
     for method in methods:
         row = estimate_for(args, args.size, method, measured_format(args))
-        need = max(row["train_gb"], row["param_gb"] * (1 + 4 / width if width != 4 else 1)) * GB
+        build = row["param_gb"] * GB * (1 + 4 / width if width != 4 else 1)
+        if args.amp and method == "sltrain_ft":  # W0, kept in bf16, is built in float32 first (frozen_base_to)
+            build += (4 - BF16) * (row["stored_m"] - row["params_m"]) * 1e6
+        need = max(row["train_gb"] * GB, build)
         if need > share * available:
             parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "
                          f"than {share:.0%} of {where}: pass a smaller --size or --batch_size (the estimate alone, "

@@ -402,6 +402,20 @@ def test_measure_refuses_a_model_the_machine_cannot_hold_before_building_it(monk
         "smaller --size or --batch_size" in err, err
 
 
+def test_measure_counts_the_float32_build_of_sltrain_ft_w0_under_amp(monkeypatch, capsys):
+    """Under --amp SLTrain-FT's W0 is kept in bf16, but built in float32 first (model.frozen_base_to comes after the
+    build): at 7b that build holds 27 GB, where the estimated step (W0 in bf16) holds 15 GB. 24 GB are refused."""
+    monkeypatch.setattr(em, "memory_there", lambda device, world=1: (24e9, 0.8, "this machine's 24.0 GB"))
+    monkeypatch.setattr(em, "measure", lambda *args: pytest.fail("measured a model whose build cannot fit"))
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--measure", "--size", "7b", "--method", "sltrain_ft",
+                                      "--amp", "--batch_size", "1", "--max_length", "16", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        em.main()
+    err = capsys.readouterr().err
+    assert "--measure sltrain_ft at 7b needs about 27.3 GB by the estimate, more than 80% of this machine's " \
+        "24.0 GB" in err, err
+
+
 def test_ffn_dim_is_honored_as_train_py_builds_it(monkeypatch, capsys):
     """--ffn_dim (train.py's): the MLP width of the model counted, in the table and in --measure's build alike."""
     out = run_main(monkeypatch, capsys, "--size", "tiny", "--method", "sltrain", "--ffn_dim", "200", "--batch_size",
