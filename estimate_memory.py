@@ -718,8 +718,8 @@ def refuse_what_would_not_fit(parser, args, methods, device):
         need = max(row["train_gb"] * GB, build)
         if need > share * available:
             parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "
-                         f"than {share:.0%} of {where}: pass a smaller --size or --batch_size (the estimate alone, "
-                         "without --measure, needs no memory)")
+                         f"than {share:.0%} of {where}: pass a smaller --size, --batch_size or --max_length (the "
+                         "estimate alone, without --measure, needs no memory)")
 
 
 def check_args(parser, args):

@@ -399,7 +399,19 @@ def test_measure_refuses_a_model_the_machine_cannot_hold_before_building_it(monk
         em.main()
     err = capsys.readouterr().err
     assert "--measure sltrain at 7b needs about" in err and "more than 80% of this machine's 16.0 GB: pass a " \
-        "smaller --size or --batch_size" in err, err
+        "smaller --size, --batch_size or --max_length" in err, err
+
+
+def test_measure_refusing_a_long_sequence_names_max_length(monkeypatch, capsys):
+    """At the smallest size and batch, the sequence is what there is to make smaller: the refusal says so."""
+    monkeypatch.setattr(em, "memory_there", lambda device, world=1: (1e9, 0.8, "this machine's 1.0 GB"))
+    monkeypatch.setattr(em, "measure", lambda *args: pytest.fail("measured a model that cannot fit"))
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--measure", "--size", "tiny", "--method", "sltrain",
+                                      "--batch_size", "1", "--max_length", "20000", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        em.main()
+    err = capsys.readouterr().err
+    assert "pass a smaller --size, --batch_size or --max_length" in err, err
 
 
 def test_measure_counts_the_float32_build_of_sltrain_ft_w0_under_amp(monkeypatch, capsys):
