@@ -567,10 +567,9 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     torch.manual_seed(0)
     config = config_for(size, method="full" if method == "galore" else method, rank=rank, delta=delta,
                         packed_support=packed, ffn_dim=ffn_dim)
-    model = raw = LLaMA(config, device=device).to(getattr(torch, dtype))
+    model = raw = LLaMA(config, device=device, dtype=getattr(torch, dtype),  # built as train.py builds it
+                        base_dtype=torch.bfloat16 if amp else None)
     model.autocast = torch.bfloat16 if amp else None
-    if amp:
-        frozen_base_to(model, torch.bfloat16)  # as train.py --amp
     if freeze:
         freeze_all_but_values(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -704,7 +703,8 @@ def measured_format(args):
 def refuse_what_would_not_fit(parser, args, methods, device):
     """--measure builds and trains the model for real: one that would not fit is refused now, in one line, not
     killed part way (on CPU the kernel's out-of-memory killer, which may take other processes with it). What each
-    needs is its estimated step, or its build if more: the model is made in float32, then cast."""
+    needs is its estimated step, or its build if more: a full-rank model is drawn whole in float32, then rounded
+    (model.LLaMA); the others a block at a time, which their step's memory always holds."""
     there = memory_there(device)
     if there is None:
         return
@@ -712,9 +712,7 @@ def refuse_what_would_not_fit(parser, args, methods, device):
     width = DTYPE_BYTES[check_dtype(args.dtype, args.amp)]
     for method in methods:
         row = estimate_for(args, args.size, method, measured_format(args))
-        build = row["param_gb"] * GB * (1 + 4 / width if width != 4 else 1)
-        if args.amp and method == "sltrain_ft":  # W0, kept in bf16, is built in float32 first (frozen_base_to)
-            build += (4 - BF16) * (row["stored_m"] - row["params_m"]) * 1e6
+        build = row["param_gb"] * GB * (4 / width if method in ("full", "galore") else 1)
         need = max(row["train_gb"] * GB, build)
         if need > share * available:
             parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "

@@ -171,6 +171,14 @@ def freeze_all_but_values(model):
     train_only(model, ("values",))
 
 
+def _cast(module, dtype, base_dtype):
+    """The module's weights in dtype, then SLTrain-FT's W0 in base_dtype (each None: as they are)."""
+    if dtype is not None:
+        module.to(dtype)
+    if base_dtype is not None:
+        frozen_base_to(module, base_dtype)
+
+
 def frozen_base_to(model, dtype):
     """SLTrain-FT's frozen W0 in dtype, the compute dtype under mixed precision (train.py --amp): it has no gradient
     and no optimizer state, and only ever enters the bf16 W, so float32 would double the largest tensor for
@@ -355,7 +363,13 @@ class CrossEntropySum(torch.autograd.Function):
 
 
 class LLaMA(nn.Module):
-    def __init__(self, config, device=None):
+    def __init__(self, config, device=None, dtype=None, base_dtype=None):
+        """dtype: the weights' (default float32); base_dtype: SLTrain-FT's frozen W0's (default dtype; train.py --amp
+        gives bf16 under float32 weights). The weights are drawn in float32 and rounded, the numbers of
+        LLaMA(config).to(dtype), but a block at a time as it is drawn: the build holds the model in dtype and one
+        block in float32, not all of it (at 7b in float32 ReLoRA's takes 37 GB and SLTrain-FT's 27, where their bf16
+        steps with 8-bit Adam per layer take 26 and 15). A full-rank model's blocks are drawn again below
+        (_init_weights) and rounded after that: its build holds the model in float32."""
         super().__init__()
         if config.dim % config.n_heads or (config.dim // config.n_heads) % 2:
             raise ValueError(f"dim {config.dim} must split into {config.n_heads} heads of even size")
@@ -363,11 +377,21 @@ class LLaMA(nn.Module):
         self.activation_checkpointing = False  # recompute each block in backward to save activations
         self.autocast = None  # a dtype (bfloat16): mixed precision, the parameters stay float32 (train.py --amp)
         self.embed = nn.Embedding(config.vocab_size, config.dim, device=device)
-        self.layers = nn.ModuleList([Block(config, device) for _ in range(config.n_layers)])
+        self.layers = nn.ModuleList()
+        late = [self.embed]  # rounded once _init_weights has drawn them again: the dense layers
+        for _ in range(config.n_layers):
+            block = Block(config, device)
+            if any(isinstance(m, nn.Linear) for m in block.modules()):
+                late.append(block)
+            else:
+                _cast(block, dtype, base_dtype)
+            self.layers.append(block)
         self.norm = RMSNorm(config.dim, config.norm_eps, device)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, device=device)
         if not (device is not None and torch.device(device).type == "meta"):
             self.apply(self._init_weights)
+        for module in late + [self.norm, self.lm_head]:
+            _cast(module, dtype, base_dtype)
         if config.method == "sltrain_ft":  # fine-tuning: the pretrained embeddings, norms and head stay as they are
             train_only(self, ("A", "B", "values"))
 

@@ -216,7 +216,7 @@ def train_step(size, method, optimizer, per_layer, batch_size, max_length, devic
     supports packed (train.py --packed_support)."""
     torch.manual_seed(0)
     config = config_for(size, method=method, vocab_size=vocab, packed_support=packed)
-    model = LLaMA(config, device=device).to(torch.float32 if amp else dtype)
+    model = LLaMA(config, device=device, dtype=torch.float32 if amp else dtype)  # built as train.py builds it
     model.fuse_projections(fuse)
     model.autocast = torch.bfloat16 if amp else None
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)

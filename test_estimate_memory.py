@@ -414,18 +414,23 @@ def test_measure_refusing_a_long_sequence_names_max_length(monkeypatch, capsys):
     assert "pass a smaller --size, --batch_size or --max_length" in err, err
 
 
-def test_measure_counts_the_float32_build_of_sltrain_ft_w0_under_amp(monkeypatch, capsys):
-    """Under --amp SLTrain-FT's W0 is kept in bf16, but built in float32 first (model.frozen_base_to comes after the
-    build): at 7b that build holds 27 GB, where the estimated step (W0 in bf16) holds 15 GB. 24 GB are refused."""
+def test_measure_counts_the_build_as_it_is_made(monkeypatch, capsys):
+    """Under --amp SLTrain-FT's W0 is kept in bf16, and built so (model.LLaMA's base_dtype): 7b's fits beside its
+    step on 24 GB, where a build of W0 in float32 first held 27 GB. A full-rank model is drawn whole in float32."""
     monkeypatch.setattr(em, "memory_there", lambda device, world=1: (24e9, 0.8, "this machine's 24.0 GB"))
-    monkeypatch.setattr(em, "measure", lambda *args: pytest.fail("measured a model whose build cannot fit"))
-    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "--measure", "--size", "7b", "--method", "sltrain_ft",
-                                      "--amp", "--batch_size", "1", "--max_length", "16", "--device", "cpu"])
+    measured = []
+    monkeypatch.setattr(em, "measure", lambda *args, **kwargs: measured.append(args) or 1 / 0)
+    argv = ["estimate_memory.py", "--measure", "--size", "7b", "--batch_size", "1", "--max_length", "16",
+            "--device", "cpu", "--optimizer", "adam8bit", "--per_layer"]
+    monkeypatch.setattr(sys, "argv", argv + ["--method", "sltrain_ft", "--amp"])
+    with pytest.raises(ZeroDivisionError):  # measured: the refusal let it through
+        em.main()
+    assert measured
+    monkeypatch.setattr(sys, "argv", argv + ["--method", "full", "--dtype", "float32"])
     with pytest.raises(SystemExit):
         em.main()
     err = capsys.readouterr().err
-    assert "--measure sltrain_ft at 7b needs about 27.3 GB by the estimate, more than 80% of this machine's " \
-        "24.0 GB" in err, err
+    assert "--measure full at 7b needs about" in err and "more than 80% of this machine's 24.0 GB" in err, err
 
 
 def test_ffn_dim_is_honored_as_train_py_builds_it(monkeypatch, capsys):

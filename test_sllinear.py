@@ -447,6 +447,41 @@ def test_init_is_reproducible_under_manual_seed():
     assert not torch.equal(a.indices, c.indices)
 
 
+@pytest.mark.parametrize("method", ["sltrain", "lowrank", "relora", "sltrain_ft", "full"])
+@pytest.mark.parametrize("amp", [False, True], ids=["bf16", "amp"])
+def test_a_model_is_built_a_block_at_a_time_in_its_dtype(method, amp):
+    """LLaMA(config, dtype=, base_dtype=) gives the numbers of LLaMA(config).to(dtype) (and --amp's bf16 W0), bit for
+    bit, but rounds each block as it is drawn: the build held the whole model in float32 first (at 7b ReLoRA's 37
+    GB and SLTrain-FT's 27, over their 8-bit per-layer steps' 26 and 15). A full-rank model's blocks are drawn again
+    by _init_weights, so its build is the float32 model still."""
+    from estimate_memory import STEPS_RANGE, cpu_peak
+    from model import frozen_base_to
+
+    config = dataclasses.replace(config_for("tiny", method=method), n_layers=8, vocab_size=512)
+    dtype, base = (torch.float32, torch.bfloat16) if amp else (torch.bfloat16, None)
+    torch.manual_seed(0)
+    ref = LLaMA(config).to(dtype)
+    if amp:
+        frozen_base_to(ref, torch.bfloat16)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with profiler, torch.profiler.record_function(STEPS_RANGE):
+        torch.manual_seed(0)
+        model = LLaMA(config, dtype=dtype, base_dtype=base)
+    peak = cpu_peak(profiler)
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {b.dtype} is not {a.dtype}, or other numbers"
+    tensors = lambda module: [*module.parameters(), *module.buffers()]  # noqa: E731
+    float32 = lambda ts: sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in ts)  # noqa: E731
+    held = sum(t.nbytes for t in tensors(model))
+    if method == "full":
+        bound = float32(tensors(model)) + max(t.nbytes for t in tensors(model))  # and one tensor rounded
+    else:  # the model in its dtype, and a block in float32 beside it (the embedding and head are rounded last)
+        bound = held + float32(tensors(model.layers[0])) + float32([model.embed.weight, model.lm_head.weight])
+    assert peak <= bound, f"the build held {peak / 1e6:.2f} MB, more than {bound / 1e6:.2f} MB"
+    if method != "full" and not (amp and method != "sltrain_ft"):  # where the whole float32 model was more
+        assert bound < float32(tensors(model)), "the test cannot tell a block at a time from the whole model"
+
+
 def test_index_dtype_follows_layer_size():
     small = SLLinear(1024, 1024, rank=8, delta=0.01, alpha=8, device="meta")
     huge = SLLinear(65536, 32769, rank=8, delta=1e-6, alpha=8, device="meta")  # 2³¹ + 65536 entries

@@ -64,8 +64,7 @@ from download import download, shard_names
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
-from model import (LLaMA, LLaMAConfig, config_for, describe, frozen_base_to, is_projection, relora_merge,
-                   slow_width)
+from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge, slow_width
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
 from per_layer import attach_per_layer
@@ -632,7 +631,9 @@ def build(args, config, device, dtype, ddp, ckpt):
     """The Run: the model (raw, for checkpoints) and what trains it: DDP wrapper, optimizer, schedule or per-layer
     updates, loaded from ckpt when there is one."""
     torch.manual_seed(args.seed)
-    raw_model = LLaMA(config, device=device).to(dtype)
+    # drawn in float32 and rounded a block at a time; under --amp SLTrain-FT's frozen W0 is kept in bf16 (it has no
+    # gradient and no optimizer state, and only ever enters the bf16 W; model.frozen_base_to)
+    raw_model = LLaMA(config, device=device, dtype=dtype, base_dtype=torch.bfloat16 if args.amp else None)
     raw_model.activation_checkpointing = args.activation_checkpointing
     raw_model.autocast = torch.bfloat16 if args.amp else None
     try:  # --support_seed, --init_from, --freeze (analyze.py)
@@ -645,8 +646,6 @@ def build(args, config, device, dtype, ddp, ckpt):
     if ddp:  # DDP broadcasts rank 0's parameters, not its buffers (broadcast_buffers=False): the supports (and an
         for buffer in raw_model.buffers():  # SLTrain-FT W0) each rank drew, alike from one seed on one kind of device
             dist.broadcast(buffer, 0)  # but not on GPUs of two kinds, whose random kernels split the work otherwise
-    if args.amp:
-        frozen_base_to(raw_model, torch.bfloat16)  # after the load, which copies into the buffers' dtype
     model = raw_model.compile_blocks() if args.compile else raw_model  # in place: checkpoints keep their names
     if ddp:
         with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers, on every rank; its replacement
