@@ -117,6 +117,10 @@ def find_shards(data_dir, split):
         raise FileNotFoundError(f"{folder}: {', '.join(dangling)} link(s) to nothing; mount their target, or "
                                 "remove the link(s)")
     files = sorted((p for p in found if p.is_file()), key=lambda p: p.name)
+    twice = sorted(p.name for p in files if p.name.endswith(".gz") and (folder / p.name[:-3]).is_file())
+    if twice:  # one shard kept both gzipped and not (gunzip -k): its documents would be trained on twice a pass
+        raise ValueError(f"{folder}: {', '.join(twice)} also there unzipped ({', '.join(n[:-3] for n in twice)}): "
+                         "one shard twice; remove one of each pair")
     shards = [p for p in files if ("validation" in p.name) == (split == "validation")]
     if not shards:
         rule = "contains" if split == "validation" else "does not contain"

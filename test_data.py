@@ -115,6 +115,21 @@ def test_find_shards_split_rule(corpus, tmp_path):
         data.find_shards(shard, "train")
 
 
+def test_a_shard_there_gzipped_and_not_is_refused(tmp_path):
+    """gunzip -k leaves a shard beside its .json.gz: both were read, every one of its documents twice a pass."""
+    write_shard(tmp_path / "c4-train.00000-of-01024.json.gz", ["a b", "c d"])
+    write_shard(tmp_path / "c4-train.00001-of-01024.json.gz", ["e f"])
+    with gzip.open(tmp_path / "c4-train.00000-of-01024.json.gz", "rb") as f:
+        (tmp_path / "c4-train.00000-of-01024.json").write_bytes(f.read())
+    for split in ("train", "validation"):  # either split: the folder is one run's data
+        with pytest.raises(ValueError, match=r"c4-train.00000-of-01024.json.gz also there unzipped "
+                                             r"\(c4-train.00000-of-01024.json\): one shard twice; remove one"):
+            data.find_shards(tmp_path, split)
+    (tmp_path / "c4-train.00000-of-01024.json.gz").unlink()
+    assert [p.name for p in data.find_shards(tmp_path, "train")] == ["c4-train.00000-of-01024.json",
+                                                                     "c4-train.00001-of-01024.json.gz"]
+
+
 def test_tokenizer_layout_and_errors(tok, tmp_path):
     sp = data.load_tokenizer(tok)
     got = (sp.vocab_size(), sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id())
