@@ -536,10 +536,10 @@ def download_shards(args, given=()):
     data position needs, whatever this command line's --num_training_steps (the run's own is taken later) says. And
     validation shards for --eval_tokens: one holds about 8.9M non-pad tokens at the paper's 256 a row (45,576
     documents, 195 tokens each on average in C4's validation sample of 2,000), so the paper's 10M take two; a shorter
-    row holds fewer (about 2.9M a shard at 64), a packed window every token (about 22M). A packed window of more
-    than TRAIN_DOC_TOKENS takes more than one document. A resume or --eval_only takes the run's --eval_tokens (and
-    --eval_only its --max_length and --pack) where `given` (the command line's flags) has none (RESUME_KEPT,
-    EVAL_KEPT): its shards are fetched, not the default's."""
+    row holds fewer (about 2.9M a shard at 64), a packed window every token (about 22M). A packed window takes its
+    share of a document of TRAIN_DOC_TOKENS (257 tokens about half of one, 1025 about two). A resume or --eval_only
+    takes the run's --eval_tokens (and --eval_only its --max_length and --pack) where `given` (the command line's
+    flags) has none (RESUME_KEPT, EVAL_KEPT): its shards are fetched, not the default's."""
     ckpt = checkpoint.peek(resume_path(args)) if args.resume or args.eval_only else None  # none: said later
     run = ckpt.get("args") if isinstance(ckpt, dict) and isinstance(ckpt.get("args"), dict) else {}
     kept = EVAL_KEPT if args.eval_only else RESUME_KEPT
@@ -551,7 +551,7 @@ def download_shards(args, given=()):
         return [], n_val
     if isinstance(ckpt, dict) and ckpt.get("data"):
         return list(ckpt["data"][0]["shards"]), n_val  # every rank's state names the same shards
-    docs = max(1, (args.max_length + 1) / TRAIN_DOC_TOKENS) if args.pack else 1  # a sequence's documents
+    docs = (args.max_length + 1) / TRAIN_DOC_TOKENS if args.pack else 1  # a sequence's documents (a share of one)
     n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size * docs / 350_000))
     return shard_names(train=n_train, validation=0), n_val
 
