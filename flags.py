@@ -71,7 +71,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help shows every flag's default, except where the help line already says what it is."""
 
     def _get_help_string(self, action):
-        shown = "default" in action.help or action.default in (None, False, argparse.SUPPRESS)
+        # by identity: `in` compares with ==, and a default of 0.0 (--weight_decay's) equals False
+        shown = "default" in action.help or any(action.default is v for v in (None, False, argparse.SUPPRESS))
         return action.help if shown else action.help + " (default: %(default)s)"
 
 

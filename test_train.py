@@ -1478,7 +1478,9 @@ def test_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         train.get_args(["--help"])
     out = capsys.readouterr().out
-    for flag in ("--min_lr_ratio MIN_LR_RATIO", "--eval_tokens EVAL_TOKENS", "--workers WORKERS"):
+    # --weight_decay's 0.0 (the paper's: no decay) equals False, which a store_true flag's help leaves out
+    for flag in ("--min_lr_ratio MIN_LR_RATIO", "--eval_tokens EVAL_TOKENS", "--workers WORKERS",
+                 "--weight_decay WEIGHT_DECAY"):
         assert "(default:" in out.split(flag, 2)[2].split("\n  --", 1)[0], f"{flag} shows no default"
     lr = " ".join(out.split("--lr LR", 2)[2].split("\n  --", 1)[0].split())  # each peak a run can default to
     for default in {lr for _, _, lr, _ in flags.RECIPES.values()} | {lr for lr, _ in flags.GALORE.values()}:
