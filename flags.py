@@ -139,7 +139,8 @@ def make_parser(description=None):
     a("--alpha", "--lora_alpha", type=float,
       help="low-rank scale s = alpha/r (default: the paper's for the size; sltrain_ft 32)")
     a("--ffn_dim", type=int, help="width of each MLP's hidden layer (default: the paper's for the size). 1b's, 5461, "
-      "is not a multiple of 8, which a GPU's bf16 matmuls run slowly: 5464 takes a 1b step 2.4x faster on an H200")
+      "is not a multiple of 8, which a GPU's bf16 matmuls run slowly: 5464 takes a 1b step 1.8x (SLTrain) to 2.4x "
+      "(full rank) faster on an H200")
     a("--optimizer", default="adamw", choices=["adamw", "adam8bit", "adamw_per_layer", "adam8bit_per_layer",
                                                 "galore_adamw", "galore_adam8bit", "galore_adamw_per_layer",
                                                 "galore_adam8bit_per_layer"],

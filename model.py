@@ -472,13 +472,15 @@ class LLaMA(nn.Module):
 def slow_width(config):
     """On a GPU, a note on an MLP width that is not a multiple of 8 (1b's 5461, the paper's): a bf16 matmul whose rows
     are not 16-byte aligned falls back to slower kernels. Measured on an H200 (BENCHMARKS.md, the sixth GPU
-    measurements): a 1b forward and backward at 5461 took 2.4x as long as at 5464. None where the width is aligned."""
+    measurements): a 1b forward and backward at 5461 took 1.8x (SLTrain) to 2.4x (full rank) as long as at 5464.
+    None where the width is aligned."""
     if config.ffn_dim % 8 == 0:
         return None
     aligned = -(-config.ffn_dim // 8) * 8
     return (f"note: the MLP width {config.ffn_dim} is not a multiple of 8, and a GPU runs bf16 matmuls of such a "
-            f"width slowly (a 1b step at 5461 takes 2.4x as long as at 5464 on an H200); --ffn_dim {aligned} trains "
-            f"a model {aligned / config.ffn_dim - 1:.2%} wider in its MLPs at full speed")
+            f"width slowly (a 1b step at 5461 takes 1.8x (SLTrain) to 2.4x (full rank) as long as at 5464 on an "
+            f"H200); --ffn_dim {aligned} trains a model {aligned / config.ffn_dim - 1:.2%} wider in its MLPs at full "
+            "speed")
 
 
 def describe(model):
