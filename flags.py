@@ -248,8 +248,8 @@ def get_args(argv=None, description=None):
     # "$CKPT" of an unset variable: --resume "" trained afresh, with --overwrite over the run
     if refusal := empty_path_refusal(args, ["--" + name for name in PATHS]):
         p.error(refusal)
-    if args.model_config:
-        check_model_config(p, args)
+    # --model_config sets --size, and the MLP's width where its file holds an intermediate_size
+    width_from_file = bool(args.model_config) and check_model_config(p, args) is not None
     args.size = args.size or "60m"
     if args.eval_only:
         given = [name for name in given_flags(argv) if name not in EVAL_READS]
@@ -329,7 +329,7 @@ def get_args(argv=None, description=None):
     try:
         model_config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
                                   ffn_dim=args.ffn_dim)
-        check_rank(p, args, model_config)
+        check_rank(p, args, model_config, width_from_file)
         largest = max(t.numel() for t in LLaMA(model_config, device="meta").parameters())  # (and checks rank and
     except ValueError as e:  # delta against every layer shape, for free)
         p.error(str(e))
@@ -435,7 +435,8 @@ def read_model_config(path, size):
 def check_model_config(p, args):
     """--model_config: its name sets --size (configs/llama_<size>.json); where the file is here it is read
     (read_model_config): its intermediate_size is --ffn_dim's (the two disagreeing are refused); its vocab_size is
-    checked against the tokenizer by train.py, once that is loaded."""
+    checked against the tokenizer by train.py, once that is loaded. Returns the file's intermediate_size, or None
+    (none in it, or no file here)."""
     m = re.search(r"llama_(\w+)\.json$", args.model_config)
     if not m or m.group(1) not in SIZES:
         p.error(f"--model_config {args.model_config}: expected configs/llama_<size>.json with size in {list(SIZES)}")
@@ -443,7 +444,7 @@ def check_model_config(p, args):
         p.error(f"--model_config {args.model_config} is size {m.group(1)}, --size says {args.size}: drop one")
     args.size = m.group(1)
     if not os.path.exists(args.model_config):  # the authors' command lines name their own configs/ folder
-        return
+        return None
     try:
         fields = read_model_config(args.model_config, args.size)
     except ValueError as e:
@@ -453,6 +454,7 @@ def check_model_config(p, args):
         p.error(f"--model_config {args.model_config} has intermediate_size {ffn_dim}, --ffn_dim says {args.ffn_dim}: "
                 "drop one")
     args.ffn_dim = args.ffn_dim if ffn_dim is None else ffn_dim
+    return ffn_dim
 
 
 def model_config_refusal(args, vocab_size):
@@ -526,15 +528,16 @@ def check_baseline_flags(p, args, config, rank_given=None):
         setattr(args, name, None)  # a run records the baselines' settings only where it is one
 
 
-def check_rank(p, args, config):
+def check_rank(p, args, config, width_from_file=False):
     """The factors' rank below the narrowest projection's width, refused naming the flags that set each (each layer's
-    own check names neither). Full rank has no factors; GaLore's rank is checked with its flags."""
+    own check names neither): the MLP's width is --ffn_dim's, or the size's, unless width_from_file (--model_config's
+    intermediate_size). Full rank has no factors; GaLore's rank is checked with its flags."""
     narrowest = min(config.dim, config.ffn_dim)
     if config.method == "full" or config.rank < narrowest:
         return
     rank = f"--rank {config.rank}" if args.rank is not None else f"--size {args.size}'s rank, {config.rank},"
     wider = "" if config.ffn_dim >= config.dim else \
-        f" or a larger intermediate_size in {args.model_config}" if args.model_config else " or a larger --ffn_dim"
+        f" or a larger intermediate_size in {args.model_config}" if width_from_file else " or a larger --ffn_dim"
     p.error(f"{rank} must be below min(dim {config.dim}, ffn_dim {config.ffn_dim}) = {narrowest}, every projection's "
             f"smaller side: pass a smaller --rank{wider}")
 

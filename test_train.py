@@ -1550,6 +1550,13 @@ def test_a_rank_past_a_model_configs_width_names_the_file(tmp_path, capsys):
         train.get_args(["--model_config", str(config), "--device", "cpu"])
     assert (f"--size tiny's rank, 16, must be below min(dim 64, ffn_dim 12) = 12, every projection's smaller side: "
             f"pass a smaller --rank or a larger intermediate_size in {config}") in capsys.readouterr().err
+    # where --ffn_dim set the width, a file without intermediate_size (or not here) is not what to change
+    config.write_text(json.dumps({"hidden_size": 64}))
+    for path in (config, tmp_path / "elsewhere" / "llama_tiny.json"):
+        with pytest.raises(SystemExit):
+            train.get_args(["--model_config", str(path), "--ffn_dim", "12", "--device", "cpu"])
+        assert capsys.readouterr().err.rstrip().endswith("= 12, every projection's smaller side: pass a smaller "
+                                                         "--rank or a larger --ffn_dim")
 
 
 @pytest.mark.parametrize("argv,message", [
