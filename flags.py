@@ -51,7 +51,8 @@ EVAL_READS = ("size", "model_config", "method", "rank", "delta", "alpha", "ffn_d
 
 # --model_config: the keys of an HF LLaMA config.json (the authors' configs/llama_<size>.json) this repo's model reads,
 # as LLaMAConfig's fields; those that must hold this model's own value (any other is another architecture); and
-# those that say nothing of the model's weights (HF's runtime, the file's own, token ids the tokenizer has)
+# those that say nothing of the model's weights (HF's runtime, the file's own, token ids the tokenizer has; the
+# weights' storage dtype, torch_dtype before transformers 4.56 and dtype since)
 CONFIG_KEYS = {"hidden_size": "dim", "intermediate_size": "ffn_dim", "num_attention_heads": "n_heads",
                "num_hidden_layers": "n_layers", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
                "vocab_size": "vocab_size"}
@@ -59,7 +60,7 @@ CONFIG_FIXED = {"hidden_act": "silu", "model_type": "llama", "tie_word_embedding
                 "mlp_bias": False, "rope_scaling": None, "pretraining_tp": 1, "initializer_range": 0.02,
                 "attention_dropout": 0.0}
 CONFIG_IGNORED = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "max_sequence_length",
-                  "max_position_embeddings", "transformers_version", "use_cache", "torch_dtype")
+                  "max_position_embeddings", "transformers_version", "use_cache", "torch_dtype", "dtype")
 
 FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest a float flag may be: the step takes it as a float32
 INT64_MAX = 2 ** 63 - 1  # the largest a count may be: tensors, torch's sizes and data positions are int64

@@ -987,6 +987,14 @@ def test_a_model_config_this_repo_does_not_build_is_refused_in_one_line(tmp_path
     assert f"--model_config {path}" in err and message in err and "Traceback" not in err, err
 
 
+def test_a_model_config_saved_by_a_newer_transformers_is_read(tmp_path):
+    """transformers 4.56 renamed config.json's torch_dtype to dtype (the weights' storage dtype, nothing of the
+    model's shape): a config it saved of the size's model was refused as one of another architecture."""
+    path = tmp_path / "llama_7b.json"
+    path.write_text(json.dumps(dict(AUTHORS_7B, dtype="bfloat16")))
+    assert flags.read_model_config(path, "7b")["ffn_dim"] == 11008
+
+
 def test_download_that_fails_is_one_line(monkeypatch, tmp_path):
     def offline(*args, **kwargs):
         raise ConnectionError("the network is unreachable; copy the files by hand")
