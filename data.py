@@ -41,7 +41,7 @@ import sentencepiece as spm
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from download import HF_ENDPOINT, download, shard_names
+from download import C4_NAMES, HF_ENDPOINT, download, shard_names
 
 DEFAULT_DATA_DIR = "data/c4"
 DEFAULT_TOKENIZER = "data/t5_spiece.model"
@@ -138,9 +138,10 @@ def _lines(path):
                 if not raw.isspace():  # a blank line is not a document, so dropping it loses nothing
                     yield lineno, raw
     except (EOFError, OSError, zlib.error) as e:
-        raise ValueError(f"{path}: cannot read past line {lineno} ({e}); the file is truncated or corrupt: download "
-                         f"it again (python data.py download --shards {path.name} --out {path.parent}), or remove it "
-                         "for a new run")
+        again = (f"download it again (python data.py download --shards {path.name} --out {path.parent}), or "
+                 if path.name in C4_NAMES else "replace it with a whole copy, or ")  # download takes C4's names alone
+        raise ValueError(f"{path}: cannot read past line {lineno} ({e}); the file is truncated or corrupt: {again}"
+                         "remove it for a new run")
 
 
 # a run stopped by a bad line goes on from its checkpoint with the line fixed where it is (TrainLoader._check): the

@@ -598,6 +598,11 @@ def test_bad_input_names_file_line_and_fix(tok, tmp_path):
     (folder / "c4-train.00000-of-01024.json.gz").write_bytes(b"plain text, not gzip")
     with pytest.raises(ValueError, match="truncated or corrupt"):
         data.TrainLoader(folder, tok, 4, L)  # before any work
+    (folder / "c4-train.00000-of-01024.json.gz").rename(folder / "my-shard.json.gz")  # a name download refuses
+    with pytest.raises(ValueError, match=r"my-shard.json.gz: .*truncated or corrupt: replace it with a whole copy, or "
+                                         r"remove it for a new run$"):
+        data.TrainLoader(folder, tok, 4, L)
+    (folder / "my-shard.json.gz").rename(folder / "c4-train.00000-of-01024.json.gz")
     (folder / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(b"\n"))
     with pytest.raises(ValueError, match="no documents"):
         data.TrainLoader(folder, tok, 4, L)
