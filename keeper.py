@@ -300,12 +300,14 @@ class Keeper:
         return SystemExit(f"cannot write {self.metrics_path} at step {step} ({e.strerror or e}); "
                           f"{after_failed_write(e, self.last_good)}")
 
-    def save(self, step, data_state, eval_pending=False, meter_state=None):
+    def save(self, step, data_state, eval_pending=False, meter_state=None, again=False):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
         norm flags, then the parameters and the loss of one fixed validation batch, so that no diverged model is
         ever written over the last good one. Nothing is written if out_dir's checkpoint holds this already (a stop
-        right after a save or a resume): at 7b a second copy would spend a scheduler's grace period."""
-        if self.on_disk == (step, eval_pending):
+        right after a save or a resume): at 7b a second copy would spend a scheduler's grace period. `again` (the
+        same on every rank) writes it all the same: the data position holds what that one lacks (a bad line's
+        record, which the resume needs to take the shard fixed in place)."""
+        if self.on_disk == (step, eval_pending) and not again:
             return
         self.check_finite()
         self.check_model(step)

@@ -1073,15 +1073,22 @@ def test_a_run_stopped_by_a_cut_shard_goes_on_once_it_is_downloaded_again(corpus
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
 
 
-def test_bad_shard_line_right_after_a_save_does_not_write_it_twice(corpus, tmp_path, monkeypatch):
-    # --save_every 1, the bad line in the second shard read: the last update is on disk when the line comes
+def test_bad_shard_line_right_after_a_save_writes_it_again_with_the_lines_record(corpus, tmp_path, monkeypatch):
+    """--save_every 1, the bad line in the second shard read: the last update is on disk when the line comes. That
+    checkpoint lacks the record of the line, which the resume needs to take the shard fixed in place: it was kept as
+    it was, and the advice followed ended in "restore them, or start a new run". So it is written again."""
     save, saves = checkpoint.save, []
     monkeypatch.setattr(checkpoint, "save", lambda path, state: (saves.append(state["step"]), save(path, state)))
-    bad = corpus_with_a_bad_line(corpus, tmp_path, "c4-train.00000-of-00002.json.gz")
-    with pytest.raises(SystemExit, match=r"c4-train.00000-of-00002.json.gz:101: not a JSON object"):
+    name = "c4-train.00000-of-00002.json.gz"
+    bad = corpus_with_a_bad_line(corpus, tmp_path, name)
+    with pytest.raises(SystemExit, match=rf"{name}:101: not a JSON object"):
         train.main(base_args(bad, tmp_path / "out", 10_000, "--workers", "1", "--save_every", "1"))
     step = final_state(tmp_path / "out")["step"]
-    assert step > 0 and saves == list(range(1, step + 1)), saves
+    assert step > 0 and saves == [*range(1, step + 1), step], saves
+    shutil.copy(Path(corpus[0]) / name, Path(bad[0]) / name)  # the line fixed in place, as the message says
+    train.main(base_args(bad, tmp_path / "out", 10_000, "--workers", "1", "--save_every", "1", "--resume",
+                         "--stop_after", "1"))
+    assert final_state(tmp_path / "out")["step"] == step + 1
 
 
 def test_bad_shard_line_under_torchrun_stops_every_rank_after_saving(corpus, tmp_path):

@@ -1001,11 +1001,11 @@ class Loop:
         self.meter.pause(time.perf_counter() - t_eval)
         return result is not None
 
-    def save(self, done, data_state=None, eval_pending=False):
+    def save(self, done, data_state=None, eval_pending=False, again=False):
         data_state = self.loader.state_dict() if data_state is None else data_state
         meter_state = self.meter.state()  # reads the loss, so waits for the device: the update's time stays training
         t_save = time.perf_counter()
-        self.keeper.save(done, data_state, eval_pending=eval_pending, meter_state=meter_state)
+        self.keeper.save(done, data_state, eval_pending=eval_pending, meter_state=meter_state, again=again)
         seconds = time.perf_counter() - t_save
         self.meter.pause(seconds)  # minutes at 7b: the next row's tok/s would fall to a fraction
         if seconds > SLOW_SAVE_S and self.master and not self.said_slow:  # a stop on a signal saves too, in its grace
@@ -1028,8 +1028,11 @@ class Loop:
 
     def stop_where_the_data_stopped(self, step, data_state, why, fix):
         """A bad shard line, or a data loader worker's death, on some rank: every rank keeps the work done so far,
-        with the data position where this update began, then the message."""
-        self.save(step, data_state)
+        with the data position where this update began, then the message. A checkpoint of this step already on disk
+        (a save or a resume just before) is written again when the position records the line: without that record the
+        resume refuses the shard fixed as the message says, as changed since."""
+        recorded = self.loader.fault is not None  # on the rank(s) that met the line
+        self.save(step, data_state, again=any_rank(recorded) if self.world > 1 else recorded)
         fix = fix.replace("rerun with --resume", self.rerun())
         raise SystemExit(f"{why}\nsaved {self.args.out_dir}/ckpt.pt at step {step}; {fix}" if self.master else 1)
 
