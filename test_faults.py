@@ -222,6 +222,32 @@ def test_an_evaluation_a_stop_skipped_is_made_on_resume(corpus, tmp_path, monkey
         assert not final_state(tmp_path / out)["eval_pending"]
 
 
+def test_a_signal_during_the_save_of_a_pending_evaluation_stops_there(corpus, tmp_path, monkeypatch, capsys):
+    """The resumed run makes the evaluation the signal skipped, then saves; a signal in that save stops on it, as in
+    a scheduled one: no update more and no second write. With one micro-batch an update it went on into was made and
+    written again, into the grace before SIGKILL."""
+    every = ["--eval_every", "3", "--batch_size", "8"]
+    with monkeypatch.context() as m:
+        signal_in_update(m, 3)
+        train.main(base_args(corpus, tmp_path, 6, *every))
+    assert final_state(tmp_path)["eval_pending"]
+    save, saves = checkpoint.save, []
+
+    def save_and_signal(path, state):
+        saves.append(state["step"])
+        save(path, state)
+        if len(saves) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(checkpoint, "save", save_and_signal)
+    capsys.readouterr()
+    train.main(base_args(corpus, tmp_path, 6, "--resume", *every))
+    out = capsys.readouterr().out
+    assert saves == [3] and final_state(tmp_path)["step"] == 3 and not final_state(tmp_path)["eval_pending"], saves
+    assert f"stopped by SIGTERM: saved {tmp_path}/ckpt.pt at step 3; rerun with --resume" in out, out
+    assert "step 4/6" not in out, out
+    assert [r["step"] for r in metrics(tmp_path)[1]] == [3]
+
+
 def start(cmd, ignore=()):
     """A job as a scheduler runs it: its own process group, so a signal can go to every process of the job. Its stop
     signals are the default ones but those in `ignore`, whatever pytest inherited (started with `&` from a script it

@@ -1017,13 +1017,19 @@ class Loop:
                   "previous one kept", flush=True)
 
     def pending_evaluation(self):
-        """The evaluation a signal stopped the last run before; False if a signal stops this one there too."""
+        """The evaluation a signal stopped the last run before; False if a signal stops this one there too, or in
+        its checkpoint: as in a scheduled save, that stops on it, with no update more and no second write."""
         if not self.evaluate(self.start):
             if self.master:
                 print(f"stopped by {self.stop['signal']} in the evaluation of step {self.start}; rerun with --resume "
                       f"{self.keeper.last_good[0]}")
             return False
         self.save(self.start)  # made: a later resume must not make it (and its row) again
+        if self.start < self.total and stopping(self.stop, self.world):
+            if self.master:
+                print(f"stopped by {self.stop['signal']}: saved {self.args.out_dir}/ckpt.pt at step {self.start}; "
+                      f"{self.rerun()}")
+            return False
         return True
 
     def stop_where_the_data_stopped(self, step, data_state, why, fix):
