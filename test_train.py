@@ -690,6 +690,33 @@ def test_every_resume_refusal_comes_before_the_whole_read(corpus, tmp_path, monk
     assert len(reads) == 1 and final_state(tmp_path)["step"] == 4
 
 
+def test_a_checkpoint_saved_over_between_its_look_and_its_read_is_refused(corpus, tmp_path, monkeypatch):
+    """--resume PATH of a run still training in its own --out_dir: its job may save between the quick look, where the
+    data position is taken, and the whole read (minutes at 7b). The run went on silently with the weights and step of
+    one update and the data position of another, its documents out of order. An evaluation, which takes from the
+    look the run's settings alone, evaluates the new one."""
+    train.main(base_args(corpus, tmp_path / "run", 8, "--stop_after", "2"))
+    train.main(base_args(corpus, tmp_path / "later", 8, "--stop_after", "4"))
+    two, path, peek, saved = tmp_path / "two.pt", tmp_path / "run" / "ckpt.pt", checkpoint.peek, []
+    shutil.copy(path, two)
+
+    def look_then_saved(at):  # the other job's atomic save, right after this run's look
+        look = peek(at)
+        if not saved and os.path.abspath(at) == str(path):
+            shutil.copy(tmp_path / "later" / "ckpt.pt", tmp_path / "new.pt")
+            saved.append(os.replace(tmp_path / "new.pt", path))
+        return look
+    monkeypatch.setattr(checkpoint, "peek", look_then_saved)
+    with pytest.raises(SystemExit, match=rf"--resume {path} was saved over while it was read \(step 4, where its "
+                                         r"first look had step 2\): run the same command again"):
+        train.main(base_args(corpus, tmp_path / "fork", 8, "--resume", str(path)))
+    assert saved and not (tmp_path / "fork" / "ckpt.pt").exists()
+    shutil.copy(two, path)
+    saved.clear()
+    train.main(eval_args(corpus, tmp_path / "run"))
+    assert saved
+
+
 def test_a_resume_over_other_training_shards_is_refused_before_the_whole_read(corpus, tmp_path, monkeypatch):
     """The data position's check (the shards the checkpoint names, and their sizes) needs only the checkpoint's look
     and the folder's listing: refused before the checkpoint is read whole (minutes at 7b) and the validation set."""

@@ -235,9 +235,16 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     if on_look:
         on_look(look)
     if ckpt is None:  # the verified file; its args (the look's) get the defaults of flags added since, for the run
+        seen = [look.get(k) for k in ("step", "eval_pending", "data")]  # plain values: not the file's mapped tensors
         del look, old
         ckpt = read_checkpoint(path)
         same_run(args, ckpt, path, vocab_size, dtype_given)
+        if not args.eval_only and seen != [ckpt.get(k) for k in ("step", "eval_pending", "data")]:
+            # the job that writes it (a resume from another --out_dir) saved in between: the loader stands at the
+            # look's data position and the schedule was set at its step, the weights at another update. (An
+            # evaluation takes from the look the run's settings alone, the same at every save)
+            raise SystemExit(f"--resume {path} was saved over while it was read (step {ckpt['step']}, where its first "
+                             f"look had step {seen[0]}): run the same command again, to go on from the new one")
     return ckpt, path
 
 
