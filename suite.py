@@ -668,7 +668,7 @@ def losses_apart(rows, other):
     return dict(max_loss_diff=max(d for _, d in diffs), loss_diffs=[[step, float(f"{d:.3g}")] for step, d in diffs])
 
 
-def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None):
+def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None, device=None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
     (two micro-batches per update, so the signal may come within one) and resumed (how close its end is to the
     straight run), --compile, a short run with the default 8-bit step (on a GPU the one-kernel step) against the same
@@ -676,9 +676,13 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     is tried on its own: progress gets the results after each, a failed run's error goes in its row, and the section
     raises at the end, naming the runs that failed. On CUDA, --cuda_graph beside the same short run without it, two
     micro-batches an update: AdamW, and 8-bit per-layer (--cuda_graph --per_layer). Last, the short run twice under
-    --deterministic, the second stopped half way and resumed: where their losses part, if they do."""
+    --deterministic, the second stopped half way and resumed: where their losses part, if they do. Every run trains
+    on device, the suite's (default: CUDA if present, as train.py's auto)."""
     import shutil, subprocess  # only this section starts processes and writes files
     p = s["program"]
+    # given to every run: left to train.py's auto, the runs of a suite told --device cpu (or cuda:1) trained on the
+    # GPU (on cuda:0)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # the suite's scratch folders, anew
     for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun", "graph_off",
                 "graph_on", "per_layer_graph_off", "per_layer_graph_on", "deterministic", "deterministic_split"):
@@ -687,7 +691,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
             data_dir, "--tokenizer", tokenizer, "--total_batch_size", str(p["batch"]), "--batch_size", str(p["batch"]),
             "--eval_every", str(p["eval_every"]), "--eval_tokens", str(p["eval_tokens"]), "--log_every", "1",
-            "--workers", "1"]
+            "--workers", "1", "--device", str(device)]
     rows = lambda run: [json.loads(line) for line in open(os.path.join(out_dir, run, "metrics.jsonl"))]
 
     def train(run, *extra, launcher=(), common=base):
@@ -754,7 +758,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
         return dict(ok=True, tail=train("torchrun", "--num_training_steps", short, launcher=launcher).splitlines()[-1])
 
     def cuda_graph(common, off, on):  # the same short run of two micro-batches an update, without and with
-        if not torch.cuda.is_available():  # said in its row, not left out
+        if device.type != "cuda":  # said in its row, not left out
             return dict(skipped="train.py --cuda_graph needs a CUDA GPU")
         # logged every quarter of the run: --sync_debug watches the replays between log steps (a log step syncs)
         logs = ["--log_every", str(max(1, p["short"] // 4))]
@@ -826,7 +830,7 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
     run = dict(memory=lambda p: suite_memory(s, device, p), layer=lambda p: suite_layer(s, device, dtype, p),
                model=lambda p: suite_model(s, device, dtype, False, p),
                optimizer=lambda p: suite_optimizer(s, device, dtype, p), amp=lambda p: suite_amp(s, device, dtype, p),
-               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p),
+               program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p, device),
                model_compiled=lambda p: suite_model(s, device, dtype, True, p),
                profile=lambda p: suite_profile(s, device, dtype, p), inference=inference,
                width=lambda p: suite_width(s, device, dtype),

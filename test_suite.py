@@ -435,6 +435,30 @@ def test_on_cuda_the_program_runs_cuda_graph_beside_the_same_run_plain(corpus, t
         assert flags.index("--log_every 2") > flags.index("--log_every 1"), flags  # the later one holds
 
 
+def test_the_program_trains_on_the_suites_device(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--device is the program section's too: every train.py run is given it (left to train.py's auto, tiny --device
+    cpu on a machine with a GPU trained there, and gpu --device cuda:1 on cuda:0), and off CUDA the --cuda_graph runs
+    are said to be skipped, not started to be refused."""
+    import subprocess
+    started = []
+
+    class Done:  # a train.py that exits at once, having written nothing
+        returncode, pid, stdout = 0, os.getpid(), iter(())
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+        def communicate(self):
+            return "", ""
+    monkeypatch.setattr(subprocess, "Popen", Done)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU, the suite told the CPU
+    r = suite.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))
+    devices = [cmd[cmd.index("--device") + 1] if "--device" in cmd else None for cmd in started]
+    assert started and devices == ["cpu"] * len(started), devices
+    for name in ("cuda_graph", "cuda_graph_per_layer"):
+        assert r["program"][name] == {"skipped": "train.py --cuda_graph needs a CUDA GPU"}, r["program"][name]
+
+
 def test_a_hung_program_run_is_killed_at_its_timeout(corpus, tmp_path):  # noqa: F811
     """A run that outlives the section's timeout (here 0.3 s: not even torch's import fits) is killed with its
     process group, and its error says so; the others still run."""
