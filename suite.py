@@ -835,10 +835,12 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
                profile=lambda p: suite_profile(s, device, dtype, p), inference=inference,
                width=lambda p: suite_width(s, device, dtype),
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
-    # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first
+    # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first;
+    # each once, however often it is named (a second run of one is device time for figures already written)
     if not sections and not data_dir:  # all of them, but this one: said, not left out in silence
         print("program: skipped, it trains on C4 shards: pass --data_dir (and --tokenizer) to run train.py itself")
-    sections = sorted(sections, key=list(run).index) if sections else [k for k in run if k != "program" or data_dir]
+    sections = sorted(set(sections), key=list(run).index) if sections else \
+        [k for k in run if k != "program" or data_dir]
     if "program" in sections and not data_dir:
         raise ValueError("the program section trains on C4 shards: pass --data_dir (and --tokenizer)")
     result = {} if result is None else result

@@ -321,6 +321,15 @@ def test_only_runs_its_sections_in_the_suites_order(monkeypatch):
     assert r["memory_galore"]["tiny"]["reduction"] is not None, r["memory_galore"]
 
 
+def test_a_section_named_twice_runs_once(monkeypatch):
+    """--only inference inference (or a section repeated in a longer list) measures it once: on a GPU a second run
+    of memory or model is minutes of the session's device time for figures the first already wrote."""
+    runs = []
+    monkeypatch.setattr(suite, "bench_inference", lambda *args: runs.append(args) or {})
+    r = suite.run_suite("tiny", torch.device("cpu"), ["inference", "width", "inference"])
+    assert len(runs) == len(suite.SUITES["tiny"]["inference_sizes"]) and list(r["seconds"]) == ["inference", "width"]
+
+
 def test_tiny_program_trains_resumes_and_has_no_host_sync(corpus, tmp_path, capsys):  # noqa: F811
     r = suite.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))["program"]
     assert r["straight"]["loss_falls"], r["straight"]
