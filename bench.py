@@ -608,7 +608,8 @@ def pick_device(error, flag):
 
 
 def check_args(parser, args):
-    """Every flag honored or refused, in one line that names the fix, before any work; returns the device."""
+    """Every flag honored or refused, in one line that names the fix, before any work; returns the device. --out is
+    checked last, in main (check_out makes its folder)."""
     if refusal := empty_path_refusal(args, ("--out",)):
         parser.error(refusal)
     only = set(args.only or ())
@@ -628,7 +629,6 @@ def check_args(parser, args):
                          f"drop {flag}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    check_out(parser.error, args.out)
     args.max_length, args.rounds = args.max_length or 256, args.rounds or 7
     return device
 
@@ -757,6 +757,7 @@ def main():
     refuse_what_would_not_fit(parser.error, sections, sizes, dtype, device,
                               lambda section, s: batches[section](s) if section in batches else batch_size,
                               args.max_length)
+    check_out(parser.error, args.out)  # last: the folder it makes would stay behind a command refused after it
     result = start(device)
     run = {
         "layer": lambda: bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds),

@@ -215,6 +215,19 @@ def test_a_section_that_cannot_fit_is_refused_before_any_runs(monkeypatch, capsy
         bench.main()
 
 
+def test_a_command_refused_by_the_memory_guard_leaves_no_folder_for_its_out(monkeypatch, capsys, tmp_path):
+    """--out's folder is made (a file tried in it) by the last check, so that a command refused by an earlier one,
+    the memory guard included, leaves no empty folder behind."""
+    monkeypatch.setattr(bench, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
+    out = tmp_path / "new" / "folders" / "results.json"
+    monkeypatch.setattr("sys.argv", ["bench.py", "--device", "cpu", "--size", "7b", "--only", "model", "--out",
+                                     str(out)])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--size 7b: the model section needs at least" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists(), list(tmp_path.rglob("*"))
+
+
 def test_a_gpu_named_by_index_is_made_current(monkeypatch):
     """CUDA events record on the current device's stream: --device cuda:1 makes cuda:1 current, or every time would
     be of an idle cuda:0."""
