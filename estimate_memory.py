@@ -703,17 +703,14 @@ def measured_format(args):
 def refuse_what_would_not_fit(parser, args, methods, device):
     """--measure builds and trains the model for real: one that would not fit is refused now, in one line, not
     killed part way (on CPU the kernel's out-of-memory killer, which may take other processes with it). What each
-    needs is its estimated step, or its build if more: a full-rank model is drawn whole in float32, then rounded
-    (model.LLaMA); the others a block at a time, which their step's memory always holds."""
+    needs is its estimated step, which holds its build: the model in its dtype and a block in float32 at a time
+    (model.LLaMA), where it held the whole float32 model first (at 7b 27 GB for full rank and SLTrain-FT)."""
     there = memory_there(device)
     if there is None:
         return
     available, share, where = there
-    width = DTYPE_BYTES[check_dtype(args.dtype, args.amp)]
     for method in methods:
-        row = estimate_for(args, args.size, method, measured_format(args))
-        build = row["param_gb"] * GB * (4 / width if method in ("full", "galore") else 1)
-        need = max(row["train_gb"] * GB, build)
+        need = estimate_for(args, args.size, method, measured_format(args))["train_gb"] * GB
         if need > share * available:
             parser.error(f"--measure {method} at {args.size} needs about {need / GB:.1f} GB by the estimate, more "
                          f"than {share:.0%} of {where}: pass a smaller --size, --batch_size or --max_length (the "

@@ -172,11 +172,12 @@ def freeze_all_but_values(model):
 
 
 def _cast(module, dtype, base_dtype):
-    """The module's weights in dtype, then SLTrain-FT's W0 in base_dtype (each None: as they are)."""
+    """The module, its weights in dtype, then SLTrain-FT's W0 in base_dtype (each None: as they are)."""
     if dtype is not None:
         module.to(dtype)
     if base_dtype is not None:
         frozen_base_to(module, base_dtype)
+    return module
 
 
 def frozen_base_to(model, dtype):
@@ -367,39 +368,31 @@ class LLaMA(nn.Module):
         """dtype: the weights' (default float32); base_dtype: SLTrain-FT's frozen W0's (default dtype; train.py --amp
         gives bf16 under float32 weights). The weights are drawn in float32 and rounded, the numbers of
         LLaMA(config).to(dtype), but a block at a time as it is drawn: the build holds the model in dtype and one
-        block in float32, not all of it (at 7b in float32 ReLoRA's takes 37 GB and SLTrain-FT's 27, where their bf16
-        steps with 8-bit Adam per layer take 26 and 15). A full-rank model's blocks are drawn again below
-        (_init_weights) and rounded after that: its build holds the model in float32."""
+        block in float32, not all of it (at 7b in float32 ReLoRA's takes 37 GB, SLTrain-FT's 27 and full rank's 27,
+        where their bf16 steps with 8-bit Adam per layer take 26, 15 and, with GaLore, 21)."""
         super().__init__()
         if config.dim % config.n_heads or (config.dim // config.n_heads) % 2:
             raise ValueError(f"dim {config.dim} must split into {config.n_heads} heads of even size")
         self.config = config
         self.activation_checkpointing = False  # recompute each block in backward to save activations
         self.autocast = None  # a dtype (bfloat16): mixed precision, the parameters stay float32 (train.py --amp)
-        self.embed = nn.Embedding(config.vocab_size, config.dim, device=device)
-        self.layers = nn.ModuleList()
-        late = [self.embed]  # rounded once _init_weights has drawn them again: the dense layers
-        for _ in range(config.n_layers):
-            block = Block(config, device)
-            if any(isinstance(m, nn.Linear) for m in block.modules()):
-                late.append(block)
-            else:
-                _cast(block, dtype, base_dtype)
-            self.layers.append(block)
-        self.norm = RMSNorm(config.dim, config.norm_eps, device)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, device=device)
+        self.embed = _cast(nn.Embedding(config.vocab_size, config.dim, device=device), dtype, base_dtype)
+        self.layers = nn.ModuleList([_cast(Block(config, device), dtype, base_dtype) for _ in range(config.n_layers)])
+        self.norm = _cast(RMSNorm(config.dim, config.norm_eps, device), dtype, base_dtype)
+        self.lm_head = _cast(nn.Linear(config.dim, config.vocab_size, bias=False, device=device), dtype, base_dtype)
         if not (device is not None and torch.device(device).type == "meta"):
             self.apply(self._init_weights)
-        for module in late + [self.norm, self.lm_head]:
-            _cast(module, dtype, base_dtype)
         if config.method == "sltrain_ft":  # fine-tuning: the pretrained embeddings, norms and head stay as they are
             train_only(self, ("A", "B", "values"))
 
     @staticmethod
+    @torch.no_grad()
     def _init_weights(module):
-        # dense weights as HF LLaMA (normal, std 0.02); SLLinear keeps its own §3.3 initialization
+        # dense weights as HF LLaMA (normal, std 0.02), drawn in float32 (a layer's at a time) and rounded into the
+        # weight's dtype, as a float32 model cast after; SLLinear keeps its own §3.3 initialization
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            weight = module.weight
+            weight.copy_(torch.empty(weight.shape, device=weight.device).normal_(mean=0.0, std=0.02))
 
     def forward(self, idx, targets=None, cache=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), mean loss over targets >= 0, or None). To train, keep only

@@ -416,7 +416,7 @@ def test_measure_refusing_a_long_sequence_names_max_length(monkeypatch, capsys):
 
 def test_measure_counts_the_build_as_it_is_made(monkeypatch, capsys):
     """Under --amp SLTrain-FT's W0 is kept in bf16, and built so (model.LLaMA's base_dtype): 7b's fits beside its
-    step on 24 GB, where a build of W0 in float32 first held 27 GB. A full-rank model is drawn whole in float32."""
+    step on 24 GB, where a build of W0 in float32 first held 27 GB. A step that does not fit is refused still."""
     monkeypatch.setattr(em, "memory_there", lambda device, world=1: (24e9, 0.8, "this machine's 24.0 GB"))
     measured = []
     monkeypatch.setattr(em, "measure", lambda *args, **kwargs: measured.append(args) or 1 / 0)
