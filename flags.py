@@ -575,6 +575,13 @@ def resolve_device_and_batch(p, args):
         args.batch_size = micro if args.batch_size is None else args.batch_size
         args.total_batch_size = args.gradient_accumulation = None  # no update
         return check_memory(p, args, device, world)
+    if args.resume and args.total_batch_size % world:  # the fixes below name a --total_batch_size, which a resume
+        shares = [n for n in range(1, 2 * world + 1) if args.total_batch_size % n == 0]  # refuses as another run's
+        counts = " or ".join(str(n) for n in (max(n for n in shares if n < world),
+                                              min((n for n in shares if n > world), default=None)) if n)
+        p.error(f"--resume on {world} processes: the run's update of --total_batch_size {args.total_batch_size} "
+                f"sequences, which a resume keeps, does not split into {world} equal shares; resume on {counts} "
+                "processes")
     accumulation, batch = args.gradient_accumulation, args.batch_size
     if accumulation is not None and batch is not None and batch * accumulation * world != args.total_batch_size:
         # the total they make; or the total alone, where it divides into micro-batches of that accumulation
@@ -591,6 +598,10 @@ def resolve_device_and_batch(p, args):
         args.batch_size = args.total_batch_size // (world * (accumulation or 1))
         if accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest
             args.batch_size = max(1, min(args.batch_size, micro))
+        if accumulation is None and args.resume:  # a default the user never gave: the resume takes the run's own
+            # micro-batch where that still divides the update (train.resume_settings), else the largest up to this
+            # default that does, not a refusal of the default (the update splits over these processes: checked above)
+            args.batch_size = next(b for b in range(args.batch_size, 0, -1) if args.total_batch_size % (b * world) == 0)
     per_micro = args.batch_size * world
     if args.total_batch_size % per_micro:
         fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0), None)

@@ -275,6 +275,22 @@ def test_a_resume_without_the_runs_flags_takes_the_runs_own(corpus, tmp_path, ca
     assert "batch_size 2 -> 8, gradient_accumulation 4 -> 1" in capsys.readouterr().out
 
 
+def test_a_resume_takes_the_runs_micro_batch_where_the_devices_default_does_not_divide_the_update(corpus, tmp_path,
+                                                                                                 capsys):
+    """A run of 24 sequences an update in micro-batches of 8 (or 2 processes' default of 12 each, resumed on one),
+    resumed without --batch_size: the CPU's default of 16, which the resume was to replace with the run's 8, does not
+    divide 24, and was refused naming --batch_size 12 or --total_batch_size 32 (which a resume refuses)."""
+    folder, tokenizer = corpus
+    bare = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--out_dir", str(tmp_path),
+            "--total_batch_size", "24", "--max_length", "32", "--num_training_steps", "2", "--workers", "0"]
+    train.main(bare + ["--batch_size", "8", "--stop_after", "1"])
+    capsys.readouterr()
+    train.main(bare + ["--resume"])
+    said = capsys.readouterr()
+    assert "resuming from" in said.out and "changed" not in said.out and "error" not in said.err, said
+    assert final_state(tmp_path)["args"]["batch_size"] == 8 and final_state(tmp_path)["step"] == 2
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adam8bit_per_layer"])
 def test_a_resumed_run_frees_the_checkpoints_tensors_once_loaded(corpus, tmp_path, monkeypatch, optimizer):
     """The checkpoint's model weights and optimizer state, once loaded into the model and optimizer, are not held
@@ -452,6 +468,22 @@ def test_a_run_resumes_on_another_number_of_processes(corpus, tmp_path, capsys, 
     assert [r["step"] for r in metrics(moved)[0]] == [2, 4, 5]  # 4's row: updates 3 (before the stop) and 4
     assert final_state(moved)["world"] == after and len(final_state(moved)["data"]) == after
     assert_same_updates(straight, moved)
+
+@pytest.mark.parametrize("world,counts", [(3, "2 or 4"), (16, "8")])
+def test_a_resume_on_processes_the_update_does_not_split_over_names_the_processes_it_does(corpus, tmp_path,
+                                                                                           monkeypatch, capsys, world,
+                                                                                           counts):
+    """A job requeued on 3 processes, its update of 8 sequences kept (a resume refuses another --total_batch_size):
+    the refusal named --total_batch_size 12, which the resume would then refuse as another run's."""
+    torchrun_variables(monkeypatch, rank=0, local_rank=0, world=world)
+    for extra in ((), ("--batch_size", "1"), ("--gradient_accumulation", "1")):
+        with pytest.raises(SystemExit):
+            train.get_args(base_args(corpus, tmp_path, 4, "--resume", *extra))
+        err = capsys.readouterr().err
+        assert (f"--resume on {world} processes: the run's update of --total_batch_size 8 sequences, which a resume "
+                f"keeps, does not split into {world} equal shares; resume on {counts} processes") in err, err
+        assert "pass --total_batch_size" not in err, err
+
 
 
 def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_apart(corpus, capsys):
