@@ -586,14 +586,19 @@ def resolve_device_and_batch(p, args):
     if accumulation is not None and batch is not None and batch * accumulation * world != args.total_batch_size:
         # the total they make; or the total alone, where it divides into micro-batches of that accumulation
         also = " or drop --batch_size" if args.total_batch_size % (accumulation * world) == 0 else ""
+        fix = f"pass --total_batch_size {batch * accumulation * world}{also}"
+        if args.resume:  # the run's update stays (a job requeued on other processes): the accumulation adapts to it
+            fixes = [f"drop --{flag}" for flag, kept in (("gradient_accumulation", batch), ("batch_size", accumulation))
+                     if args.total_batch_size % (kept * world) == 0]
+            fix = " or ".join(fixes) or "drop --gradient_accumulation and --batch_size"
         p.error(f"--gradient_accumulation {accumulation} x --batch_size {batch} x {world} devices = "
-                f"{batch * accumulation * world}, not --total_batch_size {args.total_batch_size}; pass "
-                f"--total_batch_size {batch * accumulation * world}{also}")
+                f"{batch * accumulation * world}, not --total_batch_size {args.total_batch_size}; {fix}")
     if accumulation is not None and args.total_batch_size % (accumulation * world):  # no micro-batch size fits
         total = -(-args.total_batch_size // (accumulation * world)) * accumulation * world  # the next multiple up
+        fix = "drop --gradient_accumulation, or pass one" if args.resume else \
+            f"pass --total_batch_size {total}, or a --gradient_accumulation"  # a resume keeps the run's update
         p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --gradient_accumulation "
-                f"{accumulation} x {world} devices; pass --total_batch_size {total}, or a --gradient_accumulation "
-                "that divides it")
+                f"{accumulation} x {world} devices; {fix} that divides it")
     if args.batch_size is None:
         args.batch_size = args.total_batch_size // (world * (accumulation or 1))
         if accumulation is None:  # the size's usual micro-batch (smaller on CPU), accumulating the rest

@@ -485,6 +485,34 @@ def test_a_resume_on_processes_the_update_does_not_split_over_names_the_processe
         assert "pass --total_batch_size" not in err, err
 
 
+@pytest.mark.parametrize("extra,world,message,fixed", [
+    (["--gradient_accumulation", "1", "--batch_size", "4"], 1, "= 4, not --total_batch_size 8; drop "
+     "--gradient_accumulation or drop --batch_size", ["--gradient_accumulation"]),
+    (["--gradient_accumulation", "2", "--batch_size", "3"], 2, "= 12, not --total_batch_size 8; drop --batch_size",
+     ["--batch_size"]),
+    (["--gradient_accumulation", "3", "--batch_size", "3"], 2, "= 18, not --total_batch_size 8; drop "
+     "--gradient_accumulation and --batch_size", ["--gradient_accumulation", "--batch_size"]),
+    (["--gradient_accumulation", "3"], 2, "--total_batch_size 8 is not a multiple of --gradient_accumulation 3 x 2 "
+     "devices; drop --gradient_accumulation, or pass one that divides it", ["--gradient_accumulation"]),
+])
+def test_a_resume_whose_batch_flags_no_longer_make_the_update_names_a_fix_it_takes(corpus, tmp_path, monkeypatch,
+                                                                                   capsys, extra, world, message,
+                                                                                   fixed):
+    """A job requeued on other processes with its script's --gradient_accumulation (2 ranks of 4 x 1, now one): the
+    refusal named --total_batch_size 4, which the resume refuses as another run's, where the accumulation adapts."""
+    torchrun_variables(monkeypatch, rank=0, local_rank=0, world=world)
+    run = base_args(corpus, tmp_path, 4, "--resume")
+    run = run[:run.index("--batch_size")] + run[run.index("--batch_size") + 2:] + extra  # the script's own
+    with pytest.raises(SystemExit):
+        train.get_args(run)
+    err = capsys.readouterr().err
+    assert message in err and "pass --total_batch_size" not in err, err
+    for flag in fixed:
+        run = run[:run.index(flag)] + run[run.index(flag) + 2:]
+    args = train.get_args(run)
+    assert args.batch_size * args.gradient_accumulation * world == args.total_batch_size == 8
+
+
 
 def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_apart(corpus, capsys):
     """In --pack mode a rank's place within its block of documents is not kept: the resume line counts the documents
