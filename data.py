@@ -73,8 +73,12 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     sha256, the digest of the file a checkpoint was trained with (train.py records it): the same size is not the
     same tokenizer."""
     path = Path(path)
-    fix = (f"fetch T5's (python data.py download --tokenizer {path}) or train one offline "
-           f"(python data.py train-tokenizer --data_dir {data_dir} --out data/spm), then pass --tokenizer")
+    # with no shards named, download fetches the tokenizer alone (by default a shard of each split too); it keeps a
+    # file already there (a user's own, named by mistake, is never replaced), so for one there the fix moves it first
+    fetch = f"fetch T5's (python data.py download --train_shards 0 --validation_shards 0 --tokenizer {path})"
+    fix = (f"{fetch} or train one offline (python data.py train-tokenizer --data_dir {data_dir} --out data/spm), "
+           "then pass --tokenizer")
+    there = f"move it aside (a download keeps a file that is there), then {fix}"
     if path.is_dir():  # the fix is a file: download writes the file it is given, and refuses a folder
         raise IsADirectoryError(f"tokenizer {path} is a folder; pass the sentencepiece model file, such as "
                                 f"{path / 'spiece.model'} (python data.py download --tokenizer {path / 'spiece.model'} "
@@ -85,9 +89,9 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     try:
         sp.Load(str(path))
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"{path} is not a readable sentencepiece model ({e}); {fix}") from None
+        raise ValueError(f"{path} is not a readable sentencepiece model ({e}); {there}") from None
     if sp.eos_id() < 0:
-        raise ValueError(f"{path} has no EOS piece, which separates documents; {fix}")
+        raise ValueError(f"{path} has no EOS piece, which separates documents; {there}")
     if pieces is not None and sp.get_piece_size() != pieces:
         raise ValueError(f"tokenizer {path} has {sp.get_piece_size()} pieces but the model {pieces}; pass the "
                          "--tokenizer it was trained with")

@@ -671,6 +671,25 @@ def test_a_folder_for_the_tokenizer_or_its_prefix_names_a_file_in_it(corpus, tmp
     assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == [], "nothing is written"
 
 
+def test_an_unreadable_tokenizer_names_a_command_that_fetches_it(tmp_path, monkeypatch):
+    """A --tokenizer file that is no sentencepiece model (a failed fetch's error page, a file named by mistake) said
+    "fetch T5's (python data.py download --tokenizer PATH)": download keeps a file already there, so that command
+    fetched a train and a validation shard into data/c4 and left the file as it was. The message now says to move it
+    aside first, and its command fetches the tokenizer alone."""
+    bad = tmp_path / "spiece.model"
+    bad.write_bytes(b"<html>rate limited</html>")
+    with pytest.raises(ValueError, match="is not a readable sentencepiece model") as e:
+        data.load_tokenizer(bad)
+    if "move it aside" in str(e.value):  # as the message says, before its command
+        bad.rename(tmp_path / "spiece.model.bad")
+    argv = re.search(r"\(python data\.py (download [^)]*)\)", str(e.value)).group(1).split()
+    fetched = []
+    monkeypatch.setattr(download, "fetch", lambda url, dest, *a, **kw: fetched.append(Path(dest)))  # no network
+    monkeypatch.chdir(tmp_path)  # download's default --out, data/c4, is made here
+    data.main(argv)
+    assert fetched == [bad], f"the message's command fetched {fetched}, not {bad}"
+
+
 # ----------------------------------------------------------------------------- commands
 
 def test_commands(corpus, tok, capsys):
