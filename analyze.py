@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from checkpoint import atomic_file, check_tokenizer, checkpoint_file, load_model, make_folder, peek, remove_empty
-from data import empty_path_refusal, load_tokenizer, validation_batches
+from data import empty_path_refusal, find_shards, load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
 from model import SIZES, RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
@@ -486,6 +486,15 @@ def get_args(argv=None):
             check_tokenizer(args.ckpt, args.tokenizer)
         except (OSError, ValueError) as e:
             raise SystemExit(f"analyze.py prune: {e}") from None
+        # and the validation shards, the checkpoint's own folder where --data_dir names none (a run from another
+        # machine): a folder without them is refused before the full read, not after it
+        run = look.get("args") if isinstance(look, dict) and isinstance(look.get("args"), dict) else {}
+        data_dir = run.get("data_dir") if args.data_dir is None else args.data_dir
+        try:
+            if data_dir is not None:  # (none recorded: weights() says to pass --data_dir)
+                find_shards(data_dir, "validation")
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"analyze.py prune: validation data: {e}") from None
     if args.command == "curves":
         if args.labels is not None and len(args.labels) != len(args.metrics):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")

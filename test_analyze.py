@@ -562,6 +562,21 @@ def test_output_folders_are_checked_before_the_checkpoint_is_read(tmp_path, monk
     assert "error: --tokenizer: tokenizer" in got and "not found" in got, got
 
 
+def test_prune_refuses_a_validation_folder_without_shards_before_the_checkpoint_is_read(dense_ckpt, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """A --data_dir, or the checkpoint's own (a run from another machine), that holds no validation shards is one line
+    at a quick look: the full read of the checkpoint (at 7b, minutes, and its float32 copy) comes after."""
+    monkeypatch.setattr(analyze, "load_model", lambda *a, **k: pytest.fail("read the checkpoint first"))
+    got = refusal(capsys, ["prune", dense_ckpt, "--data_dir", str(tmp_path / "gone")])
+    assert got.startswith(f"analyze.py prune: validation data: data folder {tmp_path / 'gone'} does not exist"), got
+    moved = tmp_path / "moved.pt"
+    ckpt = checkpoint.load(dense_ckpt)
+    ckpt["args"]["data_dir"] = str(tmp_path)  # a folder with no shards in it
+    checkpoint.save(moved, ckpt)
+    got = refusal(capsys, ["prune", str(moved)])
+    assert got.startswith(f"analyze.py prune: validation data: no validation shards in {tmp_path}"), got
+
+
 def test_prune_refuses_a_tokenizer_of_another_size(dense_ckpt, other_tokenizer, capsys):
     got = refusal(capsys, ["prune", dense_ckpt, "--tokenizer", other_tokenizer])
     assert got == (f"analyze.py prune: tokenizer {other_tokenizer} has 80 pieces but the model 96; pass the "
