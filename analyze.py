@@ -34,7 +34,7 @@ import torch.nn as nn
 from checkpoint import atomic_file, check_tokenizer, checkpoint_file, load_model, make_folder, peek, remove_empty
 from data import empty_path_refusal, find_shards, load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
-from model import SIZES, RMSNorm, freeze_all_but_values
+from model import SIZES, LLaMA, LLaMAConfig, RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -495,6 +495,14 @@ def get_args(argv=None):
                 find_shards(data_dir, "validation")
         except (OSError, ValueError) as e:
             raise SystemExit(f"analyze.py prune: validation data: {e}") from None
+        # and the memory, from the model's sizes alone: a model this machine cannot prune is refused before it is
+        # read whole and cast to float32, which at 7b takes minutes, or is what the OS kills the process for
+        try:
+            shape = LLaMA(LLaMAConfig(**config), device="meta") if isinstance(config, dict) else None
+        except (TypeError, ValueError):  # not this model.py's fields: load_model says so after the read
+            shape = None
+        if shape is not None and (refusal := prune_memory_refusal(shape, run, args.batch_size)):
+            raise SystemExit(f"analyze.py prune: {refusal}")
     if args.command == "curves":
         if args.labels is not None and len(args.labels) != len(args.metrics):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")

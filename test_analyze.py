@@ -117,6 +117,17 @@ def test_prune_refuses_a_batch_beyond_the_memory_before_reading_the_data(dense_c
         analyze.main(["prune", dense_ckpt, "--rank", "4"])
 
 
+def test_prune_refuses_a_batch_beyond_the_memory_before_reading_the_checkpoint(dense_ckpt, monkeypatch):
+    """The memory the pruning needs is known from the checkpoint's model_config at a quick look: a model too large for
+    this machine is refused before it is read whole and cast to float32, which would take minutes at 7b, or be the
+    very allocation the OS kills the process for."""
+    monkeypatch.setattr(analyze, "memory_there", lambda device: (1e6, 0.8, "a tiny machine"))
+    monkeypatch.setattr(analyze, "load_model", lambda *a, **k: pytest.fail("read the checkpoint first"))
+    with pytest.raises(SystemExit, match=r"^analyze.py prune: --batch_size 8 needs about .* more than 80% of a tiny "
+                                         r"machine; use a machine with more memory$"):
+        analyze.main(["prune", dense_ckpt, "--rank", "4"])
+
+
 def test_prune_says_when_the_validation_shards_hold_fewer_than_eval_tokens(dense_ckpt, capsys):
     """As train.py does: --eval_tokens past what the shards hold is every token they hold, and said."""
     _, ckpt = load_model(dense_ckpt)
