@@ -591,6 +591,10 @@ def weights(args):
         model, ckpt = load_model(args.ckpt)
     except (OSError, ValueError) as e:
         raise SystemExit(f"analyze.py {args.command}: {e}") from None
+    # only the run's args and model_config are needed: the optimizer's state (twice the parameters with AdamW) and the
+    # tensors as stored (bf16 ones outlive model.float()) would stay in memory through the SVDs and evaluations,
+    # beside what prune_memory_refusal counts
+    ckpt = {k: ckpt[k] for k in ("args", "model_config") if k in ckpt}
     model.float()
     if refusal := config_refusal(args, ckpt["model_config"]):  # a file the quick look could not read: now
         raise SystemExit(refusal)

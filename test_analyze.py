@@ -4,10 +4,12 @@ Tests of analyze.py and of train.py's --init_from, --freeze and --support_seed, 
     python -m pytest -q test_analyze.py
 """
 
+import gc
 import json
 import math
 import os
 import re
+import weakref
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -126,6 +128,27 @@ def test_prune_refuses_a_batch_beyond_the_memory_before_reading_the_checkpoint(d
     with pytest.raises(SystemExit, match=r"^analyze.py prune: --batch_size 8 needs about .* more than 80% of a tiny "
                                          r"machine; use a machine with more memory$"):
         analyze.main(["prune", dense_ckpt, "--rank", "4"])
+
+
+def test_prune_frees_the_checkpoint_before_it_evaluates(dense_ckpt, monkeypatch):
+    """Of the checkpoint read, prune keeps the model (float32, as its memory check counts it) and the run's args: the
+    optimizer's state (twice the model's parameters with AdamW) and the tensors as stored are freed first, as
+    export.py and sample.py free them."""
+    stored = []
+
+    def load(path):
+        model, ckpt = load_model(path)
+        stored.append(weakref.ref(next(t for t in ckpt["optimizer"]["state"].values())["exp_avg"]))
+        return model, ckpt
+
+    def prune(model, batches, rank, delta, seed=0):
+        gc.collect()
+        assert stored[0]() is None, "the optimizer's state is held through the evaluations"
+        return {"full": (1.0, math.e)}
+
+    monkeypatch.setattr(analyze, "load_model", load)
+    monkeypatch.setattr(analyze, "prune", prune)
+    analyze.main(["prune", dense_ckpt, "--rank", "4", "--json"])
 
 
 def test_prune_says_when_the_validation_shards_hold_fewer_than_eval_tokens(dense_ckpt, capsys):
