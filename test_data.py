@@ -657,7 +657,8 @@ def test_a_folder_for_the_tokenizer_or_its_prefix_names_a_file_in_it(corpus, tmp
     with pytest.raises(IsADirectoryError, match=f"tokenizer {folder} is a folder; pass the sentencepiece model file, "
                                                 f"such as {folder / 'spiece.model'}") as e:
         data.load_tokenizer(folder)
-    named = Path(re.search(r"download --tokenizer (\S+) fetches", str(e.value)).group(1))
+    named = Path(re.search(r"download --train_shards 0 --validation_shards 0 --tokenizer (\S+) fetches",
+                           str(e.value)).group(1))
     fetched = []
     monkeypatch.setattr(download, "fetch", lambda url, dest, *a, **kw: fetched.append(Path(dest)))  # no network
     download.download(tmp_path / "c4", named, shards=[])  # the command the message names is one download takes
