@@ -412,14 +412,13 @@ def test_the_program_runs_the_suites_own_train_py_from_any_folder(corpus, tmp_pa
     assert scripts == {os.path.join(os.path.dirname(os.path.abspath(suite.__file__)), "train.py")}, scripts
 
 
-def test_on_cuda_the_program_runs_cuda_graph_beside_the_same_run_plain(corpus, tmp_path, monkeypatch):  # noqa: F811
-    """On CUDA (here pretended: the processes are not started) the program section runs train.py --cuda_graph beside
-    the same run without it, AdamW and 8-bit per-layer, two micro-batches an update, logged every quarter of the
-    run so that --sync_debug watches the replays between log steps."""
+def train_py_that_exits_at_once(monkeypatch):
+    """The program section's processes, not started: each train.py exits at once, having written nothing, on a
+    machine that pretends to have a GPU. Returns the list their commands go into."""
     import subprocess
     started = []
 
-    class Done:  # a train.py that exits at once, having written nothing
+    class Done:
         returncode, pid, stdout = 0, os.getpid(), iter(())
 
         def __init__(self, cmd, **kwargs):
@@ -429,6 +428,14 @@ def test_on_cuda_the_program_runs_cuda_graph_beside_the_same_run_plain(corpus, t
             return "", ""
     monkeypatch.setattr(subprocess, "Popen", Done)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return started
+
+
+def test_on_cuda_the_program_runs_cuda_graph_beside_the_same_run_plain(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """On CUDA (here pretended: the processes are not started) the program section runs train.py --cuda_graph beside
+    the same run without it, AdamW and 8-bit per-layer, two micro-batches an update, logged every quarter of the
+    run so that --sync_debug watches the replays between log steps."""
+    started = train_py_that_exits_at_once(monkeypatch)
     s = dict(suite.SUITES["tiny"], program=dict(suite.SUITES["tiny"]["program"], short=8))
     saved = []
     with pytest.raises(RuntimeError, match="train.py runs failed"):  # no metrics.jsonl to read
@@ -448,19 +455,7 @@ def test_the_program_trains_on_the_suites_device(corpus, tmp_path, monkeypatch):
     """--device is the program section's too: every train.py run is given it (left to train.py's auto, tiny --device
     cpu on a machine with a GPU trained there, and gpu --device cuda:1 on cuda:0), and off CUDA the --cuda_graph runs
     are said to be skipped, not started to be refused."""
-    import subprocess
-    started = []
-
-    class Done:  # a train.py that exits at once, having written nothing
-        returncode, pid, stdout = 0, os.getpid(), iter(())
-
-        def __init__(self, cmd, **kwargs):
-            started.append(cmd)
-
-        def communicate(self):
-            return "", ""
-    monkeypatch.setattr(subprocess, "Popen", Done)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU, the suite told the CPU
+    started = train_py_that_exits_at_once(monkeypatch)  # on a machine with a GPU, the suite told the CPU
     r = suite.run_suite("tiny", torch.device("cpu"), ["program"], *corpus, out_dir=str(tmp_path))
     devices = [cmd[cmd.index("--device") + 1] if "--device" in cmd else None for cmd in started]
     assert started and devices == ["cpu"] * len(started), devices
