@@ -81,8 +81,8 @@ def load_tokenizer(path, data_dir=DEFAULT_DATA_DIR, pieces=None, sha256=None):
     there = f"move it aside (a download keeps a file that is there), then {fix}"
     if path.is_dir():  # the fix is a file: download writes the file it is given, and refuses a folder
         raise IsADirectoryError(f"tokenizer {path} is a folder; pass the sentencepiece model file, such as "
-                                f"{path / 'spiece.model'} (python data.py download --train_shards 0 --validation_shards 0 "
-                                f"--tokenizer {path / 'spiece.model'} fetches T5's there alone)")
+                                f"{path / 'spiece.model'} (python data.py download --train_shards 0 "
+                                f"--validation_shards 0 --tokenizer {path / 'spiece.model'} fetches T5's there alone)")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {path} not found; {fix}")
     sp = spm.SentencePieceProcessor()
