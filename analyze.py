@@ -475,34 +475,8 @@ def get_args(argv=None):
             p.error(f"--delta must be in [0, 1), got {args.delta}")
         if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
             p.error(f"--seed must fit in 64 bits, got {args.seed}")
-    if args.command in ("spectrum", "prune"):  # the flags against the checkpoint's model, at a quick look
-        look = peek(checkpoint_file(args.ckpt))  # (None where it cannot be read so: weights() asks after the read)
-        config = look.get("model_config") if isinstance(look, dict) else None
-        if isinstance(config, dict) and {"method", "dim", "ffn_dim", "rank"} <= set(config):
-            if refusal := config_refusal(args, config):
-                raise SystemExit(refusal)
-    if args.command == "prune":
-        try:  # the tokenizer checked against the checkpoint at a quick look, after the flags, before the full read
-            check_tokenizer(args.ckpt, args.tokenizer)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"analyze.py prune: {e}") from None
-        # and the validation shards, the checkpoint's own folder where --data_dir names none (a run from another
-        # machine): a folder without them is refused before the full read, not after it
-        run = look.get("args") if isinstance(look, dict) and isinstance(look.get("args"), dict) else {}
-        data_dir = run.get("data_dir") if args.data_dir is None else args.data_dir
-        try:
-            if data_dir is not None:  # (none recorded: weights() says to pass --data_dir)
-                find_shards(data_dir, "validation")
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"analyze.py prune: validation data: {e}") from None
-        # and the memory, from the model's sizes alone: a model this machine cannot prune is refused before it is
-        # read whole and cast to float32, which at 7b takes minutes, or is what the OS kills the process for
-        try:
-            shape = LLaMA(LLaMAConfig(**config), device="meta") if isinstance(config, dict) else None
-        except (TypeError, ValueError):  # not this model.py's fields: load_model says so after the read
-            shape = None
-        if shape is not None and (refusal := prune_memory_refusal(shape, run, args.batch_size)):
-            raise SystemExit(f"analyze.py prune: {refusal}")
+    if args.command in ("spectrum", "prune"):
+        refuse_at_a_look(args)
     if args.command == "curves":
         if args.labels is not None and len(args.labels) != len(args.metrics):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")
@@ -522,6 +496,39 @@ def get_args(argv=None):
             p.error(f"{flag} {getattr(args, flag[2:])}: cannot make or write into {folder[args.command]} "
                     f"({e.strerror or e}); pass a folder you can write to")
     return args
+
+
+def refuse_at_a_look(args):
+    """spectrum's and prune's flags against the checkpoint at checkpoint.peek's quick look, before the full read
+    (minutes at 7b, and prune's float32 copy): the model's method and sizes, and for prune the tokenizer, the
+    validation shards and the memory. Where the look cannot tell, weights() asks after the read."""
+    look = peek(checkpoint_file(args.ckpt))
+    config = look.get("model_config") if isinstance(look, dict) else None
+    if isinstance(config, dict) and {"method", "dim", "ffn_dim", "rank"} <= set(config):
+        if refusal := config_refusal(args, config):
+            raise SystemExit(refusal)
+    if args.command != "prune":
+        return
+    try:  # the tokenizer, after the flags
+        check_tokenizer(args.ckpt, args.tokenizer)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"analyze.py prune: {e}") from None
+    # the validation shards, the checkpoint's own folder where --data_dir names none (a run from another machine)
+    run = look.get("args") if isinstance(look, dict) and isinstance(look.get("args"), dict) else {}
+    data_dir = run.get("data_dir") if args.data_dir is None else args.data_dir
+    try:
+        if data_dir is not None:  # (none recorded: weights() says to pass --data_dir)
+            find_shards(data_dir, "validation")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"analyze.py prune: validation data: {e}") from None
+    # the memory, from the model's sizes alone: a model this machine cannot prune is refused before it is read whole
+    # and cast to float32, which is what the OS would kill the process for
+    try:
+        shape = LLaMA(LLaMAConfig(**config), device="meta") if isinstance(config, dict) else None
+    except (TypeError, ValueError):  # not this model.py's fields: load_model says so after the read
+        shape = None
+    if shape is not None and (refusal := prune_memory_refusal(shape, run, args.batch_size)):
+        raise SystemExit(f"analyze.py prune: {refusal}")
 
 
 def curves(args):

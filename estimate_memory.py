@@ -55,7 +55,7 @@ import galore
 import optim
 from devices import device_from_flag
 from model import (LLaMA, LLaMAConfig, SIZES, SPARSE, loss_chunk_rows, config_for, freeze_all_but_values,
-                   frozen_base_to, is_projection, length_refusal)
+                   is_projection, length_refusal)
 from per_layer import attach_per_layer
 from sllinear import SLLinear
 
@@ -162,11 +162,11 @@ def saved_bytes(config, batch_size, max_length, activation_checkpointing, dtype,
 
 @functools.lru_cache(maxsize=None)
 def counted_saved_bytes(config_fields, batch_size, max_length, activation_checkpointing, dtype, amp, freeze):
-    model = LLaMA(LLaMAConfig(*config_fields), device="meta").to(getattr(torch, dtype))
+    # as train.py builds it: under --amp W0 in bf16, so that LoRA's F.linear saves no bf16 copy of W0
+    model = LLaMA(LLaMAConfig(*config_fields), device="meta", dtype=getattr(torch, dtype),
+                  base_dtype=torch.bfloat16 if amp else None)
     model.activation_checkpointing = activation_checkpointing
     model.autocast = torch.bfloat16 if amp else None
-    if amp:
-        frozen_base_to(model, torch.bfloat16)  # as train.py --amp: LoRA's F.linear then saves no bf16 copy of W0
     with FakeTensorMode(allow_non_fake_inputs=True):  # the meta parameters become fake ones
         model.to_empty(device="cpu")
         if freeze:
@@ -321,7 +321,7 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
 
     if method == "sltrain_ft":  # fine-tuning: the pretrained projections kept, frozen, as W0 under the factors
         frozen = sum(b.numel() for name, b in model.named_buffers() if name.endswith("W0"))
-        stored = n["total"] + frozen  # W0 in bf16 also under amp (model.frozen_base_to)
+        stored = n["total"] + frozen  # W0 in bf16 also under amp (LLaMA's base_dtype)
         param_bytes = width * n["total"] + (BF16 if amp else width) * frozen + index_bytes
         held = param_bytes  # W0 included: train.py's memory check counts it
 

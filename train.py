@@ -558,7 +558,7 @@ def download_shards(args, given=()):
         return [], n_val
     if isinstance(ckpt, dict) and ckpt.get("data"):
         return list(ckpt["data"][0]["shards"]), n_val  # every rank's state names the same shards
-    docs = (args.max_length + 1) / TRAIN_DOC_TOKENS if args.pack else 1  # a sequence's documents (a share of one)
+    docs = (max_length + 1) / TRAIN_DOC_TOKENS if pack else 1  # a sequence's documents (a share of one)
     n_train = min(1024, math.ceil(args.num_training_steps * args.total_batch_size * docs / 350_000))
     return shard_names(train=n_train, validation=0), n_val
 
@@ -1033,9 +1033,7 @@ class Loop:
             return False
         self.save(self.start)  # made: a later resume must not make it (and its row) again
         if self.start < self.total and stopping(self.stop, self.world):
-            if self.master:
-                print(f"stopped by {self.stop['signal']}: saved {self.args.out_dir}/ckpt.pt at step {self.start}; "
-                      f"{self.rerun()}")
+            self.say_stopped(self.start, self.stop["signal"])
             return False
         return True
 
@@ -1093,10 +1091,14 @@ class Loop:
             self.save(done, eval_pending=eval_due and signalled)
             if not (signalled or planned) and done < self.total:  # a signal in the save (tens of seconds at 7b)
                 signalled = stopping(self.stop, self.world)  # stops on it: no update more, and no second write
-        if (signalled or planned) and self.master:
-            print(f"stopped by {self.stop['signal'] or '--stop_after'}: saved {args.out_dir}/ckpt.pt at step {done}; "
-                  f"{self.rerun()}")
+        if signalled or planned:
+            self.say_stopped(done, self.stop["signal"] or "--stop_after")
         return signalled or planned
+
+    def say_stopped(self, step, by):
+        """The line of a stop on its checkpoint, saved at update `step`."""
+        if self.master:
+            print(f"stopped by {by}: saved {self.args.out_dir}/ckpt.pt at step {step}; {self.rerun()}")
 
     def summary(self):
         if self.master:
