@@ -1142,6 +1142,32 @@ def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_
     assert not fetched
 
 
+def a_60m_run(path, data, **run):
+    """A checkpoint of a 60m run at update 5 as train.py records it (args, model config, data position; no tensors),
+    with run's args; its data under data/ (data/c4, a tokenizer data/t5.model not there yet)."""
+    argv = ["--size", "60m", "--data_dir", str(data / "c4"), "--tokenizer", str(data / "t5.model")]
+    args = vars(train.get_args(argv)) | {"dtype": "float32"} | run
+    checkpoint.save(str(path), {"args": args, "model_config": vars(config_for("60m")), "step": 5, "world": 1,
+                                "optimizer": {}, "data": [{"shards": download.shard_names(3, 0), "rank": 0}]})
+    return argv
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--resume", "--rank", "64"], "^--resume: .* rank 128 .now 64."), (["--resume", "--seed", "1"], "seed 42 .now 1."),
+    (["--resume", "--num_training_steps", "5"], "already has 5 updates"),
+    (["--resume", "--warmup_steps", "2", "--num_training_steps", "10"], "past the end of its warmup"),
+    (["--eval_only", "--delta", "0.05"], "^--eval_only: .* holds another model: delta 0.03 .now 0.05.")])
+def test_a_download_for_a_resume_it_refuses_is_refused_before_the_download(monkeypatch, tmp_path, extra, message):
+    """A resume (or evaluation) that its checkpoint refuses, another model, a flag that must match, a run already done
+    or a warmup past changing, is refused on the checkpoint's quick look before --download fetches for minutes."""
+    ckpt = tmp_path / "out" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    argv = a_60m_run(ckpt, tmp_path, warmup_steps=4)
+    monkeypatch.setattr(train, "download", lambda *a, **k: pytest.fail("downloaded before the resume was checked"))
+    with pytest.raises(SystemExit, match=message):
+        train.main(argv + ["--download", "--out_dir", str(tmp_path / "out"), *extra])
+
+
 @pytest.mark.parametrize("extra,validation", [([], 3), (["--eval_tokens", "100000"], 1)])
 @pytest.mark.parametrize("mode", ["--resume", "--eval_only"])
 def test_a_resumed_or_evaluated_download_fetches_the_validation_shards_of_the_runs_eval_tokens(
@@ -1151,13 +1177,11 @@ def test_a_resumed_or_evaluated_download_fetches_the_validation_shards_of_the_ru
     then found a shorter set than the run's, and refused it as changed). One given is the command line's."""
     ckpt = tmp_path / "out" / "ckpt.pt"
     ckpt.parent.mkdir()
-    checkpoint.save(str(ckpt), {"data": [{"shards": download.shard_names(train=3, validation=0), "rank": 0}],
-                                "step": 5, "args": {"eval_tokens": 20_000_001}, "model_config": {}})
+    argv = a_60m_run(ckpt, tmp_path, eval_tokens=20_000_001)
     fetched = []
     monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
     with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
-        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
-                    str(tmp_path / "out"), mode, *extra])
+        train.main(argv + ["--download", "--out_dir", str(tmp_path / "out"), mode, *extra])
     assert [name for name in fetched.pop() if "validation" in name] == download.shard_names(0, validation)
 
 
@@ -1168,12 +1192,11 @@ def test_an_evaluated_download_fetches_the_validation_shards_of_the_runs_max_len
     (a shard holds about 5.3M tokens of them) needs 6 shards for 20M tokens, where 3 hold them at 256."""
     ckpt = tmp_path / "out" / "ckpt.pt"
     ckpt.parent.mkdir()
-    checkpoint.save(str(ckpt), {"step": 5, "args": {"eval_tokens": 20_000_001, "max_length": 128}, "model_config": {}})
+    argv = a_60m_run(ckpt, tmp_path, eval_tokens=20_000_001, max_length=128)
     fetched = []
     monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
     with pytest.raises(ZeroDivisionError):  # stops the run once the download is asked for
-        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir",
-                    str(tmp_path / "out"), "--eval_only", *extra])
+        train.main(argv + ["--download", "--out_dir", str(tmp_path / "out"), "--eval_only", *extra])
     assert fetched.pop() == download.shard_names(0, validation)
 
 

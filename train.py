@@ -16,6 +16,7 @@ The authors' flag names (--model_config, --peft_model, --sp_ratio, --lora_alpha,
 
 import argparse
 import atexit
+import copy
 import ctypes
 import functools
 import gc
@@ -223,20 +224,17 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
     quick look where one can be had: a refusal comes at once, not after a read of minutes at 7b. on_look(look): what
     else is decided on that look (the data position, by prepare) before the read."""
     path = resume_path(args)  # (there: prepare checked, flags.no_checkpoint)
-    precision = (args.dtype, args.amp)  # the device's default, or the command line's
-    look, ckpt = checkpoint.peek(path), None  # its args and step, its tensors mapped from the file, not read
-    if not (isinstance(look, dict) and {"args", "model_config", "step"} <= set(look)):
+    look, ckpt = quick_look(path), None  # its args and step, its tensors mapped from the file, not read
+    if look is None:
         look = ckpt = read_checkpoint(path)  # no quick look: the checks wait for the read (which says what is wrong)
-    old = same_run(args, look, path, vocab_size, dtype_given)
-    said = (eval_settings(args, old, device, world, given, precision) if args.eval_only else
-            resume_settings(args, old, look, path, device, world, given))
+    said = settle(args, look, path, vocab_size, device, world, dtype_given, given)
     if master and said:
         print(said)
     if on_look:
         on_look(look)
     if ckpt is None:  # the verified file; its args (the look's) get the defaults of flags added since, for the run
         seen = [look.get(k) for k in ("step", "eval_pending", "data")]  # plain values: not the file's mapped tensors
-        del look, old
+        del look
         ckpt = read_checkpoint(path)
         same_run(args, ckpt, path, vocab_size, dtype_given)
         if not args.eval_only and seen != [ckpt.get(k) for k in ("step", "eval_pending", "data")]:
@@ -246,6 +244,45 @@ def load_for_resume(args, vocab_size, world, device, master=True, dtype_given=Tr
             raise SystemExit(f"--resume {path} was saved over while it was read (step {ckpt['step']}, where its first "
                              f"look had step {seen[0]}): run the same command again, to go on from the new one")
     return ckpt, path
+
+
+def quick_look(path):
+    """checkpoint.peek of a run's checkpoint (its args, model config and step there), else None."""
+    look = checkpoint.peek(path)
+    return look if isinstance(look, dict) and {"args", "model_config", "step"} <= set(look) else None
+
+
+def settle(args, look, path, vocab_size, device, world, dtype_given, given):
+    """same_run, then the resume's (or the evaluation's) settings, on a look at the checkpoint at path -> the line
+    that says what is taken from the run and what changed, or None."""
+    precision = (args.dtype, args.amp)  # the device's default, or the command line's
+    old = same_run(args, look, path, vocab_size, dtype_given)
+    return (eval_settings(args, old, device, world, given, precision) if args.eval_only else
+            resume_settings(args, old, look, path, device, world, given))
+
+
+def refuse_before_download(args, vocab_size, dtype_given, given):
+    """A resume's (or --eval_only's) refusals, on the checkpoint's quick look, before --download's minutes: another
+    model or flag, a finished run, a warmup or memory that does not fit. Decided on a copy of args (the run decides
+    again once the data is there); with no tokenizer there yet, its vocabulary and digest are taken as the run's
+    (the run then checks the downloaded one). Without a quick look the read after the download says what is wrong."""
+    path = resume_path(args)
+    if (look := quick_look(path)) is None:
+        return
+    early, device = copy.deepcopy(args), torch.device(args.device)
+    early.dtype = flags.run_dtype(early, device)
+    if vocab_size is None:
+        vocab_size = look["model_config"].get("vocab_size")
+        early.tokenizer_sha256 = look["args"].get("tokenizer_sha256")
+    else:
+        early.tokenizer_sha256 = file_sha256(args.tokenizer)
+    settle(early, look, path, vocab_size, device, 1, dtype_given, given)
+
+
+def file_sha256(path):
+    """The sha256 of a file's bytes, in hex."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def read_checkpoint(path):
@@ -563,9 +600,10 @@ def download_shards(args, given=()):
     return shard_names(train=n_train, validation=0), n_val
 
 
-def setup(args, given=()):
+def setup(args, given=(), dtype_given=True):
     """DDP (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE), the download, the device, and cheap data checks. given: the
-    flags on the command line (a resume's download fetches what the run's own settings read)."""
+    flags on the command line (a resume's download fetches what the run's own settings read, once they are checked
+    against it)."""
     ddp = "RANK" in os.environ  # then every variable of torchrun's is there, and sound (flags.torchrun_ranks)
     rank, _, world = flags.torchrun_ranks()
     # a tokenizer already there is read before a download's minutes (which keeps it): a --model_config of another
@@ -577,6 +615,8 @@ def setup(args, given=()):
             raise SystemExit(f"--download under torchrun: fetch the data once first, with python data.py download "
                              f"--out {args.data_dir} --tokenizer {args.tokenizer} --train_shards {len(train_shards)} "
                              f"--validation_shards {n_val}")
+        if args.resume or args.eval_only:
+            refuse_before_download(args, vocab_size, dtype_given, given)
         whose = " (the resumed run's)" if args.resume and train_shards else ""
         print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) and the T5 "
               f"tokenizer into {args.data_dir}")
@@ -595,9 +635,9 @@ def setup(args, given=()):
     except (OSError, ValueError) as e:
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
     vocab_size = vocab_size or tokenizer_pieces(args)
-    args.data_dir, args.tokenizer = os.path.abspath(args.data_dir), os.path.abspath(args.tokenizer)  # tools read
-    with open(args.tokenizer, "rb") as f:  # them from the checkpoint, from any folder
-        args.tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()  # same vocabulary size is not same tokenizer
+    # tools read them from the checkpoint, from any folder; the same vocabulary size is not the same tokenizer
+    args.data_dir, args.tokenizer = os.path.abspath(args.data_dir), os.path.abspath(args.tokenizer)
+    args.tokenizer_sha256 = file_sha256(args.tokenizer)
     if ddp:  # on GPUs the gradients go through NCCL and the ranks' one-number flags (a signal, a bad shard line)
         # through gloo, on the host: reading a flag then never waits for a GPU to finish its queue
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
@@ -724,7 +764,7 @@ def prepare(args, held, given=()):
     out_dir_first = args.download and "RANK" not in os.environ
     if out_dir_first:
         claim_out_dir(args, held, 0, 1)
-    ddp, rank, world, device, vocab_size = setup(args, given)
+    ddp, rank, world, device, vocab_size = setup(args, given, dtype_given)
     ckpt = ckpt_path = None
     if not out_dir_first:
         claim_out_dir(args, held, rank, world)
