@@ -237,13 +237,14 @@ def check_freeze(freeze, method):
 def memory_there(device, world=1):
     """(bytes a run may use, the share of them it may fill, words for the message), or None where unknown. On a GPU
     its free memory (other processes' and CUDA's context taken out), of which 95%: the rest is the allocator's. On CPU
-    the machine's memory shared by `world` ranks, of which 80%: beyond it the kernel kills the process with one word,
-    'Killed'."""
+    the machine's memory shared by its ranks (torchrun's LOCAL_WORLD_SIZE of the job's `world`), of which 80%: beyond
+    it the kernel kills the process with one word, 'Killed'."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         return free, 0.95, f"the {free / 1e9:.1f} GB free on {device}"
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / world  # ranks share the machine
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # a multi-node job's other ranks have their own
+        machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / min(world, here)  # ranks share it
         return machine, 0.8, f"this machine's {machine / 1e9:.1f} GB"
     return None
 

@@ -389,6 +389,16 @@ def test_measure_prints_relora_as_built_beside_its_count(monkeypatch, capsys):
     assert cells[1] == em.fmt_bytes(row["held_gb"] * 1e9) != em.fmt_bytes(row["param_gb"] * 1e9)
 
 
+def test_a_cpu_machines_memory_is_shared_by_the_ranks_on_it_not_by_every_node(monkeypatch):
+    """Under torchrun on CPUs each rank gets its machine's memory over the ranks on that machine (LOCAL_WORLD_SIZE):
+    a 2-node job of 4 ranks has 2 on each, not 4 (which halved the memory check's room and refused runs that fit)."""
+    machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert em.memory_there(torch.device("cpu"), 4)[0] == machine / 4  # one machine, as without torchrun
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert em.memory_there(torch.device("cpu"), 4)[0] == machine / 2
+
+
 def test_measure_refuses_a_model_the_machine_cannot_hold_before_building_it(monkeypatch, capsys):
     # a 7b model on a 16 GB machine: before, the kernel's out-of-memory killer ended it part way, without a word
     monkeypatch.setattr(em, "memory_there", lambda device, world=1: (16e9, 0.8, "this machine's 16.0 GB"))
