@@ -43,6 +43,7 @@ import gc
 import json
 import math
 import os
+import signal
 import tempfile
 import textwrap
 import warnings
@@ -876,4 +877,5 @@ def main():
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that stops (| head) ends the table, not a traceback
     main()

@@ -489,7 +489,9 @@ def describe(model):
 
 
 if __name__ == "__main__":
+    import signal
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that stops (| head) ends the table, not a traceback
     # the parameter table of the paper (Table 2), counted on the meta device
     # relora trains as many parameters as lowrank and Table 2 lists its merged model, as many as full: not repeated
     shown = [m for m in PRETRAINING if m != "relora"]

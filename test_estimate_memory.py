@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import re
+import subprocess
 import sys
 import weakref
 
@@ -387,6 +388,18 @@ def test_measure_prints_relora_as_built_beside_its_count(monkeypatch, capsys):
     assert cells[1] == cells[2] and cells[9] == cells[10], out  # param and train: estimate = counted
     row = em.estimate("tiny", "relora", index_dtype="int32", batch_size=1, max_length=16)
     assert cells[1] == em.fmt_bytes(row["held_gb"] * 1e9) != em.fmt_bytes(row["param_gb"] * 1e9)
+
+
+@pytest.mark.parametrize("script", ["estimate_memory.py", "model.py"])
+def test_a_table_read_by_a_reader_that_stops_ends_quietly(script):
+    """`python estimate_memory.py | head -3`: the table stops when its reader does, with no BrokenPipeError."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, os.path.join(here, script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=here)
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    err = proc.communicate(timeout=120)[1].decode()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_a_cpu_machines_memory_is_shared_by_the_ranks_on_it_not_by_every_node(monkeypatch):
