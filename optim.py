@@ -293,6 +293,28 @@ def _check_8bit_format(state_dict):
                          "state or resume with the optim.py that saved it")
 
 
+def _check_state_sizes(optimizer, state_dict):
+    """Each saved parameter's moments of the size of the parameter they are loaded into: torch maps them by position
+    only, and a flat 8-bit state larger than its parameter would be stepped with, its first blocks taken for the
+    parameter's (a float32 one of another shape fails only at the step)."""
+    saved = [(i, group) for group in state_dict["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, ((i, group), p) in enumerate(zip(saved, params)):
+        state = state_dict["state"].get(i, {})
+        if "exp_avg_codes" in state:
+            blocks = -(-p.numel() // group["block_size"])
+            size, fits = state["exp_avg_codes"].numel(), state["exp_avg_absmax"].numel() == blocks
+        elif "exp_avg" in state:
+            size, fits = state["exp_avg"].numel(), state["exp_avg"].shape == p.shape
+        else:
+            continue
+        if not fits:
+            raise ValueError(f"parameter {index} of this optimizer, {tuple(p.shape)}, has {p.numel()} entries; the "
+                             f"state's has moments for {size}: the state is of another model's parameters, or of "
+                             "these in another order; load it into an optimizer of the parameters it was saved "
+                             "with, in their order")
+
+
 def _keep_state_dtypes(optimizer, state_dict, but=None):
     """After torch.optim.Optimizer.load_state_dict, which casts every state tensor to its parameter's dtype: put
     back the saved dtypes (uint8 codes, float32 absmax and moments), on the parameter's device."""
@@ -379,6 +401,7 @@ class Adam8bit(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         _check_8bit_format(state_dict)  # before loading: a refused state leaves the optimizer as it was
+        _check_state_sizes(self, state_dict)
         super().load_state_dict(state_dict)
         _keep_state_dtypes(self, state_dict)
 

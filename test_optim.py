@@ -258,6 +258,28 @@ def test_step_with_a_closure_returns_its_loss_and_uses_its_gradients(make):
     torch.testing.assert_close(p, ref, rtol=0, atol=0, msg=lambda m: f"closure: max diff {max_diff(p, ref)}\n{m}")
 
 
+@pytest.mark.parametrize("min_8bit_size", [4096, 10**9], ids=["8-bit", "float32 state"])
+def test_adam8bit_refuses_a_state_of_parameters_of_other_sizes(min_8bit_size):
+    """A state saved for parameters of other sizes (another model's, or these in another order) is refused at the
+    load, in one line that names the parameter: it loaded, and an 8-bit parameter smaller than its state's went on
+    stepping with the first blocks of another tensor's moments (torch.optim.AdamW raises at the step). A refused
+    state leaves the optimizer as it was."""
+    torch.manual_seed(0)
+    big, small = torch.nn.Parameter(torch.randn(100, 128)), torch.nn.Parameter(torch.randn(50, 128))
+    saved = Adam8bit([big, small], min_8bit_size=min_8bit_size)
+    big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+    saved.step()
+    state = saved.state_dict()
+    swapped = Adam8bit([small, big], min_8bit_size=min_8bit_size)  # the same tensors, in another order
+    with pytest.raises(ValueError, match=r"parameter 0 of this optimizer, \(50, 128\), has 6400 entries; the "
+                                         r"state's has moments for 12800: .* load it into an optimizer"):
+        swapped.load_state_dict(state)
+    assert not swapped.state, "a refused state must leave the optimizer as it was"
+    fitting = Adam8bit([torch.nn.Parameter(big.detach().clone()), torch.nn.Parameter(small.detach().clone())],
+                       min_8bit_size=min_8bit_size)
+    fitting.load_state_dict(state)  # parameters of the sizes it was saved with
+
+
 def test_adam8bit_refuses_the_older_state_format():
     p = torch.nn.Parameter(torch.randn(64, 128))
     opt = Adam8bit([p])
