@@ -293,10 +293,14 @@ def _check_8bit_format(state_dict):
                          "state or resume with the optim.py that saved it")
 
 
-def _check_state_sizes(optimizer, state_dict):
-    """Each saved parameter's moments of the size of the parameter they are loaded into: torch maps them by position
-    only, and a flat 8-bit state larger than its parameter would be stepped with, its first blocks taken for the
-    parameter's (a float32 one of another shape fails only at the step)."""
+def _check_state_fits(optimizer, state_dict):
+    """Refuses, before anything loads, a state that is not an Adam8bit's for these parameters. torch maps saved
+    states to parameters by position only: a flat 8-bit state larger than its parameter would be stepped with, its
+    first blocks taken for the parameter's (a float32 one of another shape fails only at the step). And an AdamW's
+    state would keep float32 moments for every tensor (AdamW's memory), its groups without our settings."""
+    fix = "continue with the optimizer that saved it, or start Adam8bit afresh"
+    if not all("block_size" in group and "min_8bit_size" in group for group in state_dict["param_groups"]):
+        raise ValueError(f"this state is not an Adam8bit's: its param groups have no block_size (an AdamW's?); {fix}")
     saved = [(i, group) for group in state_dict["param_groups"] for i in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, ((i, group), p) in enumerate(zip(saved, params)):
@@ -306,6 +310,9 @@ def _check_state_sizes(optimizer, state_dict):
             size, fits = state["exp_avg_codes"].numel(), state["exp_avg_absmax"].numel() == blocks
         elif "exp_avg" in state:
             size, fits = state["exp_avg"].numel(), state["exp_avg"].shape == p.shape
+            if fits and p.numel() >= group["min_8bit_size"]:  # an AdamW's state packed into our groups (per_layer)
+                raise ValueError(f"this state is not an Adam8bit's: it holds float32 moments for parameter {index}, "
+                                 f"{tuple(p.shape)}, which Adam8bit keeps in 8 bits (an AdamW's?); {fix}")
         else:
             continue
         if not fits:
@@ -401,7 +408,7 @@ class Adam8bit(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         _check_8bit_format(state_dict)  # before loading: a refused state leaves the optimizer as it was
-        _check_state_sizes(self, state_dict)
+        _check_state_fits(self, state_dict)
         super().load_state_dict(state_dict)
         _keep_state_dtypes(self, state_dict)
 

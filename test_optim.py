@@ -280,6 +280,31 @@ def test_adam8bit_refuses_a_state_of_parameters_of_other_sizes(min_8bit_size):
     fitting.load_state_dict(state)  # parameters of the sizes it was saved with
 
 
+@pytest.mark.parametrize("make", [lambda ps: AdamW(ps, lr=1e-3), lambda ps: torch.optim.AdamW(ps, lr=1e-3)],
+                         ids=["optim.AdamW", "torch.optim.AdamW"])
+def test_adam8bit_refuses_an_adamw_state(make):
+    """An AdamW's state loaded into Adam8bit kept its float32 moments for every tensor (AdamW's 8 bytes a parameter,
+    not 2, without a word), and its param groups, which replace ours, have no block_size or min_8bit_size: a tensor
+    that had no state yet stopped the first step with KeyError: 'min_8bit_size'. Refused at the load, in one line."""
+    torch.manual_seed(0)
+    stepped, not_yet = torch.nn.Parameter(torch.randn(100, 128)), torch.nn.Parameter(torch.randn(50, 128))
+    adamw = make([stepped, not_yet])
+    stepped.grad = torch.randn_like(stepped)
+    adamw.step()
+    opt = Adam8bit([stepped, not_yet])
+    with pytest.raises(ValueError, match="this state is not an Adam8bit's: its param groups have no block_size .* "
+                                         "continue with the optimizer that saved it, or start Adam8bit afresh"):
+        opt.load_state_dict(adamw.state_dict())
+    assert not opt.state and "block_size" in opt.param_groups[0], "a refused state leaves the optimizer as it was"
+    # per-layer updates pack a layer's saved state into the layer optimizer's own groups, which have our settings
+    model = torch.nn.Linear(128, 100)  # its weight takes 8-bit moments in Adam8bit
+    per = attach_per_layer(model, make)
+    model(torch.randn(4, 128)).sum().backward()
+    with pytest.raises(ValueError, match=r"it holds float32 moments for parameter 0, \(100, 128\), which Adam8bit "
+                                         "keeps in 8 bits"):
+        attach_per_layer(model, Adam8bit).load_state_dict(per.state_dict())
+
+
 def test_adam8bit_refuses_the_older_state_format():
     p = torch.nn.Parameter(torch.randn(64, 128))
     opt = Adam8bit([p])
