@@ -49,6 +49,11 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
+def _check_block_size(block_size):
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+
+
 def _evaluate(closure):
     """step(closure)'s loss: the closure runs with gradients on, as torch.optim's optimizers run it."""
     if closure is None:
@@ -360,14 +365,21 @@ class Adam8bit(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, block_size=256,
                  min_8bit_size=4096, compile=False, fused=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        _check_block_size(block_size)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
         # not group settings: a checkpoint's param_groups must not switch them on resume
         self.compile, self.fused = compile, _check_fused(fused, self)
         _build_tables(self)
+
+    def add_param_group(self, param_group):
+        """Each group checked as it is added, the constructor's and any later one: a group's own lr, betas or
+        block_size reached the first step unchecked (block_size 0 stopped it with a ZeroDivisionError)."""
+        settings = {**self.defaults, **param_group}
+        _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
+        _check_block_size(settings["block_size"])
+        super().add_param_group(param_group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -305,6 +305,28 @@ def test_adam8bit_refuses_an_adamw_state(make):
         attach_per_layer(model, Adam8bit).load_state_dict(per.state_dict())
 
 
+@pytest.mark.parametrize("group,message", [
+    ({"block_size": 0}, "block_size must be an int >= 1, got 0"),  # was a ZeroDivisionError at the first step
+    ({"block_size": 256.0}, r"block_size must be an int >= 1, got 256.0"),  # a TypeError from torch.zeros
+    ({"betas": (0.9, 1.5)}, r"betas must be in \[0, 1\), got \(0.9, 1.5\)"),  # a complex bias correction
+    ({"lr": -1e-3}, "lr must be >= 0, got -0.001"),  # stepped up the gradient, without a word
+], ids=["block_size 0", "block_size float", "betas", "lr"])
+def test_adam8bit_checks_each_param_groups_own_settings(group, message):
+    """The constructor checked its arguments, but a param group's own lr, betas or block_size reached the first step
+    unchecked (after a forward and a backward): each group is checked as it is added, the constructor's and later
+    ones, and a refused group is not left half added."""
+    p, q = torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(64, 128))
+    with pytest.raises(ValueError, match=message):
+        Adam8bit([{"params": [p], **group}])
+    if "block_size" in group:  # the constructor's own argument too
+        with pytest.raises(ValueError, match=message):
+            Adam8bit([p], block_size=group["block_size"])
+    opt = Adam8bit([p])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1
+
+
 def test_adam8bit_refuses_the_older_state_format():
     p = torch.nn.Parameter(torch.randn(64, 128))
     opt = Adam8bit([p])
