@@ -54,6 +54,13 @@ def _check_block_size(block_size):
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
 
+def _check_flat(p):
+    """An 8-bit state is its parameter's flat storage, which a non-contiguous parameter does not have."""
+    if not p.is_contiguous():
+        raise ValueError(f"Adam8bit quantizes a parameter's flat storage; this {tuple(p.shape)} one is not "
+                         "contiguous: make it contiguous or raise min_8bit_size above its size")
+
+
 def _evaluate(closure):
     """step(closure)'s loss: the closure runs with gradients on, as torch.optim's optimizers run it."""
     if closure is None:
@@ -376,9 +383,15 @@ class Adam8bit(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         """Each group checked as it is added, the constructor's and any later one: a group's own lr, betas or
         block_size reached the first step unchecked (block_size 0 stopped it with a ZeroDivisionError)."""
+        params = param_group["params"]  # read once here (a generator), as torch takes it
+        params = [params] if torch.is_tensor(params) else params if isinstance(params, set) else list(params)
+        param_group = dict(param_group, params=params)
         settings = {**self.defaults, **param_group}
         _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
         _check_block_size(settings["block_size"])
+        for p in params:  # when given, not at the first step
+            if p.numel() >= settings["min_8bit_size"]:
+                _check_flat(p)
         super().add_param_group(param_group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()
@@ -433,9 +446,7 @@ class Adam8bit(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             return
-        if not p.is_contiguous():
-            raise ValueError(f"Adam8bit quantizes a parameter's flat storage; this {tuple(p.shape)} one is not "
-                             "contiguous: make it contiguous or raise min_8bit_size above its size")
+        _check_flat(p)  # checked when given too; here for a parameter whose .data was replaced since
         blocks = -(-p.numel() // group["block_size"])
         for name in ("exp_avg", "sqrt_exp_avg_sq"):
             # absmax 0 makes every code decode to 0: the zero state, whatever the codes

@@ -327,6 +327,29 @@ def test_adam8bit_checks_each_param_groups_own_settings(group, message):
     assert len(opt.param_groups) == 1
 
 
+def test_adam8bit_refuses_a_non_contiguous_8bit_parameter_when_given_it():
+    """The 8-bit state is the parameter's flat storage, which a non-contiguous parameter does not have: refused when
+    it is given (it was refused at the first step, after a forward and a backward), in one line that names the fix.
+    Below min_8bit_size one takes float32 moments and steps as torch's AdamW does."""
+    transposed = torch.nn.Parameter(torch.randn(128, 64).t())  # (64, 128), not contiguous
+    with pytest.raises(ValueError, match=r"this \(64, 128\) one is not contiguous: make it contiguous or raise "
+                                         "min_8bit_size above its size"):
+        Adam8bit([transposed])
+    opt = Adam8bit([torch.nn.Parameter(torch.randn(64, 128))])
+    with pytest.raises(ValueError, match="not contiguous"):
+        opt.add_param_group({"params": [transposed], "lr": 1e-2})
+    assert len(opt.param_groups) == 1
+    ref = torch.nn.Parameter(transposed.detach().clone())  # contiguous
+    opt = Adam8bit([transposed], weight_decay=0.1, min_8bit_size=10**9)
+    ref_opt = torch.optim.AdamW([ref], weight_decay=0.1)
+    for _ in range(3):
+        g = torch.randn(64, 128)
+        transposed.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(transposed, ref, rtol=0, atol=0)
+
+
 def test_adam8bit_refuses_the_older_state_format():
     p = torch.nn.Parameter(torch.randn(64, 128))
     opt = Adam8bit([p])
