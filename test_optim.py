@@ -348,6 +348,14 @@ def test_adam8bit_refuses_a_non_contiguous_8bit_parameter_when_given_it():
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(transposed, ref, rtol=0, atol=0)
+    given = torch.nn.Parameter(torch.randn(64, 128))
+    opt = Adam8bit([given])
+    given.data = torch.randn(128, 64).t()  # made non-contiguous after it was given: refused at the step
+    given.grad = torch.randn(64, 128)
+    for _ in range(2):  # the same refusal again, not a KeyError of a half-made state
+        with pytest.raises(ValueError, match="not contiguous"):
+            opt.step()
+    assert not opt.state[given], f"a refused step must leave no state, left {dict(opt.state[given])}"
 
 
 def test_adam8bit_refuses_the_older_state_format():
