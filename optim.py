@@ -61,6 +61,20 @@ def _check_flat(p):
                          "contiguous: make it contiguous or raise min_8bit_size above its size")
 
 
+def _checked_group(optimizer, param_group):
+    """A param group as torch.optim will take it (its params read once: a generator), refused where a parameter is
+    complex: torch.optim.AdamW steps one as its real and imaginary parts (v of |g|²), where these steps would take
+    g² for it (AdamW) or keep the real part alone (Adam8bit's moments)."""
+    params = param_group["params"]
+    params = [params] if torch.is_tensor(params) else params if isinstance(params, set) else list(params)
+    for p in params:  # a set stays one: torch refuses it (its order is not kept)
+        if torch.is_tensor(p) and p.is_complex():
+            raise ValueError(f"{type(optimizer).__name__} takes real parameters, not a {tuple(p.shape)} "
+                             f"{str(p.dtype).removeprefix('torch.')} one: use torch.optim.AdamW, which steps the real "
+                             "and imaginary parts")
+    return dict(param_group, params=params)
+
+
 def _evaluate(closure):
     """step(closure)'s loss: the closure runs with gradients on, as torch.optim's optimizers run it."""
     if closure is None:
@@ -156,6 +170,9 @@ class AdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach is not False)
         super().__init__(params, defaults)
 
+    def add_param_group(self, param_group):
+        super().add_param_group(_checked_group(self, param_group))  # the constructor's groups, and any added later
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
@@ -192,6 +209,7 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError("this state is of an Adam whose weight decay is added to the gradient (L2), with "
                                  "decoupled_weight_decay=False, which optim.AdamW does not have: continue with "
                                  "torch.optim.Adam, or start the optimizer afresh")
+        _check_state_fits(self, state_dict)  # before loading: a refused state leaves the optimizer as it was
         super().load_state_dict(state_dict)
         for state in self.state.values():  # torch.optim.AdamW's state keeps its step as a tensor; ours, an int
             if torch.is_tensor(state.get("step")):
@@ -306,23 +324,29 @@ def _check_8bit_format(state_dict):
 
 
 def _check_state_fits(optimizer, state_dict):
-    """Refuses, before anything loads, a state that is not an Adam8bit's for these parameters. torch maps saved
-    states to parameters by position only: a flat 8-bit state larger than its parameter would be stepped with, its
-    first blocks taken for the parameter's (a float32 one of another shape fails only at the step). And an AdamW's
-    state would keep float32 moments for every tensor (AdamW's memory), its groups without our settings."""
-    fix = "continue with the optimizer that saved it, or start Adam8bit afresh"
-    if not all("block_size" in group and "min_8bit_size" in group for group in state_dict["param_groups"]):
+    """Refuses, before anything loads, a state that is not this optimizer's kind's for these parameters. torch maps
+    saved states to parameters by position only: a flat 8-bit state larger than its parameter would be stepped with,
+    its first blocks taken for the parameter's, and a float32 one of another shape fails only at the step, after
+    the parameters before it have moved. Into Adam8bit an AdamW's state would keep float32 moments for every tensor
+    (AdamW's memory), its groups without our settings; into AdamW an Adam8bit's codes would fail at the step."""
+    eight_bit = isinstance(optimizer, Adam8bit)
+    kind = type(optimizer).__name__
+    fix = f"continue with the optimizer that saved it, or start {kind} afresh"
+    if eight_bit and not all("block_size" in g and "min_8bit_size" in g for g in state_dict["param_groups"]):
         raise ValueError(f"this state is not an Adam8bit's: its param groups have no block_size (an AdamW's?); {fix}")
     saved = [(i, group) for group in state_dict["param_groups"] for i in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, ((i, group), p) in enumerate(zip(saved, params)):
         state = state_dict["state"].get(i, {})
         if "exp_avg_codes" in state:
+            if not eight_bit:
+                raise ValueError(f"this state is an Adam8bit's (8-bit moments for parameter {index}), not an "
+                                 f"{kind}'s; {fix}")
             blocks = -(-p.numel() // group["block_size"])
             size, fits = state["exp_avg_codes"].numel(), state["exp_avg_absmax"].numel() == blocks
         elif "exp_avg" in state:
             size, fits = state["exp_avg"].numel(), state["exp_avg"].shape == p.shape
-            if fits and p.numel() >= group["min_8bit_size"]:  # an AdamW's state packed into our groups (per_layer)
+            if eight_bit and fits and p.numel() >= group["min_8bit_size"]:  # an AdamW's state in our groups
                 raise ValueError(f"this state is not an Adam8bit's: it holds float32 moments for parameter {index}, "
                                  f"{tuple(p.shape)}, which Adam8bit keeps in 8 bits (an AdamW's?); {fix}")
         else:
@@ -383,9 +407,8 @@ class Adam8bit(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         """Each group checked as it is added, the constructor's and any later one: a group's own lr, betas or
         block_size reached the first step unchecked (block_size 0 stopped it with a ZeroDivisionError)."""
-        params = param_group["params"]  # read once here (a generator), as torch takes it
-        params = [params] if torch.is_tensor(params) else params if isinstance(params, set) else list(params)
-        param_group = dict(param_group, params=params)
+        param_group = _checked_group(self, param_group)
+        params = param_group["params"]
         settings = {**self.defaults, **param_group}
         _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
         _check_block_size(settings["block_size"])

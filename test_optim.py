@@ -889,3 +889,54 @@ def test_what_these_optimizers_lack_is_refused():
                                          "with torch.optim.Adam"):
         AdamW([p], lr=1e-2).load_state_dict(ref.state_dict())
     AdamW([p], lr=1e-2).load_state_dict(torch.optim.Adam([p], lr=1e-2).state_dict())  # without decay: the same Adam
+
+
+def test_complex_parameters_are_refused():
+    """torch.optim.AdamW steps a complex parameter as its real and imaginary parts (v of |g|², not g²); ours took it
+    as it came: AdamW's v became g² (complex) and its updates another optimizer's, Adam8bit's moments kept the real
+    part alone and the imaginary part never trained. Refused, in one line that names the fix, when the parameter is
+    given (the constructor, or a param group added later)."""
+    z, real = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64)), torch.nn.Parameter(torch.randn(8, 8))
+    for make in (AdamW, Adam8bit):
+        with pytest.raises(ValueError, match=rf"^{make.__name__} takes real parameters, not a \(4, 3\) complex64 one: "
+                                             r"use torch.optim.AdamW"):
+            make([real, z])
+        opt = make([real])
+        with pytest.raises(ValueError, match="takes real parameters"):
+            opt.add_param_group({"params": [z]})
+        assert len(opt.param_groups) == 1, "a refused group is not added"
+    for make in (lambda ps: AdamW(ps), lambda ps: Adam8bit(ps), torch.optim.AdamW):  # a generator, read once
+        assert len(make(p for p in [real]).param_groups[0]["params"]) == 1
+
+
+@pytest.mark.parametrize("make", [lambda ps: AdamW(ps, lr=1e-2), lambda ps: Adam8bit(ps, lr=1e-2)],
+                         ids=["AdamW", "Adam8bit"])
+def test_a_state_of_other_parameters_is_refused_at_load(make):
+    """torch.optim matches a saved state to the parameters by position only. Passed in another order (or of another
+    model), a float32 state of another shape failed mid-step, after the parameters before it had moved (AdamW's
+    decay applied). Refused at load, in one line, leaving the optimizer as it was; the state loads into its own
+    parameters, in their order."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 128), (32, 128), (33,)]]
+    opt = make(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    fresh = make([params[i] for i in (1, 0, 2)])
+    with pytest.raises(ValueError, match=r"parameter 0 of this optimizer, \(32, 128\), has 4096 entries; the state's "
+                                         r"has moments for 8192: .* in their order"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state, "a refused state must leave the optimizer as it was"
+    make(params).load_state_dict(saved)
+
+
+def test_adamw_refuses_an_adam8bit_state():
+    """An Adam8bit's codes loaded into AdamW failed at the step with a KeyError; refused at the load."""
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    opt = Adam8bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    with pytest.raises(ValueError, match=r"this state is an Adam8bit's \(8-bit moments for parameter 0\), not an "
+                                         "AdamW's; continue with the optimizer that saved it, or start AdamW afresh"):
+        AdamW([p]).load_state_dict(opt.state_dict())
