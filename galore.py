@@ -132,7 +132,9 @@ class GaLore(torch.optim.Optimizer):
         grad = _finite(p.grad) if self.inner == "adam8bit" else p.grad
         updates = state.get("step", 0)  # done so far; P is (re)computed before updates 1, 1 + gap, 1 + 2·gap, ...
         if updates % group["update_gap"] == 0:
-            state["projector"] = galore_projector(grad, group["rank"]).to(p.dtype)  # stored as the weight
+            # the SVD of a NaN gradient raises: over AdamW, which zeroes no entry, the projector is that of the finite
+            # entries and the NaN goes on into the step, as in AdamW, for train.py's check to stop the run in one line
+            state["projector"] = galore_projector(_finite(grad), group["rank"]).to(p.dtype)  # stored as the weight
             state["projection_step"] = updates + 1
         P = state["projector"]
         R = galore_project(grad, P)  # (m, r) or (r, n)

@@ -122,6 +122,31 @@ def test_8bit_non_finite_gradients_count_as_zero():
     assert "exp_avg_codes" in opt.state[params[0]] and "exp_avg" in opt.state[params[1]]
 
 
+def test_a_non_finite_gradient_at_a_refresh_goes_through_as_adamw():
+    """Over AdamW a non-finite gradient is not zeroed (AdamW's own poisons the weight, and train.py stops the run in
+    one line): at a refresh too the step goes on, its projector from the finite entries, where the SVD of the NaN
+    gradient would raise LinAlgError out of the run. A finite gradient gives the projector of the gradient itself."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(12, 8))
+    opt = GaLore([dict(params=[W], rank=2)], update_gap=1)
+    G = torch.randn(12, 8)
+    G[0, 0] = float("nan")
+    W.grad = G.clone()
+    opt.step()
+    finite = torch.nan_to_num(G, nan=0.0)
+    assert torch.equal(opt.state[W]["projector"], torch.linalg.svd(finite, full_matrices=False)[2][:2])
+    assert not W.isfinite().all(), "the NaN goes on into the weight, as in AdamW, for the run's check to stop it"
+
+
+def test_a_galore_adamw_run_whose_gradient_turns_nan_stops_in_one_line(corpus, tmp_path):  # noqa: F811
+    """lr 1e9: the weights after update 1 give a NaN gradient in update 2, a refresh (gap 1); the run stops there
+    with the line that a diverged AdamW run gives, not the SVD's LinAlgError traceback."""
+    diverge = ["--method", "full", "--optimizer", "galore_adamw", "--galore_rank", "4", "--galore_update_gap", "1",
+               "--lr", "1e9", "--warmup_steps", "0"]
+    with pytest.raises(SystemExit, match="^non-finite loss or gradient norm at step 2; stopping"):
+        train.main(base_args(corpus, tmp_path, 4, *diverge))
+
+
 def make_galore_for(model, inner, rank=8):
     names = {p: n for n, p in model.named_parameters()}
     return lambda ps: GaLore(galore_param_groups([(names[p], p) for p in ps], rank,
