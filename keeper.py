@@ -53,8 +53,7 @@ def refuse_overwrite(args):
                              "pass a new --out_dir")
         return
     rows = os.path.join(args.out_dir, "metrics.jsonl")
-    if not (args.eval_only or os.path.exists(path)) and os.path.isfile(rows) and os.path.getsize(rows) and \
-            not (args.resume and continued_here(rows, resume_path(args))):
+    if not args.eval_only and others_rows(args.out_dir, args.resume and resume_path(args)):
         into = f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, and " if args.resume else ""
         raise SystemExit(f"{into}{rows} holds the rows of a run that saved no checkpoint (it stopped before its "
                          "first): pass a new --out_dir, or --overwrite to replace them")
@@ -69,6 +68,21 @@ def refuse_overwrite(args):
         raise SystemExit(f"--resume {resume_path(args)} would train on into --out_dir {args.out_dir}, which holds "
                          f"another checkpoint: continue that one with --resume {path} (a run resumed into it and "
                          f"stopped?), pass a new --out_dir, or --overwrite to replace it")
+
+
+def others_rows(out_dir, resumed=None):
+    """Whether out_dir holds rows beside no checkpoint that are not those of a resume of the checkpoint at `resumed`
+    (continued_here; None: a fresh run), which a run into out_dir would replace: refused without --overwrite."""
+    rows = os.path.join(out_dir, "metrics.jsonl")
+    return not os.path.exists(os.path.join(out_dir, "ckpt.pt")) and os.path.isfile(rows) and \
+        os.path.getsize(rows) > 0 and not (resumed and continued_here(rows, resumed))
+
+
+def rerun_resume(path, out_dir):
+    """The --resume of a rerun from the checkpoint at path into out_dir, with --overwrite where out_dir's rows would
+    have it refused: those of a resume from another folder, stopped before its first save there, that no rows beside
+    its checkpoint tell apart from another run's (a ckpt.pt copied without its metrics.jsonl)."""
+    return f"--resume {path}" + (" --overwrite" if others_rows(out_dir, path) else "")
 
 
 def continued_here(rows, resumed):
@@ -119,38 +133,39 @@ def trim_metrics(source, step, path, eval_pending=False, resume_from=None):
         with checkpoint.atomic_file(path) as f:
             f.write("".join(rows).encode())
     except OSError as e:  # a full disk: nothing is changed yet
-        raise SystemExit(f"cannot write {path} ({e.strerror or e}); {after_failed_write(e, [resume_from, step])}") \
-            from None
+        then = after_failed_write(e, [resume_from, step], os.path.dirname(path))
+        raise SystemExit(f"cannot write {path} ({e.strerror or e}); {then}") from None
 
 
-def after_failed_write(e, last_good):
-    """What to do once a file of the run could not be written: the fix by the error (a full disk, or another cause),
-    then where the run goes on from: the last good checkpoint, named (it may be in another folder), or a new start."""
+def after_failed_write(e, last_good, out_dir):
+    """What to do once a file of the run into out_dir could not be written: the fix by the error (a full disk, or
+    another cause), then where the run goes on from: the last good checkpoint, named (it may be in another folder), or
+    a new start."""
     fix = "free space (or pass a new --out_dir on a disk with room)" if e.errno in checkpoint.DISK_FULL else \
         "see to the cause (permissions, a read-only or failing disk, a file size limit) or pass a new --out_dir"
-    return f"{fix}, then {go_on_from(last_good)}"
+    return f"{fix}, then {go_on_from(last_good, out_dir)}"
 
 
-def go_on_from(last_good):
-    """Where a stopped run goes on from: the last good checkpoint (path, step), named (it may be in another folder),
-    or a new start where there is none, or it is gone since (its folder removed under the run)."""
+def go_on_from(last_good, out_dir):
+    """Where a stopped run into out_dir goes on from: the last good checkpoint (path, step), named (it may be in another
+    folder), or a new start where there is none, or it is gone since (its folder removed under the run)."""
     if not last_good:
         return START_AGAIN
     path, step = last_good
     if not os.path.exists(path):
         return f"the last checkpoint, {path} (step {step}), is gone: {START_AGAIN}"
-    return f"rerun with --resume {path} (step {step})"
+    return f"rerun with {rerun_resume(path, out_dir)} (step {step})"
 
 
-def diverged(why, last_good):
-    """The message for a diverged run; last_good is (path, step) of the checkpoint it continues from or last saved,
-    empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
+def diverged(why, last_good, out_dir):
+    """The message for a diverged run into out_dir; last_good is (path, step) of the checkpoint it continues from or
+    last saved, empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
     if not last_good:
         return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
                           f"--grad_clipping) and {OVERWRITE_ROWS}")
     path, step = last_good
     return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "
-                      f"saved): rerun with --resume {path} and a lower --lr (or --grad_clipping)")
+                      f"saved): rerun with {rerun_resume(path, out_dir)} and a lower --lr (or --grad_clipping)")
 
 
 def exploded(loss, vocab_size):
@@ -256,7 +271,8 @@ class Keeper:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
             self.first_bad = torch.where(first == none, -1, first)
         if self.first_bad.item() >= 0:
-            raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good)
+            raise diverged(f"non-finite loss or gradient norm at step {self.first_bad.item()}", self.last_good,
+                           self.args.out_dir)
 
     def check_model(self, step):
         """Stop if the model after update `step` has a non-finite parameter, or a loss on the first validation batch
@@ -267,9 +283,11 @@ class Keeper:
             dist.all_reduce(loss, op=dist.ReduceOp.MAX)
         loss = loss.item()
         if not math.isfinite(loss):
-            raise diverged(f"the model after step {step} has non-finite parameters or loss", self.last_good)
+            raise diverged(f"the model after step {step} has non-finite parameters or loss", self.last_good,
+                           self.args.out_dir)
         if why := exploded(loss, self.config.vocab_size):
-            raise diverged(f"the model after step {step} has a loss on a validation batch of {why}", self.last_good)
+            raise diverged(f"the model after step {step} has a loss on a validation batch of {why}",
+                           self.last_good, self.args.out_dir)
 
     def record(self, row):
         self.master_writes(lambda: self._write_row(row))
@@ -294,11 +312,11 @@ class Keeper:
             return
         raise SystemExit(f"{self.metrics_path} was removed or replaced while the run wrote to it (was --out_dir "
                          f"{self.args.out_dir} deleted or moved?): stopping at step {step}, writing nothing more "
-                         f"there; {go_on_from(self.last_good)}")
+                         f"there; {go_on_from(self.last_good, self.args.out_dir)}")
 
     def _metrics_failed(self, step, e):
         return SystemExit(f"cannot write {self.metrics_path} at step {step} ({e.strerror or e}); "
-                          f"{after_failed_write(e, self.last_good)}")
+                          f"{after_failed_write(e, self.last_good, self.args.out_dir)}")
 
     def save(self, step, data_state, eval_pending=False, meter_state=None, again=False):
         """A checkpoint after `step` updates, with this rank's data position (all ranks call it): first the loss and
@@ -334,7 +352,7 @@ class Keeper:
         try:
             checkpoint.save(self.path, state)
         except checkpoint.SaveFailed as e:  # last_good is still the one before
-            said = after_failed_write(e.cause, self.last_good)
+            said = after_failed_write(e.cause, self.last_good, self.args.out_dir)
             raise SystemExit(f"{e}. {said[0].upper()}{said[1:]}") from None
         # written whole: on the master at once, before the ranks agree on it in master_writes, so that should that
         # collective fail (a rank killed meanwhile) the line names this checkpoint, not the one it replaced

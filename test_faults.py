@@ -633,6 +633,29 @@ def test_diverged_run_never_saves_a_diverged_model_and_its_advice_works(corpus, 
     assert math.isfinite(evals[-1]["val_loss"])
 
 
+def test_a_run_resumed_from_a_lone_checkpoint_that_stops_before_its_first_save_names_a_rerun_that_is_taken(
+        corpus, tmp_path):
+    """A checkpoint shared without its metrics.jsonl, resumed into a new --out_dir: the run's rows there start after
+    its step, and nothing beside the checkpoint tells them from another run's, so a rerun before the first save there
+    is refused for them. The rerun that a divergence (or a failed write) names must be one that is taken."""
+    lone, out = tmp_path / "shared" / "ckpt.pt", tmp_path / "b"
+    train.main(base_args(corpus, tmp_path / "a", 8, "--stop_after", "2"))
+    lone.parent.mkdir()
+    shutil.copy(tmp_path / "a" / "ckpt.pt", lone)
+    with pytest.raises(SystemExit, match="^non-finite loss or gradient norm at step 4") as e:
+        train.main(base_args(corpus, out, 8, "--resume", str(lone), "--lr", "1e9", "--warmup_steps", "0"))
+    assert f"rerun with --resume {lone} --overwrite and a lower --lr" in str(e.value)
+    assert keeper.go_on_from([str(lone), 2], str(out)) == f"rerun with --resume {lone} --overwrite (step 2)"
+    with pytest.raises(SystemExit, match="holds the rows of a run that saved no checkpoint"):  # why it is needed
+        train.main(base_args(corpus, out, 8, "--resume", str(lone), "--lr", "1e-3"))
+    train.main(base_args(corpus, out, 8, "--resume", str(lone), "--overwrite", "--lr", "1e-3"))  # the advice, taken
+    assert final_state(out)["step"] == 8 and [r["step"] for r in metrics(out)[0]] == list(range(3, 9))
+    # beside its rows, the same run's rerun is taken as it is: no --overwrite
+    with pytest.raises(SystemExit, match="^non-finite loss") as e:
+        train.main(base_args(corpus, tmp_path / "c", 8, "--resume", str(tmp_path / "a"), "--lr", "1e9"))
+    assert f"rerun with --resume {tmp_path / 'a'}/ckpt.pt and a lower --lr" in str(e.value)
+
+
 def test_an_exploded_validation_loss_stops_the_run_before_its_row(corpus, tmp_path):
     """An evaluation between saves judges the model too: a finite validation loss past 2·ln V stops the run, naming
     it, and is not recorded as a result. Training losses are logged as they are (a spike may come back)."""
@@ -1172,7 +1195,7 @@ def test_an_out_dir_removed_under_the_run_stops_it_in_one_line(corpus, tmp_path,
         train.main(base_args(corpus, out, 8, "--save_every", "2"))
     assert list(out.iterdir()) == [] if made_again else not out.exists()
     full = OSError(errno.ENOSPC, "No space left on device")  # a failed write's advice names no gone checkpoint
-    assert keeper.after_failed_write(full, [str(out / "ckpt.pt"), 2]).endswith(
+    assert keeper.after_failed_write(full, [str(out / "ckpt.pt"), 2], str(out)).endswith(
         f"then the last checkpoint, {out}/ckpt.pt (step 2), is gone: start again with --overwrite (it replaces this "
         "run's rows)")
 

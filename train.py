@@ -64,7 +64,8 @@ from devices import set_deterministic
 from download import download, shard_names
 from flags import resume_path, same_file
 from hostsync import HostSyncs
-from keeper import OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite
+from keeper import (OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite,
+                    rerun_resume)
 from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge, slow_width
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
@@ -446,8 +447,9 @@ def out_of_memory(args, run, where, last_good):
         peak = f" ({torch.cuda.max_memory_allocated(run.device) / 1e9:.1f} GB allocated at the peak, of " \
             f"{total / 1e9:.1f})"
     then = f"rerun --eval_only with {fix}" if args.eval_only else \
-        f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with --resume {last_good[0]} and {fix}" \
-        if last_good else f"no checkpoint was saved yet: start again with {fix} and {OVERWRITE_ROWS}"
+        f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with " \
+        f"{rerun_resume(last_good[0], args.out_dir)} and {fix}" if last_good else \
+        f"no checkpoint was saved yet: start again with {fix} and {OVERWRITE_ROWS}"
     if run.world == 1:
         return RankFault(f"out of memory in {where}{peak}; {then}")
     # said now, not at exit: the process group's teardown before it may wait on the other ranks (NCCL)
@@ -1001,7 +1003,8 @@ def train(args, run, ckpt, val, loader, stop):
     except Exception as e:  # a GPU's OutOfMemoryError, also wrapped (torch.compile raises its own error around it)
         if run.world > 1 and lost_a_rank(e):
             good = loop.keeper.last_good
-            fix = (f"Nothing since the last checkpoint is kept: rerun with --resume {good[0]} (step {good[1]})"
+            fix = (f"Nothing since the last checkpoint is kept: rerun with {rerun_resume(good[0], args.out_dir)} "
+                   f"(step {good[1]})"
                    if good else f"No checkpoint was saved yet: {START_AGAIN}")
             raise rank_lost(run.rank, where, e, fix) from None
         if not ran_out_of_memory(e):
@@ -1039,7 +1042,7 @@ class Loop:
         result = evaluate(self.model, self.val, self.device, self.rank, self.world, self.stop)  # agrees on a signal
         # finite parameters, yet the loss overflows or explodes (past 2·ln V): diverged too
         if why := result and exploded(result[0], self.keeper.config.vocab_size):
-            raise diverged(f"the validation loss after step {done} is {why}", self.keeper.last_good)
+            raise diverged(f"the validation loss after step {done} is {why}", self.keeper.last_good, self.args.out_dir)
         if result:
             if self.master:
                 print(f"step {done}/{self.total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
@@ -1068,8 +1071,8 @@ class Loop:
         its checkpoint: as in a scheduled save, that stops on it, with no update more and no second write."""
         if not self.evaluate(self.start):
             if self.master:
-                print(f"stopped by {self.stop['signal']} in the evaluation of step {self.start}; rerun with --resume "
-                      f"{self.keeper.last_good[0]}")
+                print(f"stopped by {self.stop['signal']} in the evaluation of step {self.start}; rerun with "
+                      f"{rerun_resume(self.keeper.last_good[0], self.args.out_dir)}")
             return False
         self.save(self.start)  # made: a later resume must not make it (and its row) again
         if self.start < self.total and stopping(self.stop, self.world):
