@@ -979,6 +979,18 @@ def test_missing_data_names_the_fix(tmp_path):
         train.main(["--size", "tiny", "--data_dir", str(tmp_path / "nowhere"), "--out_dir", str(tmp_path)])
 
 
+def test_a_resume_whose_data_folder_is_not_there_names_the_runs_own(corpus, tmp_path):
+    """A resume without the run's --data_dir (data/c4, the default, where the run read another folder) is a
+    difference from the run, named as the others are, not a new run's missing data: its fix, fetching shards into
+    that folder, ended in the resume's refusal of another data folder, after the download."""
+    train.main(base_args(corpus, tmp_path, 2))
+    argv = base_args(corpus, tmp_path, 4, "--resume")
+    argv[argv.index("--data_dir") + 1] = str(tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match=rf"written by another run: data_dir {re.escape(corpus[0])} \(now "
+                                         rf"{re.escape(str(tmp_path / 'nowhere'))}\)"):
+        train.main(argv)
+
+
 def test_authors_flag_names_are_accepted(corpus, tmp_path):
     args = train.get_args(["--model_config", "configs/llama_60m.json", "--peft_model", "sltrain",
                               "--sp_ratio", "0.05", "--lora_alpha", "16", "--optimizer", "adam8bit_per_layer",

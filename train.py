@@ -263,10 +263,11 @@ def settle(args, look, path, vocab_size, device, world, dtype_given, given):
 
 
 def refuse_before_download(args, vocab_size, dtype_given, given):
-    """A resume's (or --eval_only's) refusals, on the checkpoint's quick look, before --download's minutes: another
-    model or flag, a finished run, a warmup or memory that does not fit. Decided on a copy of args (the run decides
-    again once the data is there); with no tokenizer there yet, its vocabulary and digest are taken as the run's
-    (the run then checks the downloaded one). Without a quick look the read after the download says what is wrong."""
+    """A resume's (or --eval_only's) refusals, on the checkpoint's quick look, before --download's minutes (and before
+    a data folder that is not there is said as a new run's): another model or flag, another data folder, a finished
+    run, a warmup or memory that does not fit. Decided on a copy of args (the run decides again once the data is
+    there); with no tokenizer there yet, its vocabulary and digest are taken as the run's (the run then checks the
+    downloaded one). Without a quick look the read after the download says what is wrong."""
     path = resume_path(args)
     if (look := quick_look(path)) is None:
         return
@@ -635,6 +636,8 @@ def setup(args, given=(), dtype_given=True):
             find_shards(args.data_dir, "train")
         find_shards(args.data_dir, "validation")
     except (OSError, ValueError) as e:
+        if args.resume or args.eval_only:  # a resume without the run's --data_dir: that difference is named, where
+            refuse_before_download(args, vocab_size, dtype_given, given)  # fetching into this folder ends refused
         raise SystemExit(f"train.py --size {args.size}: {e}") from None
     vocab_size = vocab_size or tokenizer_pieces(args)
     # tools read them from the checkpoint, from any folder; the same vocabulary size is not the same tokenizer
