@@ -1126,8 +1126,9 @@ def test_download_fetches_the_shards_the_run_reads(monkeypatch, tmp_path, capsys
         train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path),
                     *extra])
     assert fetched == [download.shard_names(*shards)]
-    assert f"--download: {shards[0]} C4 train shard(s), {shards[1]} validation shard(s) and the T5 tokenizer" in \
-        capsys.readouterr().out
+    # each file where it goes: the shards into --data_dir, the tokenizer to --tokenizer (not into --data_dir)
+    assert f"--download: {shards[0]} C4 train shard(s), {shards[1]} validation shard(s) into {tmp_path / 'c4'} and " \
+           f"the T5 tokenizer to {data.DEFAULT_TOKENIZER}" in capsys.readouterr().out
 
 
 def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_path, capsys):

@@ -621,8 +621,8 @@ def setup(args, given=(), dtype_given=True):
         if args.resume or args.eval_only:
             refuse_before_download(args, vocab_size, dtype_given, given)
         whose = " (the resumed run's)" if args.resume and train_shards else ""
-        print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) and the T5 "
-              f"tokenizer into {args.data_dir}")
+        print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) into "
+              f"{args.data_dir} and the T5 tokenizer to {args.tokenizer}")  # where each goes: the tokenizer apart
         try:
             download(args.data_dir, args.tokenizer, shards=train_shards + shard_names(train=0, validation=n_val))
         except (OSError, ValueError) as e:  # offline, a failing server, a file that fails its checksum
