@@ -489,7 +489,12 @@ def describe(model):
 
 
 if __name__ == "__main__":
+    import argparse
     import signal
+    # no flags: --help says what it prints, and a flag (estimate_memory.py's --size) is refused, not ignored
+    argparse.ArgumentParser(description="The parameter counts of every size, full-rank, low-rank and SLTrain, in "
+                            "millions (the paper's Table 2), counted on the meta device. No flags: estimate_memory.py "
+                            "counts one configuration's parameters and memory.").parse_args()
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that stops (| head) ends the table, not a traceback
     # the parameter table of the paper (Table 2), counted on the meta device

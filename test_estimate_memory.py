@@ -6,6 +6,7 @@ its options and its measurement run.
 """
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -400,6 +401,18 @@ def test_a_table_read_by_a_reader_that_stops_ends_quietly(script):
     proc.stdout.close()  # as head does after its lines
     err = proc.communicate(timeout=120)[1].decode()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_model_py_says_what_it_prints_and_refuses_flags_it_does_not_take():
+    """`python model.py --help` printed the whole table, as did `python model.py --size 7b` (estimate_memory.py's
+    flag): each was taken and ignored. Now --help says what the command prints, and a flag is refused."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=here, timeout=120)
+    shown = run([sys.executable, "model.py", "--help"])
+    assert shown.returncode == 0 and "usage: model.py" in shown.stdout and "(millions)" not in shown.stdout, shown
+    refused = run([sys.executable, "model.py", "--size", "7b"])
+    assert refused.returncode == 2 and "unrecognized arguments: --size 7b" in refused.stderr, refused
+    assert refused.stdout == "", refused.stdout
 
 
 def test_a_cpu_machines_memory_is_shared_by_the_ranks_on_it_not_by_every_node(monkeypatch):
