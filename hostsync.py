@@ -10,7 +10,7 @@ those ops, by name, while a block runs:
 
     syncs = HostSyncs()
     with syncs.watch():
-        loss = model(x, y); loss.backward(); optimizer.step()
+        loss = model(x, y)[1]; loss.backward(); optimizer.step()      # model.LLaMA: (logits, loss)
     print(syncs.summary())      # "none" or "aten::_local_scalar_dense x3, ..."
 
 It sees every op dispatched from Python, backward and optimizer hooks included, on any device (so the CPU tests can
