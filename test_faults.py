@@ -590,7 +590,7 @@ def test_out_of_memory_mid_run_is_one_line_and_its_advice_works(corpus, tmp_path
             train.main(base_args(corpus, tmp_path / "stop", 6))
 
 
-def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys):
+def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("LOCAL_RANK", "1")
     for fault, code in ((SystemExit("bad input every rank meets"), 1), (train.RankFault("rank 1: out of memory"),
                                                                         "rank 1: out of memory")):
@@ -598,7 +598,8 @@ def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys):
             train.rank_0_speaks(lambda: (_ for _ in ()).throw(fault))()
         assert e.value.code == code
     # under torchrun the line is said at once, not at exit after the process group's teardown (which NCCL may hold)
-    args = argparse.Namespace(total_batch_size=8, batch_size=4, eval_only=False, activation_checkpointing=False)
+    args = argparse.Namespace(total_batch_size=8, batch_size=4, eval_only=False, activation_checkpointing=False,
+                              out_dir=str(tmp_path / "out"))
     run = argparse.Namespace(world=2, rank=1, device=torch.device("cpu"))
     fault = train.out_of_memory(args, run, "update 3", ["out/ckpt.pt", 2])
     assert isinstance(fault, train.RankFault) and fault.code == 1
@@ -1002,9 +1003,11 @@ def test_ranks_agree_on_the_first_update_any_of_them_flagged(tmp_path):
                       "def says(check):\n    try:\n        check()\n        print('none', file=said)\n"
                       "    except SystemExit as e:\n        print(str(e).split(';')[0], file=said)\n"
                       "for mine in ([5, 3, -1], [-1, -1, -1], [-1, 7, -1]):\n"
-                      "    k = types.SimpleNamespace(ddp=True, first_bad=torch.tensor(mine[rank]), last_good=[])\n"
+                      "    k = types.SimpleNamespace(ddp=True, first_bad=torch.tensor(mine[rank]), last_good=[],\n"
+                      "                              args=types.SimpleNamespace(out_dir=None))\n"
                       "    says(lambda: keeper.Keeper.check_finite(k))\n"
                       "k = types.SimpleNamespace(ddp=True, model=None, val=[None], device=None, last_good=[],\n"
+                      "                          args=types.SimpleNamespace(out_dir=None),\n"
                       "                          config=types.SimpleNamespace(vocab_size=96))\n"
                       "for mine in ([1.0, 50.0, 2.0], [1.0, 50.0, math.inf], [4.0, 3.0, 2.0]):\n"
                       "    keeper.checked_loss = lambda *_: torch.tensor(mine[rank])\n"
