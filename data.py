@@ -361,18 +361,12 @@ class _Blocks(IterableDataset):
                         continue  # before the resume point: read to find the blocks, never tokenized
                     if g % workers == k:
                         texts = [_text(order[pos], lineno, raw) for lineno, raw in chunk]
-                        # a numpy array, which a worker sends through its pipe (TrainLoader.__iter__ says why)
-                        yield epoch, pos, b, enc.packed(texts) if ld.pack else enc.paper(texts)
+                        yield epoch, pos, b, torch.from_numpy(enc.packed(texts) if ld.pack else enc.paper(texts))
                     g += 1
             if blocks == 0 and first_shard == first_block == 0 and not ld.skipped(epoch, 0):
                 raise ValueError(f"rank {ld.rank} of {ld.world_size} got no documents from {len(ld.shards)} shards; "
                                  f"use fewer ranks or more data (--data_dir)")
             epoch, first_shard, first_block = epoch + 1, 0, 0
-
-
-def _unchanged(block):
-    """A DataLoader's collate_fn that leaves a worker's block a numpy array (its default makes it a tensor)."""
-    return block
 
 
 def one_line(error):
@@ -576,11 +570,8 @@ class TrainLoader:
         epoch, shard, block, offset = self._pos
         blocks = _Blocks(self, (epoch, shard, block))
         if self.num_workers > 0:
-            # the blocks come through the workers' pipes, not /dev/shm as tensors would: once a full /dev/shm (other
-            # jobs' files, a container's 64 MB) refused a block, the worker's queue thread dropped it with a
-            # traceback and this process waited for it forever, past the stop signals too
             blocks = DataLoader(blocks, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
-                                worker_init_fn=_leave_signals_to_main, collate_fn=_unchanged)
+                                worker_init_fn=_leave_signals_to_main)
         before = signal.getsignal(signal.SIGCHLD) if hasattr(signal, "SIGCHLD") else None
         stream = iter(blocks)
         if before is not None and signal.getsignal(signal.SIGCHLD) is not before:
@@ -598,7 +589,6 @@ class TrainLoader:
                 while have < need:
                     try:
                         e, p, b, units = next(stream)
-                        units = torch.from_numpy(units)
                     except ValueError as err:  # a bad line or a cut shard: what its fix must keep, for the checkpoint
                         self.fault = self._fault_record(one_line(err))
                         raise

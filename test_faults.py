@@ -902,51 +902,6 @@ def test_disk_full_under_torchrun_stops_every_rank_in_one_line(corpus, tmp_path)
         assert final_state(mnt)["step"] == 1 and not list(mnt.glob("*.tmp"))
 
 
-# run in a mount namespace of its own (unshare -m): /dev/shm there is a small tmpfs of its own; once the run has begun,
-# a file fills it, as other jobs' files (or leaked segments) fill a node's /dev/shm or a container's 64 MB one
-FILL_SHM_MID_RUN = r"""
-import os, subprocess, sys
-if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", "/dev/shm"]).returncode:
-    sys.exit(99)
-proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-for line in proc.stdout:
-    print(line, end="", flush=True)
-    if line.startswith("step 2/"):
-        fd = os.open("/dev/shm/fill", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, bytes(1 << 16)):
-                pass
-        except OSError:  # full
-            pass
-sys.exit(proc.wait())
-"""
-
-
-def test_a_full_dev_shm_mid_run_neither_hangs_the_run_nor_drops_a_block(corpus, tmp_path):
-    """A data worker's blocks went to the main process through /dev/shm (torch's way with tensors): once it was full,
-    the worker's queue thread dropped the block with a traceback, and the main process waited for it forever, past
-    any stop signal too. The blocks go through the worker's pipe: a full /dev/shm changes nothing."""
-    probe = ["unshare", "-m", "mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", "/dev/shm"]  # a container may refuse
-    can = os.geteuid() == 0 and shutil.which("unshare") and subprocess.run(probe, capture_output=True).returncode == 0
-    if not can:
-        pytest.skip("a /dev/shm of its own needs root and a mount namespace (unshare -m)")
-    # 200 updates: some 5 passes over the tiny shards, far past the blocks the loader had fetched before the fill
-    cmd = ["unshare", "-m", sys.executable, "-c", FILL_SHM_MID_RUN, sys.executable, str(HERE / "train.py"),
-           *base_args(corpus, tmp_path, 200, "--workers", "1")]
-    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0]
-        pytest.fail(f"the run hung once /dev/shm was full:\n{output[-3000:]}")
-    if proc.returncode == 99:
-        pytest.skip("no tmpfs could be mounted on /dev/shm here")
-    assert proc.returncode == 0 and "step 200/200 | val loss" in output, output[-3000:]
-    assert "shared memory" not in output and final_state(tmp_path)["step"] == 200, output[-3000:]
-
-
 def test_disk_full_in_the_metrics_stops_in_one_line_and_resumes(corpus, tmp_path):
     with small_disk(corpus, tmp_path, 3) as mnt:
         train.main(base_args(corpus, mnt, 6, "--stop_after", "2"))
