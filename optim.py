@@ -464,15 +464,15 @@ class Adam8bit(torch.optim.Optimizer):
     def _init_state(p, state, group):
         if p.grad.is_sparse:
             raise RuntimeError("Adam8bit does not take sparse gradients")
-        if p.numel() >= group["min_8bit_size"]:
-            # checked when given too; here for a parameter whose .data was replaced since, before any state is
-            # written (a state of its step alone would be read as 8-bit at the next step: a KeyError)
-            _check_flat(p)
-        state["step"] = 0
         if p.numel() < group["min_8bit_size"]:
+            state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             return
+        # checked when given too; here for a parameter whose .data was replaced since, before any state is written
+        # (a state of its step alone would be read as 8-bit at the next step: a KeyError)
+        _check_flat(p)
+        state["step"] = 0
         blocks = -(-p.numel() // group["block_size"])
         for name in ("exp_avg", "sqrt_exp_avg_sq"):
             # absmax 0 makes every code decode to 0: the zero state, whatever the codes
