@@ -361,7 +361,8 @@ class _Blocks(IterableDataset):
                         continue  # before the resume point: read to find the blocks, never tokenized
                     if g % workers == k:
                         texts = [_text(order[pos], lineno, raw) for lineno, raw in chunk]
-                        yield epoch, pos, b, torch.from_numpy(enc.packed(texts) if ld.pack else enc.paper(texts))
+                        block = torch.from_numpy(enc.packed(texts) if ld.pack else enc.paper(texts))
+                        yield epoch, pos, b, block if info is None else _shared(block)
                     g += 1
             if blocks == 0 and first_shard == first_block == 0 and not ld.skipped(epoch, 0):
                 raise ValueError(f"rank {ld.rank} of {ld.world_size} got no documents from {len(ld.shards)} shards; "
@@ -369,9 +370,36 @@ class _Blocks(IterableDataset):
             epoch, first_shard, first_block = epoch + 1, 0, 0
 
 
+class SharedMemoryFull(RuntimeError):
+    """/dev/shm has no room for a data worker's block (see _shared)."""
+
+
+def _mib(n):
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _shared(block):
+    """A worker's block goes to the main process through /dev/shm. Left to torch's queue thread, a full /dev/shm
+    (other jobs' files, leaked segments, a container's 64 MB) made that thread drop the block with a traceback, and
+    the main process waited for it forever, past the stop signals too. Moved there by the worker itself, the refusal
+    is the worker's error, which the main process is given between updates (train.read_update stops the run on it)."""
+    try:
+        return block.share_memory_()
+    except RuntimeError as e:
+        if "shared memory" not in str(e):
+            raise
+        said = f"/dev/shm has no room for a data worker's block of {_mib(block.nbytes)}"
+        with suppress(OSError):
+            disk = shutil.disk_usage("/dev/shm")
+            said += f" ({_mib(disk.free)} free of {_mib(disk.total)})"
+        raise SharedMemoryFull(said) from None
+
+
 def one_line(error):
-    """A DataLoader worker's exception carries the worker's whole traceback; its last line is the message."""
-    return str(error).strip().splitlines()[-1].removeprefix("ValueError: ")
+    """A DataLoader worker's exception carries the worker's whole traceback; its last line is the message, after
+    the exception's name."""
+    last, kind = str(error).strip().splitlines()[-1], type(error)
+    return last.removeprefix(f"{kind.__module__}.{kind.__qualname__}: ").removeprefix(f"{kind.__qualname__}: ")
 
 
 # The signals that end a job, which train.py answers with a checkpoint and a clean exit: SIGTERM (timeout, SLURM,
@@ -835,6 +863,8 @@ def main(argv=None):
                   args.seconds)
         except (OSError, ValueError) as e:  # a worker's carries its traceback: the message is its last line
             raise SystemExit(one_line(e)) from None
+        except SharedMemoryFull as e:
+            raise SystemExit(f"{one_line(e)}: free some, or use --num_workers 0") from None
     else:
         p.print_help()  # a bare `python data.py` explains itself rather than doing something surprising
 

@@ -799,6 +799,25 @@ def test_stats_reports_a_bad_line_without_a_traceback(tok, tmp_path, capsys):
     assert len(rows) == 12 and rows[-1].split()[1] == "2", out
 
 
+def refuse_shared_memory(monkeypatch):
+    """/dev/shm full, as torch says it (a forked worker inherits the patch)."""
+    def full(self):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_0>: No space left on device "
+                           "(28)")
+    monkeypatch.setattr(torch.Tensor, "share_memory_", full)
+
+
+def test_bench_says_a_full_dev_shm_in_one_line_naming_the_fix(corpus, tok, monkeypatch):
+    """bench's workers hand their blocks over through /dev/shm: a full one is one line, with the fix, not a hang."""
+    refuse_shared_memory(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        data.main(["bench", "--data_dir", str(corpus[0]), "--tokenizer", str(tok), "--num_workers", "1",
+                   "--seconds", "5"])
+    said = str(e.value.code)
+    assert re.fullmatch(r"/dev/shm has no room for a data worker's block of [\d.]+ [KM]iB( \(.* free of .*\))?: "
+                        r"free some, or use --num_workers 0", said), said
+
+
 def test_data_commands_say_a_bad_shard_in_one_line(tok, tmp_path, capsys):
     """bench with workers (whose errors carry their traceback), train-tokenizer (sentencepiece wraps what the reading
     raises), stats (an empty shard, which training refuses, and both splits looked up before any reading)."""

@@ -1051,6 +1051,80 @@ def test_a_data_worker_killed_mid_run_saves_the_last_whole_update_and_the_resume
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
 
 
+# run in a mount namespace of its own (unshare -m), where /dev/shm is a small tmpfs of its own: once the run has begun,
+# a file fills it and keeps it full, as other jobs' files (or leaked segments) fill a node's /dev/shm, or a container's
+# 64 MB one
+FULL_SHM_MID_RUN = r"""
+import os, subprocess, sys, threading, time
+if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", "/dev/shm"]).returncode:
+    sys.exit(99)
+def fill():
+    fd = os.open("/dev/shm/fill", os.O_WRONLY | os.O_CREAT)
+    while True:  # what the loader frees, the file takes again
+        for n in (1 << 16, 1 << 12, 1):
+            try:
+                while os.write(fd, bytes(n)):
+                    pass
+            except OSError:
+                pass
+        time.sleep(0.001)
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+for line in proc.stdout:
+    print(line, end="", flush=True)
+    if line.startswith("step 2/"):
+        threading.Thread(target=fill, daemon=True).start()
+sys.exit(proc.wait())
+"""
+
+
+def test_a_full_dev_shm_mid_run_stops_in_one_line_and_the_resume_is_bit_exact(corpus, tmp_path):
+    """A data worker's blocks go to the main process through /dev/shm. Once it was full, the worker's queue thread
+    dropped the block with a traceback, and the main process waited for it forever, past any stop signal too. The
+    worker moves each block there itself: the refusal is its error, and the run saves the last whole update and says
+    so in one line, with the fix; the resume with --workers 0 (no /dev/shm) ends as a straight run does."""
+    probe = ["unshare", "-m", "mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", "/dev/shm"]  # a container may refuse
+    can = os.geteuid() == 0 and shutil.which("unshare") and subprocess.run(probe, capture_output=True).returncode == 0
+    if not can:
+        pytest.skip("a /dev/shm of its own needs root and a mount namespace (unshare -m)")
+    args = ["--log_every", "1", "--eval_every", "100000", "--warmup_steps", "5"]
+    proc = start(["unshare", "-m", sys.executable, "-c", FULL_SHM_MID_RUN, sys.executable, str(HERE / "train.py"),
+                  *base_args(corpus, tmp_path / "split", 100_000, *args, "--workers", "1")])
+    try:
+        output = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the run hung once /dev/shm was full:\n{proc.communicate()[0][-3000:]}")
+    assert proc.returncode != 99, "no tmpfs could be mounted on /dev/shm, though the probe could"
+    assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
+    said = re.search(r"/dev/shm has no room for a data worker's block of [\d.]+ [KM]iB "
+                     r"\([\d.]+ [KM]iB free of 4.0 MiB\)\n"
+                     rf"saved {tmp_path / 'split'}/ckpt.pt at step (\d+); rerun with --resume once /dev/shm has room, "
+                     r"or add --workers 0$", output.strip())
+    assert said, output[-3000:]
+    steps = int(said.group(1)) + 3  # the same schedule (of 100,000 updates) both ways, stopped there
+    train.main(base_args(corpus, tmp_path / "split", 100_000, *args, "--resume", "--workers", "0", "--stop_after", "3"))
+    train.main(base_args(corpus, tmp_path / "straight", 100_000, *args, "--stop_after", str(steps)))
+    a, b = metrics(tmp_path / "straight")[0], metrics(tmp_path / "split")[0]
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
+
+
+def test_a_full_dev_shm_from_the_start_stops_in_one_line_and_the_resume_goes_on(corpus, tmp_path, monkeypatch):
+    """The same without root: /dev/shm refuses every block (torch's own error), from the first one on."""
+    from test_data import refuse_shared_memory
+    args = ["--warmup_steps", "5", "--stop_after", "3"]
+    with monkeypatch.context() as m:
+        refuse_shared_memory(m)
+        with pytest.raises(SystemExit) as e:
+            train.main(base_args(corpus, tmp_path / "split", 100_000, *args, "--workers", "1"))
+    assert re.fullmatch(r"/dev/shm has no room for a data worker's block of [\d.]+ [KM]iB( \(.* free of .*\))?\n"
+                        rf"saved {tmp_path / 'split'}/ckpt.pt at step 0; rerun with --resume once /dev/shm has room, "
+                        r"or add --workers 0", str(e.value)), e.value
+    train.main(base_args(corpus, tmp_path / "split", 100_000, *args, "--resume", "--workers", "0"))
+    train.main(base_args(corpus, tmp_path / "straight", 100_000, *args))
+    a, b = metrics(tmp_path / "straight")[0], metrics(tmp_path / "split")[0]
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
+
+
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_a_run_stopped_by_a_bad_line_goes_on_once_it_is_fixed_in_place(corpus, tmp_path, workers):
     """The advice was to fix or delete the line, then --resume; but the resume refused any shard whose size had

@@ -59,7 +59,7 @@ from analyze import init_refusal, prepare_for_training
 import checkpoint
 import flags
 from cudagraph import MicroBatchGraph, PerLayerGraph
-from data import STOP_SIGNALS, TrainLoader, find_shards, load_tokenizer, one_line, validation_batches
+from data import STOP_SIGNALS, SharedMemoryFull, TrainLoader, find_shards, load_tokenizer, one_line, validation_batches
 from devices import set_deterministic
 from download import download, shard_names
 from flags import resume_path, same_file
@@ -1156,13 +1156,15 @@ class Loop:
 
 def read_update(batches, accum, device, world):
     """This update's micro-batches (x, y, counted targets), or None and what stopped the read: the file:line message
-    of a bad shard line, or a data loader worker's death (the OOM killer's pick, often), each with its fix. Under DDP
-    the ranks agree on it (one flag per update, on the host): a rank that stopped alone would leave the others
-    waiting in a collective forever."""
+    of a bad shard line, a full /dev/shm, or a data loader worker's death (the OOM killer's pick, often), each with
+    its fix. Under DDP the ranks agree on it (one flag per update, on the host): a rank that stopped alone would
+    leave the others waiting in a collective forever."""
     try:
         micro_batches, fault = [on_host(*next(batches), device) for _ in range(accum)], None
     except ValueError as e:
         micro_batches, fault = None, (one_line(e), "after fixing the shard as said, rerun with --resume")
+    except SharedMemoryFull as e:
+        micro_batches, fault = None, (one_line(e), "rerun with --resume once /dev/shm has room, or add --workers 0")
     except RuntimeError as e:
         if "DataLoader worker" not in str(e):
             raise
