@@ -371,6 +371,12 @@ class LLaMA(nn.Module):
         block in float32, not all of it (at 7b in float32 ReLoRA's takes 37 GB, SLTrain-FT's 27 and full rank's 27,
         where their bf16 steps with 8-bit Adam per layer take 26, 15 and, with GaLore, 21)."""
         super().__init__()
+        # checked here, before any weight is made: torch builds a layer of width 0 (and range() a model of no blocks)
+        # without a word, and a head count of 0 would fail in the split below
+        sizes = ("vocab_size", "dim", "ffn_dim", "n_heads", "n_layers")
+        if bad := [f"{name} {getattr(config, name)}" for name in sizes if not getattr(config, name) >= 1]:
+            raise ValueError(f"a model's sizes must be at least 1, got {', '.join(bad)}; pass a size of model.SIZES "
+                             "or positive overrides")
         if config.dim % config.n_heads or (config.dim // config.n_heads) % 2:
             raise ValueError(f"dim {config.dim} must split into {config.n_heads} heads of even size")
         self.config = config

@@ -874,6 +874,21 @@ def test_unknown_size_and_method_name_the_choices():
         config_for("tiny", method="galore")
 
 
+@pytest.mark.parametrize("method", ["full", "sltrain"])
+@pytest.mark.parametrize("sizes,message", [
+    (dict(n_heads=0), "n_heads 0"),  # was a ZeroDivisionError
+    (dict(n_heads=-4), "n_heads -4"),  # was built, its heads of size -16, and failed in forward
+    (dict(n_layers=-1), "n_layers -1"),  # was built as a model of no blocks
+    (dict(dim=0), "dim 0"),  # was built with no parameters
+    (dict(vocab_size=0, ffn_dim=-5), "vocab_size 0, ffn_dim -5"),  # every bad size named, in one line
+    (dict(dim=66), "dim 66 must split into 4 heads of even size"),
+])
+def test_a_model_of_sizes_below_1_or_of_heads_that_do_not_split_is_refused_in_one_line(method, sizes, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        LLaMA(config_for("tiny", method=method, **sizes), device="meta")
+    assert "\n" not in str(refused.value)
+
+
 def test_sltrain_reparameterizes_every_projection():
     model = LLaMA(config_for("tiny", method="sltrain", vocab_size=256))
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, SLLinear)}
