@@ -56,11 +56,18 @@ def pack_support(positions, n):
     """Sorted distinct flat positions out of n as one packed uint8 tensor: the count of each block, then the
     offsets. The order is kept, so each value stays with its position."""
     positions = positions.long()
-    if positions.numel() and not ((positions[1:] > positions[:-1]).all() and positions[0] >= 0 and positions[-1] < n):
+    if not sorted_distinct(positions, n):
         raise ValueError(f"a packed support takes sorted distinct positions in [0, {n}); sort the positions "
                          "(and their values with them)")
     counts = torch.bincount(positions // PACK_BLOCK, minlength=-(-n // PACK_BLOCK))
     return torch.cat([counts.to(torch.uint8), (positions % PACK_BLOCK).to(torch.uint8)])
+
+
+def sorted_distinct(positions, n):
+    """Whether flat positions are sorted, distinct and in [0, n): what uniform_support draws, and what a packed
+    support keeps."""
+    return not positions.numel() or bool((positions[1:] > positions[:-1]).all() and positions[0] >= 0
+                                         and positions[-1] < n)
 
 
 def support_positions(indices, n):
@@ -376,8 +383,18 @@ class SLLinear(nn.Module):
 
     @torch.no_grad()
     def set_support(self, positions):
-        """Take these sorted distinct flat positions as the support, stored in the layer's own format."""
+        """Take these sorted distinct flat positions, one per value, as the support, stored in the layer's own format.
+        Checked in either format: flat positions are copied as they are, and copy_ would spread one position over
+        every value, and keep a position past the weight (an error only at the next forward) or out of order (one
+        only at a resume with --packed_support)."""
         n = self.in_features * self.out_features
+        if positions.shape != self.values.shape:
+            raise ValueError(f"the support of this {self.out_features}x{self.in_features} layer has "
+                             f"{self.values.numel()} positions, got a tensor of shape {tuple(positions.shape)}; pass "
+                             "one position per value")
+        if not sorted_distinct(positions, n):
+            raise ValueError(f"a support takes sorted distinct positions in [0, {n}); sort the positions (and their "
+                             "values with them)")
         self.indices.copy_(pack_support(positions, n) if self.packed else positions)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -621,6 +621,22 @@ def test_set_support_writes_the_positions_in_the_layers_format():
         assert torch.equal(layer.support().long(), positions) and layer.packed == packed
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["flat", "packed"])
+@pytest.mark.parametrize("positions,message", [
+    (torch.tensor([5]), "has 120 positions, got a tensor of shape \\(1,\\)"),  # flat: copied to every value
+    (torch.arange(119), "has 120 positions, got a tensor of shape \\(119,\\)"),
+    (torch.arange(120).flip(0), "sorted distinct positions in \\[0, 1200\\)"),  # flat: refused only when packed
+    (torch.arange(120).clamp(max=100), "sorted distinct positions"),
+    (torch.arange(120) + 1081, "sorted distinct positions in \\[0, 1200\\)"),  # flat: an IndexError in forward
+], ids=["one", "too-few", "unsorted", "repeated", "past-n"])
+def test_set_support_refuses_positions_it_cannot_keep_in_either_format(packed, positions, message):
+    layer = SLLinear(40, 30, rank=4, delta=0.1, alpha=8, packed=packed)  # 120 values in 1200 entries
+    before = layer.indices.clone()
+    with pytest.raises(ValueError, match=message):
+        layer.set_support(positions)
+    assert torch.equal(layer.indices, before), "a refused support was written"
+
+
 def test_rank_only_and_sparse_only_modules():
     x = torch.randn(5, 32, requires_grad=True)
     sparse = SLLinear(32, 16, rank=0, delta=0.2, alpha=8)
