@@ -300,14 +300,16 @@ def prune(model, batches, rank, delta, seed=0):
     original = {name: m.weight.detach().clone() for name, m in modules.items()}
     no_signal = {"signal": None}  # train.py's evaluate stops early on a signal; here nothing sets one
     results = {"full": evaluate(model, batches, device, 0, 1, no_signal)[:2]}
-    for key, weights in prune_weights(model, rank, delta, seed).items():
+    try:
+        for key, weights in prune_weights(model, rank, delta, seed).items():
+            with torch.no_grad():
+                for name, w in weights.items():
+                    modules[name].weight.copy_(w)
+            results[key] = evaluate(model, batches, device, 0, 1, no_signal)[:2]
+    finally:  # also after an error or Ctrl-C mid-evaluation: the caller's model is never left a pruned variant
         with torch.no_grad():
-            for name, w in weights.items():
+            for name, w in original.items():
                 modules[name].weight.copy_(w)
-        results[key] = evaluate(model, batches, device, 0, 1, no_signal)[:2]
-    with torch.no_grad():
-        for name, w in original.items():
-            modules[name].weight.copy_(w)
     return results
 
 

@@ -96,6 +96,28 @@ def test_prune_variants_and_evaluation(dense_ckpt, capsys):
     assert all(torch.equal(before[k], after[k]) for k in before), "pruning must restore the weights it evaluated"
 
 
+def test_prune_restores_the_weights_when_an_evaluation_is_interrupted(dense_ckpt, monkeypatch):
+    """An evaluation cut short (Ctrl-C in a notebook, an error) left the model holding the pruned variant it was
+    evaluating: the caller's "full" model was then L0 + top, without a word."""
+    model, ckpt = load_model(dense_ckpt)
+    run = ckpt["args"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = validation_batches(run["data_dir"], run["tokenizer"], 8, run["max_length"], eval_tokens=300)
+    evaluate, calls = train.evaluate, []
+
+    def interrupted(*args):  # the full model's and L0's evaluations run; L0 + top's is interrupted
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return evaluate(*args)
+
+    monkeypatch.setattr(train, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        analyze.prune(model, batches, rank=4, delta=0.05)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed, f"the interrupted prune left pruned weights in {changed[:3]}..."
+
+
 def test_prune_refuses_a_batch_beyond_the_memory_before_reading_the_data(dense_ckpt, monkeypatch):
     """--batch_size 10^12 once padded the validation set up to 10^12 rows. Refused before the data is read, naming
     the largest batch that fits: the model, four copies of its projections and an evaluation forward."""
