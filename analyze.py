@@ -27,6 +27,7 @@ import json
 import math
 import os
 import sys
+from contextlib import ExitStack
 
 import torch
 import torch.nn as nn
@@ -144,7 +145,7 @@ def spectrum_figures(rows, folder, title):
     """One SVG per layer kind: σ against its index, one line per layer; for SLTrain the mean over layers of Σ and
     of its low-rank and sparse parts (Figure 11)."""
     os.makedirs(folder, exist_ok=True)
-    paths = []
+    figures = []
     for kind in KINDS:
         group = [r for r in rows if r["kind"] == kind]
         if not group:
@@ -158,10 +159,17 @@ def spectrum_figures(rows, folder, title):
             series = [(f"layer {r['layer']}", r["sigma"]) for r in group]
             sub = "one line per layer"
         path = os.path.join(folder, f"spectrum_{kind}.svg")
-        svg_lines(path, [(label, list(range(1, len(ys) + 1)), ys) for label, ys in series],
-                  title=f"{title}: singular values of {kind} ({sub})", xlabel="index i", ylabel="σ_i")
-        paths.append(path)
-    return paths
+        figures.append((path, svg_text([(label, list(range(1, len(ys) + 1)), ys) for label, ys in series],
+                                       title=f"{title}: singular values of {kind} ({sub})", xlabel="index i",
+                                       ylabel="σ_i")))
+    # every figure whole in its temporary before any is renamed over an earlier one: a write that fails (a full disk)
+    # leaves the folder's earlier set as it was, not some kinds of this checkpoint beside others of the one before
+    with ExitStack() as files:
+        for path, text in figures:
+            f = files.enter_context(atomic_file(path))
+            f.write(text)
+            f.flush()  # a refused write fails now, before any rename, not in atomic_file's flush at the exits
+    return [path for path, _ in figures]
 
 
 # ----------------------------------------------------------------------------- SVG, written directly
@@ -190,8 +198,14 @@ def nice_ticks(lo, hi, n=5):
     return [first + i * step for i in range(math.ceil((hi - first) / step - 1e-9) + 1)]
 
 
-def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
-    """A line chart of series [(label, xs, ys)] with axes, ticks, grid and a legend, as one SVG file."""
+def svg_lines(path, series, title, xlabel, ylabel):
+    """svg_text's chart written to path."""
+    with atomic_file(path) as f:  # whole or not at all: a full disk leaves an earlier figure as it was
+        f.write(svg_text(series, title, xlabel, ylabel))
+
+
+def svg_text(series, title, xlabel, ylabel, width=720, height=440):
+    """A line chart of series [(label, xs, ys)] with axes, ticks, grid and a legend: an SVG file's bytes."""
     # a name from the command line or a folder is kept by Python as bytes that are not UTF-8 where it is not: shown
     # with U+FFFD there, as a file browser does, since an SVG is UTF-8 text
     esc = lambda s: (str(s).encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # noqa: E731
@@ -236,8 +250,7 @@ def svg_lines(path, series, title, xlabel, ylabel, width=720, height=440):
         out.append(f'<line x1="{lx}" y1="{ly}" x2="{lx + 20}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
         out.append(f'<text x="{lx + 26}" y="{ly + 4}">{esc(label)}</text>')
     out.append("</svg>")
-    with atomic_file(path) as f:  # whole or not at all: a full disk leaves an earlier figure as it was
-        f.write(("\n".join(out) + "\n").encode())
+    return ("\n".join(out) + "\n").encode()
 
 
 # ----------------------------------------------------------------------------- Table 1: pruning a dense model

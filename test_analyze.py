@@ -4,6 +4,7 @@ Tests of analyze.py and of train.py's --init_from, --freeze and --support_seed, 
     python -m pytest -q test_analyze.py
 """
 
+import errno
 import gc
 import json
 import math
@@ -11,6 +12,7 @@ import os
 import re
 import weakref
 import xml.etree.ElementTree as ET
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -591,6 +593,31 @@ def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, 
     with file_size_limit(4096):
         assert "cannot write --out" in refusal(capsys, ["curves", big, "--out", str(out)])
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["big", "curves.svg", "small"]
+
+
+def test_spectrum_figures_are_replaced_all_or_none(dense_ckpt, sltrain_ckpt, tmp_path, monkeypatch, capsys):
+    """A disk that fills at the fourth of the seven figures left q, k and v of this checkpoint beside o, gate, up and
+    down of the one analyzed before into the same folder, each whole, so nothing told the two apart. Every figure is
+    written before any replaces an earlier one: a failed write leaves the earlier set as it was."""
+    analyze.main(["spectrum", dense_ckpt, "--figures", str(tmp_path)])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert len(before) == 7
+    atomic_file, opened = analyze.atomic_file, []
+
+    @contextmanager
+    def filling(path):  # the disk is full from the fourth file on
+        with atomic_file(path) as f:
+            opened.append(path)
+            if len(opened) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            yield f
+
+    monkeypatch.setattr(analyze, "atomic_file", filling)
+    got = refusal(capsys, ["spectrum", sltrain_ckpt, "--figures", str(tmp_path)])
+    assert "cannot write into --figures" in got and "No space left on device" in got, got
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    mixed = sorted(name for name in before if after.get(name) != before[name])
+    assert after.keys() == before.keys() and not mixed, f"replaced: {mixed}; in the folder: {sorted(after)}"
 
 
 def test_a_failed_command_leaves_no_empty_folder_it_made(tmp_path, capsys):
