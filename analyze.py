@@ -62,6 +62,16 @@ def check_finite(name, W):
         raise ValueError(f"{name} has non-finite weights (the run diverged); analyze an earlier checkpoint")
 
 
+def check_finite_parts(model):
+    """check_finite on the parts of every projection (W, or B, A, V and W0), before the first SVD or evaluation: a NaN
+    in the last layer is refused at once, not after the SVDs of all before it (at 7b, hours of them). The parts, not
+    the merged W: forming every W once more would cost minutes at 7b."""
+    for name, _, _, module in projections(model):
+        for t in (*module.parameters(), *module.buffers()):
+            if t.is_floating_point():  # (a support's positions are integers)
+                check_finite(name, t)
+
+
 def best_rank(W, r):
     """L0, the best rank-r approximation of W (Eckart-Young), and the factors U_r (out, r), σ_r (r,), Vh_r (r, in)."""
     U, S, Vh = torch.linalg.svd(W, full_matrices=False)
@@ -87,9 +97,10 @@ def spectrum(model, rank=None, threshold=0.04):
     full_rank = any(is_full_rank(m) for *_, m in projections(model))  # only these take the rank
     if full_rank and not 0 < rank < limit:
         raise ValueError(f"rank must be in [1, {limit}), got {rank}")
+    check_finite_parts(model)
     for name, kind, layer, module in projections(model):
         W = dense_weight(module).double()
-        check_finite(name, W)
+        check_finite(name, W)  # (finite parts can still overflow as they merge)
         split = not is_full_rank(module) and module.values is not None and module.rank > 0
         if split:  # the two parts and W in float64, so that they add up to the rounding of the SVD alone
             low = (module.B.double() * module.scale) @ module.A.double()  # s·BA
@@ -308,8 +319,7 @@ def prune(model, batches, rank, delta, seed=0):
                          "or merge one with export.py --merged")
     device = next(model.parameters()).device
     modules = {name: module for name, _, _, module in projections(model)}
-    for name, m in modules.items():  # before any evaluation, which a NaN would only waste
-        check_finite(name, m.weight)
+    check_finite_parts(model)  # before any evaluation, which a NaN would only waste
     original = {name: m.weight.detach().clone() for name, m in modules.items()}
     no_signal = {"signal": None}  # train.py's evaluate stops early on a signal; here nothing sets one
     results = {"full": evaluate(model, batches, device, 0, 1, no_signal)[:2]}
@@ -649,6 +659,10 @@ def weights(args):
     eval_tokens = run.get("eval_tokens", 10_000_000) if args.eval_tokens is None else args.eval_tokens
     if refusal := prune_memory_refusal(model, run, args.batch_size):
         raise SystemExit(f"analyze.py prune: {refusal}")
+    try:  # before the validation data is read: prune would refuse the weights after it
+        check_finite_parts(model)
+    except ValueError as e:
+        raise SystemExit(f"analyze.py prune: {e}") from None
     try:
         load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     except (OSError, ValueError) as e:

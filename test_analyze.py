@@ -498,6 +498,24 @@ def test_non_finite_weights_are_one_line(dense_ckpt, tmp_path, capsys):
         assert "layers.0.attn.k_proj has non-finite weights" in message, message
 
 
+def test_non_finite_weights_are_refused_before_any_svd_or_data(dense_ckpt, sltrain_ckpt, tmp_path, monkeypatch,
+                                                                capsys):
+    """A NaN in the last projection was found only when its turn came: after the SVDs of every projection before it
+    (spectrum; at 7b, hours of float64 SVDs on a CPU) or after the validation data was read (prune)."""
+    from checkpoint import load, save
+    for ckpt, key in ((dense_ckpt, "layers.1.mlp.down_proj.weight"), (sltrain_ckpt, "layers.1.mlp.down_proj.values")):
+        state = load(ckpt)
+        state["model"][key].view(-1)[-1] = float("nan")
+        save(tmp_path / "nan.pt", state)
+        with monkeypatch.context() as m:
+            m.setattr(torch.linalg, "svd", lambda *a, **k: pytest.fail("an SVD ran before the weights were checked"))
+            m.setattr(analyze, "validation_batches", lambda *a, **k: pytest.fail("read the data first"))
+            commands = [["spectrum"]] + ([["prune", "--eval_tokens", "300"]] if ckpt == dense_ckpt else [])
+            for command in commands:
+                message = refusal(capsys, [command[0], str(tmp_path / "nan.pt"), *command[1:]])
+                assert "layers.1.mlp.down_proj has non-finite weights" in message, message
+
+
 def write_metrics(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
