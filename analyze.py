@@ -475,7 +475,8 @@ def get_args(argv=None):
     q.add_argument("--json", action="store_true", help="print the results as JSON")
     c = sub.add_parser("curves", help="Figure 4: eval curves of several runs in one SVG")
     c.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train.py, or the runs' folders")
-    c.add_argument("--labels", nargs="+", help="one legend label per file (default: the folder names)")
+    c.add_argument("--labels", nargs="+", help="one legend label per file (default: the runs' folder names, "
+                   "with the parent folders that tell apart two of one name)")
     c.add_argument("--key", default="val_ppl", choices=["val_ppl", "val_loss"], help="what to plot")
     c.add_argument("--out", default="curves.svg", help="the SVG file to write (its folder is created)")
     args = p.parse_args(argv)
@@ -556,10 +557,23 @@ def refuse_at_a_look(args):
         raise SystemExit(f"analyze.py prune: {refusal}")
 
 
+def run_labels(paths):
+    """Each run's folder name (a metrics.jsonl's folder, or the folder given); where two runs' names coincide
+    (out/60m/sltrain and out/130m/sltrain), with as many of its parent folders as tell it apart."""
+    folders = [os.path.abspath(m) if os.path.isdir(m) else os.path.dirname(os.path.abspath(m)) for m in paths]
+    tail = lambda folder, n: os.path.join(*folder.split(os.sep)[-n:])  # noqa: E731  (its last n names)
+    labels = []
+    for folder in folders:
+        others, n = [f for f in folders if f != folder], 1  # (a run given twice is one run: one label)
+        while n < len(folder.split(os.sep)) and any(tail(f, n) == tail(folder, n) for f in others):
+            n += 1
+        labels.append(tail(folder, n))
+    return labels
+
+
 def curves(args):
     """Figure 4 from the command line: read every file, then write one SVG."""
-    labels = args.labels or [os.path.basename(os.path.abspath(m) if os.path.isdir(m) else os.path.dirname(
-        os.path.abspath(m))) for m in args.metrics]  # each run's folder
+    labels = args.labels or run_labels(args.metrics)
     series = []
     for label, path in zip(labels, args.metrics):
         try:

@@ -571,6 +571,18 @@ def test_curves_takes_folder_names_and_labels_that_are_not_utf8(tmp_path):
         assert shown in texts, texts
 
 
+def test_curves_default_labels_tell_runs_of_one_folder_name_apart(tmp_path):
+    """Runs kept as out/60m/sltrain and out/130m/sltrain were both labelled "sltrain": two legend entries alike, and
+    no telling which line is which. Where folder names coincide, the label takes the parent folders that differ."""
+    paths = [write_metrics(tmp_path / "out" / size / "sltrain" / "metrics.jsonl", [{"step": 10, "val_ppl": ppl}])
+             for size, ppl in (("60m", 50.0), ("130m", 40.0))]
+    paths.append(write_metrics(tmp_path / "out" / "full" / "metrics.jsonl", [{"step": 10, "val_ppl": 45.0}]))
+    out = tmp_path / "curves.svg"
+    analyze.main(["curves", *paths, "--out", str(out)])
+    texts = [t.text for t in ET.parse(out).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert texts[-3:] == [os.path.join("60m", "sltrain"), os.path.join("130m", "sltrain"), "full"], texts
+
+
 def test_a_spectrum_of_many_layers_gives_each_its_own_colour_and_legend_entry(tmp_path):
     """Full-rank spectra draw a line per layer: at 350m's 24 layers the palette's 10 colours made layers 0, 10 and 20
     one colour, and the legend ran past the figure's foot from layer 22 on."""
