@@ -192,6 +192,12 @@ def export_merged(model, ckpt, path, dtype=None, merged_from=None):
     run = ckpt.get("args", {})  # a merged checkpoint merged again keeps what it was first trained as
     run = dict(run, method="full", merged_from=run.get("merged_from") or merged_from or model.config.method)
     densify(model, dtype)
+    # the run's dtype is the one train.py --eval_only builds the model in: the weights' now, or float32 for float16
+    # ones (train.py takes no float16; float32 holds them exactly), without --amp where it changed (bf16 weights)
+    weights = str(model.embed.weight.dtype).removeprefix("torch.")
+    weights = weights if weights in ("float32", "bfloat16") else "float32"
+    if run.get("dtype") != weights:
+        run.update(dtype=weights, amp=False)
     save(path, {"model": model.state_dict(), "model_config": asdict(model.config), "args": run,
                 "step": ckpt.get("step")})  # atomic and checksummed, as train.py's
     return run["merged_from"]

@@ -25,7 +25,7 @@ import suite
 import train
 from checkpoint import load_model
 from model import LLaMA, config_for
-from test_train import base_args, corpus, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
+from test_train import base_args, corpus, eval_args, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -615,6 +615,31 @@ def test_every_method_exports_merged_weights_rounded_once(corpus, tmp_path):  # 
         idx = torch.randint(0, model.config.vocab_size, (2, 16))
         err = (dense.float()(idx)[0] - model(idx)[0]).abs().max().item()
         assert err < 0.05, f"{method}: the bf16 merged model's logits differ by {err:.2e}"
+
+
+def test_a_merged_checkpoint_records_the_dtype_of_its_weights(sl_ckpt, corpus, tmp_path, capsys):  # noqa: F811
+    """--merged --dtype kept the run's dtype in the args it stores, which train.py --eval_only builds the model in: a
+    float32 run exported in bf16 was evaluated in float32, and a bf16 run's exact float32 merge rounded to bf16 again.
+    The args say the weights' dtype (float16, which train.py does not take, as float32, which holds it exactly), and
+    an --amp run's bf16 export is a bf16 model (--amp's parameters are float32)."""
+    state = checkpoint.load(sl_ckpt)
+    checkpoint.save(tmp_path / "amp.pt", {**state, "args": dict(state["args"], amp=True)})  # --amp: float32 weights
+    state["model"] = {k: v.bfloat16() if v.is_floating_point() else v for k, v in state["model"].items()}
+    checkpoint.save(tmp_path / "bf16.pt", {**state, "args": dict(state["args"], dtype="bfloat16")})
+    runs = {"float32": sl_ckpt, "amp": tmp_path / "amp.pt", "bf16": tmp_path / "bf16.pt"}
+    without_out_dir = [a for a in eval_args(corpus, tmp_path) if a not in ("--out_dir", str(tmp_path))]
+    cases = [("float32", "bfloat16", "bfloat16", False), ("float32", "float16", "float32", False),
+             ("bf16", "float32", "float32", False), ("bf16", "bfloat16", "bfloat16", False),
+             ("amp", "bfloat16", "bfloat16", False), ("amp", "float32", "float32", True)]
+    for run, dtype, recorded, amp in cases:
+        dense = tmp_path / f"{run}.{dtype}.pt"
+        export.main([str(runs[run]), "--merged", str(dense), "--dtype", dtype])
+        args = torch.load(dense, weights_only=True)["args"]
+        assert (args["dtype"], args["amp"]) == (recorded, amp), (run, dtype, args["dtype"], args["amp"])
+        capsys.readouterr()
+        train.main([*without_out_dir, "--method", "full", "--resume", str(dense)])
+        said = f"1 x cpu | {recorded}{' + bf16 autocast' if amp else ''} | --eval_only"
+        assert said in capsys.readouterr().out, (run, dtype)
 
 
 def test_export_never_writes_over_the_checkpoint_it_reads(sl_ckpt, capsys):
