@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import struct
+import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 
@@ -250,6 +251,12 @@ def main(argv=None):
     if args.merged and not os.path.isdir(folder) and not made_by_out:
         p.error(f"--merged {args.merged}: no folder {os.path.dirname(args.merged)}; create it or pass a file in an "
                 "existing folder")
+    if args.merged and os.path.isdir(folder):  # tried, as make_folder tries --out's: else the save fails at the end
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            p.error(f"--merged {args.merged}: cannot write into {os.path.dirname(args.merged) or '.'} "
+                    f"({e.strerror or e}); pass a file in a folder you can write to")
     if args.tokenizer and not args.out:
         p.error("--tokenizer is for the Hugging Face folder: add --out FOLDER, or drop --tokenizer (--merged keeps the "
                 "run's tokenizer)")

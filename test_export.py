@@ -509,6 +509,9 @@ def test_export_checks_output_paths_before_loading(tmp_path, monkeypatch, capsys
               "is a folder that --out makes")]
     if os.path.isdir("/proc/self/fdinfo"):  # a folder there that no one writes into, root included
         cases.append((["--out", "/proc/self/fdinfo"], "--out /proc/self/fdinfo: cannot make or write into the folder"))
+        # it failed to save after the load and the merge (minutes at 7b), the --out folder written already
+        cases.append((["--merged", "/proc/self/fdinfo/dense.pt"], "--merged /proc/self/fdinfo/dense.pt: cannot write "
+                      "into /proc/self/fdinfo (No such file or directory); pass a file in a folder you can write to"))
     for argv, message in cases:
         with pytest.raises(SystemExit):
             export.main([str(tmp_path / "ckpt.pt"), *argv])
