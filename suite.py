@@ -108,10 +108,12 @@ def first_line(error):
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
-def suite_width(s, device, dtype):
+def suite_width(s, device, dtype, progress=lambda partial: None):
     """A model's forward + backward, full rank and SLTrain, at each MLP width of s["width"] (train.py --ffn_dim), each
     ÷ the first (1b's own, 5461): a bf16 row of an odd width is not 16-byte aligned, and cuBLAS takes slower kernels
-    for it. The widths of a method timed side by side; one method's models at a time."""
+    for it. The widths of a method timed side by side; one method's models at a time. progress gets the figures after
+    each method: a command killed at its limit (BENCHMARKS.md runs this section under timeout -s KILL) or a method
+    that fails keeps the one before."""
     w = s["width"]
     torch.manual_seed(0)
     idx = torch.randint(0, 512, (w["batch"], s["max_length"] + 1), device=device)
@@ -131,6 +133,7 @@ def suite_width(s, device, dtype):
         result["methods"][method] = summary(times, str(w["widths"][0]))
         del models
         release(device)
+        progress(result)
     return result
 
 
@@ -833,7 +836,7 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
                program=lambda p: suite_program(s, data_dir, tokenizer, out_dir, p, device),
                model_compiled=lambda p: suite_model(s, device, dtype, True, p),
                profile=lambda p: suite_profile(s, device, dtype, p), inference=inference,
-               width=lambda p: suite_width(s, device, dtype),
+               width=lambda p: suite_width(s, device, dtype, p),
                memory_galore=lambda p: suite_memory(s, device, p, galore=True, full=result.get("memory")))
     # in the suite's order whatever the order of --only: memory_galore's reduction needs memory's full AdamW first;
     # each once, however often it is named (a second run of one is device time for figures already written)

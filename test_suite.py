@@ -208,6 +208,24 @@ def test_the_timed_sections_keep_their_finished_part_on_disk(monkeypatch, tmp_pa
         assert saved["variants"]["optim.Adam8bit"]["ratio"] > 0 and saved["host_ms_per_update"] == {}, saved
 
 
+def test_the_width_section_keeps_each_finished_method_on_disk(monkeypatch, tmp_path):
+    """A kill (the plan's timeout -s KILL) or a failure while SLTrain's models are timed keeps full rank's figures,
+    timed before them, on disk: the section saves after each method."""
+    out, interleave, calls = str(tmp_path / "suite.json"), suite.interleave, []
+
+    def killed_on_the_second(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return interleave(*args, **kwargs)
+    monkeypatch.setattr(suite, "interleave", killed_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        suite.run_suite("tiny", torch.device("cpu"), ["width"], out=out)
+    saved = json.load(open(out))["width"]
+    assert list(saved["methods"]) == ["full"] and saved["methods"]["full"]["176"]["ms"] > 0, saved
+    suite.report_width({"width": saved})  # a partial section still prints
+
+
 def test_memory_adds_an_sltrain_row_at_the_appendix_delta_where_a_size_trains_at_another(monkeypatch, capsys):
     """7b trains at delta 0.05 but the appendix counts its memory at 0.03: the section measures that too, after the
     paper's settings, with its own estimate and reduction; then SLTrain with packed supports (train.py
