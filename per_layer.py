@@ -218,19 +218,35 @@ class PerLayer:
         if names != saved:
             raise ValueError(f"per-layer state does not match the model: missing {sorted(names - saved)[:3]}, "
                              f"unexpected {sorted(saved - names)[:3]}; was it saved for another config?")
+        steps = state["steps"]
         for one in state["optimizers"].values():  # refused before any layer loads: none is left half resumed
             _check_8bit_format(one)
-        for opt in self.optimizers.values():
-            packed = opt.state_dict()  # this layer's layout (groups, parameter numbers), filled with the saved state
-            packed["state"] = {}
-            for group, layout in zip(opt.param_groups, packed["param_groups"]):
-                for p, i in zip(group["params"], layout["params"]):
-                    one = state["optimizers"][self.names[p]]
-                    layout.update({k: v for k, v in one["param_groups"][0].items() if k != "params"})
-                    if 0 in one["state"]:
-                        packed["state"][i] = one["state"][0]
-            opt.load_state_dict(packed)
-        self.steps = state["steps"]
+        # each layer's optimizer checks its part as it loads it (optim._check_state_fits): one that refuses puts back
+        # the layers loaded before it, which would otherwise keep the saved state while the rest start afresh
+        loaded = []
+        try:
+            for opt in self.optimizers.values():
+                before = opt.state_dict()
+                opt.load_state_dict(self._packed(opt, state["optimizers"]))
+                loaded.append((opt, before))
+        except ValueError as e:
+            for done, before in loaded:
+                done.load_state_dict(before)
+            names = ", ".join(self.names[p] for group in opt.param_groups for p in group["params"])
+            raise ValueError(f"{names}: {e}") from None
+        self.steps = steps
+
+    def _packed(self, opt, saved):
+        """opt's layout (groups, parameter numbers) filled with the saved state of each of its parameters."""
+        packed = opt.state_dict()
+        packed["state"] = {}
+        for group, layout in zip(opt.param_groups, packed["param_groups"]):
+            for p, i in zip(group["params"], layout["params"]):
+                one = saved[self.names[p]]
+                layout.update({k: v for k, v in one["param_groups"][0].items() if k != "params"})
+                if 0 in one["state"]:
+                    packed["state"][i] = one["state"][0]
+        return packed
 
     def __deepcopy__(self, memo):
         return None  # copy.deepcopy of the model: the copy's parameters have no hooks, so no per-layer updates

@@ -23,6 +23,7 @@ from optim import AdamW, Adam8bit
 from per_layer import attach_per_layer
 from sllinear import SLLinear
 from test_optim import VOCAB, assert_same_params, bigram_batches, max_diff, one_thread, tiny_llama  # noqa: F401
+from test_optim import same_state
 
 
 def warmup(step):
@@ -374,6 +375,24 @@ def test_per_layer_refuses_an_older_8bit_state_before_loading_any_layer():
     with pytest.raises(ValueError, match="older format"):
         fresh.load_state_dict(saved)
     assert all(not opt.state for opt in fresh.optimizers.values()) and fresh.steps == 0
+
+
+def test_per_layer_refuses_another_optimizers_state_with_no_layer_loaded():
+    """Each layer's optimizer checks the state it is given as it loads it: a refusal at the second layer (an
+    Adam8bit's 8-bit moments, loaded into AdamW) came after the first had loaded its float32 moments, leaving the
+    run half resumed. A refusal now leaves every layer with its own state and names the parameters it was for."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128))  # float32 moments, then 8-bit
+    per_layer = attach_per_layer(net, lambda ps: Adam8bit(ps, lr=1e-2, min_8bit_size=1000))
+    for _ in range(3):
+        net(torch.randn(4, 64)).sum().backward()
+    twin = copy.deepcopy(net)
+    other = attach_per_layer(twin, lambda ps: AdamW(ps, lr=1e-2))
+    twin(torch.randn(4, 64)).sum().backward()  # a state of its own, which a refused load must leave as it was
+    own = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=r"^1\.weight, 1\.bias: this state is an Adam8bit's"):
+        other.load_state_dict(per_layer.state_dict())
+    assert same_state(other.state_dict(), own) and other.steps == 1, "a layer kept the refused state"
 
 
 def test_per_layer_remove_detaches():
