@@ -88,8 +88,9 @@ class PerLayer:
             self.ddp.register_comm_hook(None, lambda state, bucket: me()._on_bucket(state, bucket))
 
     def _on_grad(self, p):
-        if self._accumulating:
-            return  # .grad keeps accumulating; the backward of the last micro-batch updates
+        if self._accumulating:  # .grad keeps accumulating; the backward of the last micro-batch updates
+            self._refuse_after_a_backward_that_raised()  # ...but not into what a failed one left, to be refused later
+            return
         self._arrive(p)
 
     def _on_bucket(self, _, bucket):
@@ -106,18 +107,20 @@ class PerLayer:
         future.set_result(buffer)
         return future
 
-    def _arrive(self, p):
-        """p's gradient is complete: once its layer's last one is, update the layer."""
-        backward = torch._C._current_graph_task_id()
+    def _refuse_after_a_backward_that_raised(self):
         # another backward than the one that began this update: a reentrant one nested in it (a reentrant
         # checkpoint's, whose update goes on), or a later one after it raised before its end (its graph task is gone,
         # and with it the callback that holds _Alive)
-        if self._in_update and backward != self._backward and self._alive() is None:
+        if self._in_update and torch._C._current_graph_task_id() != self._backward and self._alive() is None:
             raise RuntimeError(f"an earlier backward stopped part way through a per-layer update ({self._updated} of "
                                f"{len(self.optimizers)} layers updated): call reset() on the PerLayer that "
-                               f"attach_per_layer returned, then run this batch again")
+                               f"attach_per_layer returned, then run the update again, all of its micro-batches")
+
+    def _arrive(self, p):
+        """p's gradient is complete: once its layer's last one is, update the layer."""
+        self._refuse_after_a_backward_that_raised()
         if not self._in_update:  # the first gradient of this update: fix its lr, finish it once backward ends
-            self._in_update, self._backward, self._updated = True, backward, 0
+            self._in_update, self._backward, self._updated = True, torch._C._current_graph_task_id(), 0
             self._factor = self.lr_factor()
             self._norms = {}
             alive = _Alive()  # referenced only by the callback: dies with the graph task of this backward

@@ -333,6 +333,43 @@ def test_per_layer_backward_that_raises_is_refused_until_reset():
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: max diff {max_diff(a, b)}\n{m}")
 
 
+def test_per_layer_after_a_backward_that_raised_a_micro_batch_that_accumulates_is_refused_too():
+    """After a backward that raised part way, the next update's first micro-batches (inside accumulating()) were
+    not refused: they ran, adding into whatever gradients the failed backward left, and the refusal came at the last
+    one, whose reset() drops the earlier micro-batches' gradients too (rerun as the message said, "this batch", the
+    update would use the last micro-batch's alone). The first backward after the failure is refused, and the message
+    says to rerun the whole update."""
+    fail = [True]
+
+    def maybe_raise(grad):
+        if fail:
+            fail.pop()
+            raise RuntimeError("out of memory (simulated)")
+        return grad
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    per_layer = attach_per_layer(net, lambda ps: AdamW(ps, lr=0.1))
+    x = torch.randn(2, 4)
+
+    def loss():
+        h = net[0](x)
+        h.register_hook(maybe_raise)  # between the layers: the last is updated, then backward raises
+        return net[1](h).sum()
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        loss().backward()
+    with pytest.raises(RuntimeError, match=r"\(1 of 2 layers updated\): call reset\(\) .*, then run the update "
+                                           "again, all of its micro-batches"):
+        with per_layer.accumulating():
+            loss().backward()
+    per_layer.reset()
+    with per_layer.accumulating():
+        loss().backward()
+    loss().backward()
+    assert per_layer.steps == 1 and all(p.grad is None for p in net.parameters())
+
+
 def test_per_layer_reentrant_checkpoint_is_one_update():
     """A reentrant checkpoint's backward is a graph task nested in the outer one: its gradients belong to the same
     update, which is not refused as if an earlier backward had raised."""
