@@ -104,23 +104,26 @@ class HostSyncs(TorchDispatchMode):
     def watch(self, ops=True):
         """Count the syncs of the block; ops=False leaves the op-by-op check off (a compiled model)."""
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with self if ops else nullcontext():
-                    yield self
-            finally:
+        caught = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 if cuda:
-                    torch.cuda.set_sync_debug_mode("default")
-        for w in caught:
-            text = str(w.message)
-            if CUDA_SYNC in text:
-                self.counts["cuda: " + text.splitlines()[0][:80]] += 1
-            elif (text, w.category, w.filename, w.lineno) not in self.shown:  # not ours: passed on, once
-                self.shown.add((text, w.category, w.filename, w.lineno))
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with self if ops else nullcontext():
+                        yield self
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+        finally:  # also when the block raised: a warning it gave before may say why
+            for w in caught:
+                text = str(w.message)
+                if CUDA_SYNC in text:
+                    self.counts["cuda: " + text.splitlines()[0][:80]] += 1
+                elif (text, w.category, w.filename, w.lineno) not in self.shown:  # not ours: passed on, once
+                    self.shown.add((text, w.category, w.filename, w.lineno))
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         self.blocks += 1
 
     def summary(self):

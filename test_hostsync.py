@@ -66,6 +66,19 @@ def test_other_warnings_pass_through_once_per_place():
     assert [str(w.message) for w in seen] == ["not a sync"] and syncs.summary() == "none"
 
 
+def test_other_warnings_pass_through_when_the_block_raises():
+    """A watched update that raises (out of memory) lost every other warning it had raised: caught for the count,
+    they were passed on only after a block that ended normally, and one of them may say why it failed."""
+    syncs = HostSyncs()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        with pytest.raises(RuntimeError, match="simulated"):
+            with syncs.watch():
+                warnings.warn("the hint before the failure", UserWarning)
+                raise RuntimeError("out of memory (simulated)")
+    assert [str(w.message) for w in seen] == ["the hint before the failure"]
+
+
 def mark_pinning(monkeypatch):
     """Pinning needs a GPU: on a CPU, tensor.pin_memory() returns a copy marked as pinned instead."""
     pinned = set()
