@@ -19,7 +19,7 @@ import torch
 
 import adam8bit_kernel
 import checkpoint
-from data import empty_path_refusal
+from data import empty_path_refusal, load_tokenizer
 from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for, length_refusal
@@ -574,7 +574,7 @@ def resolve_device_and_batch(p, args):
     if args.eval_only:  # the validation tokens are the same at any batch size (data.validation_batches)
         args.batch_size = micro if args.batch_size is None else args.batch_size
         args.total_batch_size = args.gradient_accumulation = None  # no update
-        return check_memory(p, args, device, world)
+        return check_memory(p, args, device, world, vocabulary(args))
     if args.resume and args.total_batch_size % world:  # the fixes below name a --total_batch_size, which a resume
         shares = [n for n in range(1, 2 * world + 1) if args.total_batch_size % n == 0]  # refuses as another run's
         counts = " or ".join(str(n) for n in (max(n for n in shares if n < world),
@@ -616,7 +616,17 @@ def resolve_device_and_batch(p, args):
                 f"{world} devices; pass {fix}")
     args.gradient_accumulation = args.total_batch_size // per_micro
     if not args.resume:  # a resume is checked once it has taken the run's own batch and dtype (load_for_resume)
-        check_memory(p, args, device, world, accumulation_given=accumulation is not None)
+        check_memory(p, args, device, world, vocabulary(args), accumulation_given=accumulation is not None)
+
+
+def vocabulary(args):
+    """The run's number of pieces, which its embeddings, output head and logits are as wide as: the tokenizer's at
+    --tokenizer, or None (T5's 32000, the one --download fetches) where none is there yet or it cannot be read, which
+    train.py refuses on its own, naming the fix. A resume's or evaluation's is its checkpoint's, the same (checked)."""
+    try:
+        return load_tokenizer(args.tokenizer, args.data_dir).get_piece_size()
+    except (OSError, ValueError):
+        return None
 
 
 def run_dtype(args, device):
@@ -670,10 +680,11 @@ def cuda_device(p, args, device, local_rank):
     return device
 
 
-def check_memory(p, args, device, world, accumulation_given=False):
-    """Refuse, before anything is built, a run whose estimated peak (estimate_memory.py at this run's settings) exceeds
-    the memory it has, naming a --batch_size that fits (and, where the command line gave --gradient_accumulation, the
-    one that makes up the update with it: a --batch_size alone would be refused then). On CPU: 80% of the machine's
+def check_memory(p, args, device, world, vocab_size, accumulation_given=False):
+    """Refuse, before anything is built, a run whose estimated peak (estimate_memory.py at this run's settings, and at
+    vocab_size, its tokenizer's pieces: None for T5's) exceeds the memory it has, naming a --batch_size that fits
+    (and, where the command line gave --gradient_accumulation, the one that makes up the update with it: a
+    --batch_size alone would be refused then). On CPU: 80% of the machine's
     memory, shared by the ranks; beyond it the kernel would kill the run with one word, 'Killed'. On a GPU: 95% of
     its free memory (other processes' and CUDA's own context already taken out), the rest left to the allocator;
     beyond it CUDA would run out of memory once the model is built."""
@@ -691,9 +702,9 @@ def check_memory(p, args, device, world, accumulation_given=False):
         accumulation = 1 if args.eval_only else args.total_batch_size // (batch * world)
         supports = "packed" if packed else "int32"  # sllinear's: int32 below 2^31 entries
         row = estimate(args.size, method, rank, args.delta, index_dtype=supports, ffn_dim=args.ffn_dim,
-                       optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer, batch_size=batch,
-                       max_length=args.max_length, activation_checkpointing=checkpointing, dtype=dtype,
-                       amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE,
+                       vocab_size=vocab_size, optimizer="adam8bit" if eight_bit else "adamw", per_layer=args.per_layer,
+                       batch_size=batch, max_length=args.max_length, activation_checkpointing=checkpointing,
+                       dtype=dtype, amp=args.amp, freeze=args.freeze, block_size=args.block_size or BLOCK_SIZE,
                        accumulation=accumulation, ddp=world > 1, cuda_graph=args.cuda_graph)
         return row["eval_gb" if args.eval_only else "train_gb"] * 1e9  # --eval_only: a forward without gradients
     needed = need(args.batch_size)

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sentencepiece as spm
 import torch
 
 import checkpoint
@@ -1608,6 +1609,67 @@ def test_eval_only_memory_check_counts_a_forward_without_gradients(monkeypatch, 
     assert re.search(rf"--batch_size 8 needs about {rows[8]['eval_gb']:.1f} GB per process, more than 95% of the "
                      r"\d+\.\d GB free on cuda:0; pass --batch_size 7 or add --packed_support$",
                      capsys.readouterr().err.strip())  # packed supports: the 7b model's 1.30 G of indices in 0.35 G
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    """A sentencepiece model of about 100,000 pieces (a multilingual tokenizer's size, three times T5's), laid out as
+    T5's: the pieces of one sentence and user-defined symbols, made in a second where training them would take hours.
+    Returns (its path, its pieces)."""
+    prefix = tmp_path_factory.mktemp("tok100k") / "spm"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["the cat sat on the mat and the dog ran far"] * 50),
+                                   model_prefix=str(prefix), vocab_size=100_000, model_type="unigram", pad_id=0,
+                                   eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False, minloglevel=2,
+                                   user_defined_symbols=[f"<x{i}>" for i in range(99_980)])
+    pieces = data.load_tokenizer(f"{prefix}.model").get_piece_size()
+    assert pieces > 99_980, pieces
+    return f"{prefix}.model", pieces
+
+
+def machine_of(monkeypatch, room):
+    """A machine (faked) where a run may fill room bytes: 80% of its memory, as on a CPU."""
+    monkeypatch.setattr(flags, "memory_there", lambda device, world=1: (room / 0.8, 0.8, f"a {room / 0.8:.0f} B box"))
+
+
+def test_the_memory_check_counts_the_tokenizers_own_vocabulary(corpus, big_tokenizer, monkeypatch, capsys):
+    """The embeddings, the output head and the logits are as wide as the tokenizer: a run is checked at its pieces,
+    not T5's 32000 (the check passed none). On a machine with room for a 60m run at T5's vocabulary but not at
+    100,000 pieces, the run with that tokenizer was let through, to be killed once built; with room for it at the
+    96 pieces of corpus's tokenizer but not at T5's, the run with those was refused, though it fits."""
+    big, pieces = big_tokenizer
+    need = lambda pieces: flags.estimate("60m", "sltrain", index_dtype="int32", dtype="float32", batch_size=16,  # noqa
+                                         accumulation=32, vocab_size=pieces)["train_gb"] * 1e9  # 512 = 16 x 32
+    argv = ["--size", "60m", "--device", "cpu", "--batch_size", "16", "--tokenizer"]
+    machine_of(monkeypatch, (need(32000) + need(pieces)) / 2)
+    with pytest.raises(SystemExit):
+        train.get_args(argv + [big])
+    assert f"needs about {need(pieces) / 1e9:.1f} GB per process" in capsys.readouterr().err
+    assert train.get_args(argv + [big, "--batch_size", "4"]).batch_size == 4  # a smaller one fits
+    machine_of(monkeypatch, (need(96) + need(32000)) / 2)
+    assert train.get_args(argv + [corpus[1]]).batch_size == 16
+    with pytest.raises(SystemExit):  # no tokenizer there yet: T5's, which --download fetches
+        train.get_args(argv + [str(HERE / "no" / "spiece.model"), "--download"])
+    assert f"needs about {need(32000) / 1e9:.1f} GB per process" in capsys.readouterr().err
+
+
+def test_a_resume_and_an_evaluation_are_checked_at_the_runs_vocabulary(corpus, tmp_path, monkeypatch, capsys):
+    """A resume's memory check (at the run's own settings, once its checkpoint is looked at) and --eval_only's (on the
+    command line's, then again at the run's own length) count the run's vocabulary, its tokenizer's: on a machine
+    with room for the tiny run at its 96 pieces, but not at T5's 32000, both were refused, though the run had
+    trained there."""
+    train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2"))
+    rows = {v: flags.estimate("tiny", "sltrain", index_dtype="int32", dtype="float32", batch_size=4, max_length=32,
+                              accumulation=2, vocab_size=v) for v in (96, 32000)}
+    assert rows[96]["train_gb"] < rows[32000]["eval_gb"] < rows[32000]["train_gb"]
+    machine_of(monkeypatch, (rows[96]["train_gb"] + rows[32000]["eval_gb"]) / 2 * 1e9)
+    train.main(base_args(corpus, tmp_path, 4, "--resume"))
+    assert final_state(tmp_path)["step"] == 4
+    argv = eval_args(corpus, tmp_path)
+    at = argv.index("--max_length")
+    del argv[at:at + 2]  # the run's own 32 is taken, and checked again
+    train.main(argv)
+    said = capsys.readouterr().out
+    assert "--eval_only: the run's own --max_length 32" in said and "| val loss" in said, said
 
 
 def test_help_shows_every_default(capsys):

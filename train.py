@@ -258,8 +258,8 @@ def settle(args, look, path, vocab_size, device, world, dtype_given, given):
     that says what is taken from the run and what changed, or None."""
     precision = (args.dtype, args.amp)  # the device's default, or the command line's
     old = same_run(args, look, path, vocab_size, dtype_given)
-    return (eval_settings(args, old, device, world, given, precision) if args.eval_only else
-            resume_settings(args, old, look, path, device, world, given))
+    return (eval_settings(args, old, vocab_size, device, world, given, precision) if args.eval_only else
+            resume_settings(args, old, look, path, vocab_size, device, world, given))
 
 
 def refuse_before_download(args, vocab_size, dtype_given, given):
@@ -295,9 +295,9 @@ def read_checkpoint(path):
         raise SystemExit(str(e)) from None
 
 
-def eval_settings(args, old, device, world, given, precision):
+def eval_settings(args, old, vocab_size, device, world, given, precision):
     """--eval_only's cut and count of the validation set, and its dtype, taken from the run where the command line
-    names none (its val_loss, again) -> the line that says so, or None."""
+    names none (its val_loss, again) -> the line that says so, or None. vocab_size: the run's (same_run checked)."""
     kept = [k for k in EVAL_KEPT if k not in given and k in old and old[k] != getattr(args, k)]
     for k in kept:
         setattr(args, k, old[k])
@@ -305,13 +305,14 @@ def eval_settings(args, old, device, world, given, precision):
     if (args.dtype, args.amp) != precision:  # same_run took the run's, which the command line did not name
         said.insert(0, "--amp (bf16 compute)" if args.amp else f"--dtype {args.dtype}")
     if said:
-        flags.check_memory(flags.make_parser(), args, device, world)  # at the run's length and dtype
+        flags.check_memory(flags.make_parser(), args, device, world, vocab_size)  # at the run's length and dtype
     return f"--eval_only: the run's own {', '.join(said)} (pass others to choose)" if said else None
 
 
-def resume_settings(args, old, ckpt, path, device, world, given):
+def resume_settings(args, old, ckpt, path, vocab_size, device, world, given):
     """A resume's flags against the run's (old, its step and world in ckpt): the run's own where not given, the rest
-    checked against where the run stands -> the line that says what resumes and what changed."""
+    checked against where the run stands -> the line that says what resumes and what changed. vocab_size: the
+    run's (same_run checked), which its memory is checked at."""
     for k in RESUME_KEPT:
         if k not in given and k in old:
             setattr(args, k, old[k])
@@ -341,7 +342,7 @@ def resume_settings(args, old, ckpt, path, device, world, given):
         raise SystemExit(f"--resume: {path} is at update {step}, past the end of {ended}, and --warmup_steps "
                          f"{args.warmup_steps} is not the run's {old['warmup_steps']}: a warmup can be changed "
                          "only while both are still ahead; drop --warmup_steps")
-    flags.check_memory(flags.make_parser(), args, device, world,
+    flags.check_memory(flags.make_parser(), args, device, world, vocab_size,
                        accumulation_given="gradient_accumulation" in given)
     args.lr_restart = old.get("lr_restart")
     if args.num_training_steps != old["num_training_steps"] and step >= min(old["warmup_steps"], args.warmup_steps):
