@@ -574,7 +574,7 @@ def resolve_device_and_batch(p, args):
     if args.eval_only:  # the validation tokens are the same at any batch size (data.validation_batches)
         args.batch_size = micro if args.batch_size is None else args.batch_size
         args.total_batch_size = args.gradient_accumulation = None  # no update
-        return check_memory(p, args, device, world, vocabulary(args))
+        return  # its memory is checked once it has taken the run's own length and dtype (train.eval_settings)
     if args.resume and args.total_batch_size % world:  # the fixes below name a --total_batch_size, which a resume
         shares = [n for n in range(1, 2 * world + 1) if args.total_batch_size % n == 0]  # refuses as another run's
         counts = " or ".join(str(n) for n in (max(n for n in shares if n < world),
@@ -620,7 +620,7 @@ def resolve_device_and_batch(p, args):
 
 
 def vocabulary(args):
-    """The run's number of pieces, which its embeddings, output head and logits are as wide as: the tokenizer's at
+    """A new run's number of pieces, which its embeddings, output head and logits are as wide as: the tokenizer's at
     --tokenizer, or None (T5's 32000, the one --download fetches) where none is there yet or it cannot be read, which
     train.py refuses on its own, naming the fix. A resume's or evaluation's is its checkpoint's, the same (checked)."""
     try:

@@ -1597,15 +1597,19 @@ def test_eval_only_memory_check_counts_a_forward_without_gradients(monkeypatch, 
     rows = {b: flags.estimate("7b", "sltrain", batch_size=b, index_dtype="int32", accumulation=512 // b)
             for b in (7, 8)}  # training accumulates the rest of 512 sequences; evaluation has no gradients
     assert rows[8]["eval_gb"] < rows[8]["param_gb"] + 1 < rows[8]["train_gb"] / 2
+    def evaluated(argv):  # checked as train.py does, at the run's settings (here the command line's), on its look
+        args = train.get_args(argv + ["--eval_only"])
+        train.eval_settings(args, dict(vars(args)), None, torch.device(args.device), 1, (), (args.dtype, args.amp))
+        return args
     one_gpu(monkeypatch, (rows[8]["eval_gb"] + rows[8]["train_gb"]) / 2 / 0.95 * 1e9)  # room to evaluate, not to train
     argv = ["--size", "7b", "--device", "cuda", "--batch_size", "8"]
     with pytest.raises(SystemExit):
         train.get_args(argv)
     assert f"needs about {rows[8]['train_gb']:.1f} GB" in capsys.readouterr().err
-    assert train.get_args(argv + ["--eval_only"]).batch_size == 8
+    assert evaluated(argv).batch_size == 8
     one_gpu(monkeypatch, (rows[7]["eval_gb"] + rows[8]["eval_gb"]) / 2 / 0.95 * 1e9)  # room for 7 sequences, not 8
     with pytest.raises(SystemExit):
-        train.get_args(argv + ["--eval_only"])
+        evaluated(argv)
     assert re.search(rf"--batch_size 8 needs about {rows[8]['eval_gb']:.1f} GB per process, more than 95% of the "
                      r"\d+\.\d GB free on cuda:0; pass --batch_size 7 or add --packed_support$",
                      capsys.readouterr().err.strip())  # packed supports: the 7b model's 1.30 G of indices in 0.35 G
@@ -1670,6 +1674,30 @@ def test_a_resume_and_an_evaluation_are_checked_at_the_runs_vocabulary(corpus, t
     train.main(argv)
     said = capsys.readouterr().out
     assert "--eval_only: the run's own --max_length 32" in said and "| val loss" in said, said
+
+
+def test_an_evaluation_is_checked_at_the_runs_own_length_and_dtype_alone(corpus, tmp_path, monkeypatch, capsys):
+    """--eval_only without --max_length or --dtype evaluates at the run's own (a bf16 run of 32 tokens a row): its
+    memory was checked first at the command line's (the default 256, and float32 on a CPU), and a machine with room
+    for the evaluation it runs refused it, naming no fix that helps. It is checked at the run's own, on the quick
+    look: still before the checkpoint's read where it does not fit."""
+    train.main(base_args(corpus, tmp_path, 2, "--dtype", "bfloat16"))
+    need = lambda dtype, length: flags.estimate("tiny", "sltrain", index_dtype="int32", dtype=dtype,  # noqa: E731
+                                                batch_size=4, max_length=length, vocab_size=96)["eval_gb"] * 1e9
+    assert need("bfloat16", 32) < min(need("float32", 32), need("bfloat16", 256)) < need("float32", 256)
+    argv = eval_args(corpus, tmp_path)
+    at = argv.index("--max_length")
+    del argv[at:at + 2]
+    machine_of(monkeypatch, (need("bfloat16", 32) + min(need("float32", 32), need("bfloat16", 256))) / 2)
+    train.main(argv)
+    said = capsys.readouterr().out
+    assert "the run's own --dtype bfloat16, --max_length 32" in said and "| val loss" in said, said
+    reads, load = [], checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (reads.append(a), load(*a, **k))[1])
+    machine_of(monkeypatch, need("bfloat16", 32) / 2)
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    assert f"needs about {need('bfloat16', 32) / 1e9:.1f} GB" in capsys.readouterr().err and not reads
 
 
 def test_help_shows_every_default(capsys):

@@ -297,15 +297,17 @@ def read_checkpoint(path):
 
 def eval_settings(args, old, vocab_size, device, world, given, precision):
     """--eval_only's cut and count of the validation set, and its dtype, taken from the run where the command line
-    names none (its val_loss, again) -> the line that says so, or None. vocab_size: the run's (same_run checked)."""
+    names none (its val_loss, again) -> the line that says so, or None; then the memory check at those and at
+    vocab_size, the run's (same_run checked)."""
     kept = [k for k in EVAL_KEPT if k not in given and k in old and old[k] != getattr(args, k)]
     for k in kept:
         setattr(args, k, old[k])
     said = [f"--{k} {old[k]}" for k in kept]
     if (args.dtype, args.amp) != precision:  # same_run took the run's, which the command line did not name
         said.insert(0, "--amp (bf16 compute)" if args.amp else f"--dtype {args.dtype}")
-    if said:
-        flags.check_memory(flags.make_parser(), args, device, world, vocab_size)  # at the run's length and dtype
+    # checked here alone, at the run's length and dtype: the command line's defaults (256 tokens, float32 on a CPU)
+    # would refuse a bf16 run of shorter rows that fits
+    flags.check_memory(flags.make_parser(), args, device, world, vocab_size)
     return f"--eval_only: the run's own {', '.join(said)} (pass others to choose)" if said else None
 
 
