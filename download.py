@@ -29,6 +29,7 @@ KNOWN_SHA256 = {  # from ../shared/data/SOURCES.md
     "c4-train.00000-of-01024.json.gz": "8ef8d75b0e045dec4aa5123a671b4564466b0707086a7ed1ba8721626dfffbc9",
     "spiece.model": "d60acb128cf7b7f2536e8f38a5b18a05535c9e14c7a355904270e15b0945ea86",
 }
+T5_PIECES = 32000  # the pieces of T5's spiece.model, the one of KNOWN_SHA256 that download fetches
 # the bytes of a C4 en shard, about: shard 00000's of each split (SOURCES.md: 319,308,785 and 40,471,190); the others
 # are cut to the same number of documents. What a download needs on disk is reckoned from them before it starts
 SHARD_BYTES = {"train": 320e6, "validation": 41e6}

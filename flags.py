@@ -459,13 +459,16 @@ def check_model_config(p, args):
 
 
 def model_config_refusal(args, vocab_size):
-    """train.py's check, once the tokenizer is loaded, that --model_config's vocab_size is its size; None if so."""
+    """train.py's check, once the tokenizer is loaded (or, where there is none yet, before --download fetches T5's),
+    that --model_config's vocab_size is its size; None if so."""
     if not (args.model_config and os.path.exists(args.model_config)):
         return None
     want = read_model_config(args.model_config, args.size).get("vocab_size", vocab_size)
+    tokenizer = f"the tokenizer {args.tokenizer}" if os.path.exists(args.tokenizer) else \
+        f"T5's tokenizer, which --download fetches to {args.tokenizer},"  # (train.setup asks before it does)
     if want != vocab_size:
-        return (f"--model_config {args.model_config} has vocab_size {want}, and the tokenizer {args.tokenizer} "
-                f"has {vocab_size} pieces: pass the tokenizer the config was made for, or a config of its size")
+        return (f"--model_config {args.model_config} has vocab_size {want}, and {tokenizer} has {vocab_size} "
+                "pieces: pass the tokenizer the config was made for, or a config of its size")
     return None
 
 

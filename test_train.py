@@ -1064,6 +1064,13 @@ def test_model_config_contents_are_read_where_the_file_is(corpus, tmp_path, caps
     monkeypatch.setattr(train, "download", lambda *a, **k: pytest.fail("downloaded before the config was checked"))
     with pytest.raises(SystemExit, match=r"has vocab_size 32000, and the tokenizer .* has 96 pieces"):
         train.main(base_args(corpus, tmp_path / "e", 2, "--model_config", str(path), "--download"))
+    # no tokenizer there yet: --download fetches T5's, of 32000 pieces, which a config of 96 is refused against
+    # before the download's minutes, not once the tokenizer is read after it
+    path.write_text(json.dumps(tiny))
+    with pytest.raises(SystemExit, match=r"has vocab_size 96, and T5's tokenizer, which --download fetches to "
+                                         r".*spiece.model, has 32000 pieces: pass the tokenizer"):
+        train.main(base_args(corpus, tmp_path / "f", 2, "--model_config", str(path), "--download", "--tokenizer",
+                             str(tmp_path / "t5" / "spiece.model")))
     args = train.get_args(["--model_config", str(tmp_path / "elsewhere" / "llama_60m.json"), "--device", "cpu"])
     assert (args.size, args.ffn_dim) == ("60m", 1376)  # not here: by its name
 

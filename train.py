@@ -61,7 +61,7 @@ import flags
 from cudagraph import MicroBatchGraph, PerLayerGraph
 from data import STOP_SIGNALS, SharedMemoryFull, TrainLoader, find_shards, load_tokenizer, one_line, validation_batches
 from devices import set_deterministic
-from download import download, shard_names
+from download import T5_PIECES, download, shard_names
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import (OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite,
@@ -615,6 +615,8 @@ def setup(args, given=(), dtype_given=True):
     # a tokenizer already there is read before a download's minutes (which keeps it): a --model_config of another
     # vocabulary, or a file that is no tokenizer, is refused first
     vocab_size = tokenizer_pieces(args) if os.path.isfile(args.tokenizer) else None
+    if args.download and vocab_size is None and (refusal := flags.model_config_refusal(args, T5_PIECES)):
+        raise SystemExit(refusal)  # none there: the one it fetches is T5's, known before the minutes of fetching it
     if args.download:
         train_shards, n_val = download_shards(args, given)
         if ddp:  # the other ranks would wait on a barrier for the whole download, past the process group's timeout
