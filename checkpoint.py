@@ -19,10 +19,12 @@ import fcntl
 import gc
 import hashlib
 import os
+import pickle
 import re
 import secrets
 import sys
 import tempfile
+import zipfile
 from contextlib import contextmanager, suppress
 
 import torch
@@ -234,6 +236,10 @@ def load(path):
     except Exception as e:  # noqa: BLE001 - torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
         if not _zip_start(path):  # torch.save writes a zip archive, which a cut or damaged one still starts as
             raise ValueError(f"{path} is not a checkpoint (not a torch zip file); {other}") from None
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))  # torch.save(model), a Namespace of args
+        if isinstance(e, pickle.UnpicklingError) and refused and _pickle_whole(path):
+            raise ValueError(f"{path} was not written by train.py: it holds Python objects that a weights-only load "
+                             f"refuses ({refused.group(1)}); {other}") from None
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}); {fix}") from None
     if not isinstance(state, dict) or "sha256" not in state:
         raise ValueError(f"{path} has no checksum, so it was not written by train.py; {other}")
@@ -253,6 +259,17 @@ def _zip_start(path):
     except OSError:  # a folder, no permission, an I/O error: load says it cannot be read
         return True
     return start.strip(b"\0") == b"" or start == b"PK\x03\x04"
+
+
+def _pickle_whole(path):
+    """Whether the file's pickle is as it was written (its zip CRC holds): a pickle that a weights-only load refuses
+    is then another program's objects, not damage (a changed byte can turn a tensor's rebuild into a refused name)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))  # raises on a CRC mismatch
+        return True
+    except Exception:  # noqa: BLE001 - a cut or damaged archive fails here in many ways: damaged, as load says
+        return False
 
 
 def peek(path):

@@ -694,6 +694,28 @@ def test_damaged_checkpoint_is_one_clear_line(corpus, tmp_path):
         assert "\n" not in str(e.value), name
 
 
+def test_a_whole_torch_file_of_another_program_is_not_called_damaged(tmp_path):
+    """torch.save of a whole module, or of a dict holding an argparse.Namespace (another repo's checkpoint): whole files
+    that a weights-only load refuses. They were "damaged ... restore it from a copy", a fix that cannot work; a
+    checkpoint cut short or changed inside its pickle is still called damaged."""
+    other = ("pass a checkpoint that train.py or export.py --merged wrote (a run's ckpt.pt, or its folder); a Hugging "
+             "Face export is not read back")
+    for name, obj in [("module.pt", torch.nn.Linear(2, 2)), ("namespace.pt", {"args": argparse.Namespace(lr=0.1)})]:
+        torch.save(obj, tmp_path / name)
+        with pytest.raises(ValueError) as e:
+            checkpoint.load(tmp_path / name)
+        assert str(e.value).startswith(f"{tmp_path / name} was not written by train.py: it holds Python objects that "
+                                       "a weights-only load refuses (") and str(e.value).endswith(f"); {other}") \
+            and "damaged" not in str(e.value), e.value
+    checkpoint.save(tmp_path / "ckpt.pt", {"model": {"w": torch.randn(4, 4)}, "step": 3})
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    at = good.index(b"torch._utils") + 8  # a byte of a global's name in the pickle: torch then refuses the global
+    for damaged in (good[:at] + bytes([good[at] ^ 0x01]) + good[at + 1:], good[: len(good) // 2]):
+        (tmp_path / "ckpt.pt").write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"cannot be read \(\w+\); it is damaged"):
+            checkpoint.load(tmp_path / "ckpt.pt")
+
+
 def test_checkpoint_command_checks_a_file_or_its_folder(corpus, tmp_path, capsys):
     train.main(base_args(corpus, tmp_path, 1))
     capsys.readouterr()
