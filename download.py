@@ -8,6 +8,7 @@ a name is wrong, the network is down or the disk cannot hold them. data.py's `do
     python -m pytest -q test_download.py
 """
 import errno
+import fcntl
 import gzip
 import hashlib
 import http.client
@@ -19,6 +20,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
+from contextlib import suppress
 from pathlib import Path
 
 import sentencepiece as spm
@@ -52,6 +54,47 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
     dest = Path(dest)
     part = dest.with_name(dest.name + ".part")
     _on_disk(dest.parent, dest.parent.mkdir, parents=True, exist_ok=True)
+    lock = _claim(part, dest)
+    if lock is None:  # another process fetched it while this one waited
+        return dest
+    try:
+        _fetch(url, dest, part, sha256, retries, backoff)
+    finally:
+        with suppress(OSError):  # the .part made by _claim, where nothing came (an address refused): no trace left
+            if os.stat(part).st_ino == os.fstat(lock).st_ino and not os.fstat(lock).st_size:
+                os.remove(part)
+        os.close(lock)  # releases the lock: a process waiting in _claim goes on
+    return dest
+
+
+def _claim(part, dest):
+    """An open descriptor of part, locked while the download writes it: two downloads of one file at once (two runs
+    with --download into one --data_dir) wrote into one .part, each appending where it saw the other end, and the
+    one that finished first checked the file and renamed it with the other's bytes still coming into it. The second
+    waits, then takes the file the first renamed, or resumes the .part it left. None: the file is there now."""
+    while True:
+        fd = _on_disk(part, os.open, part, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"another process is downloading {dest}: waiting for it", flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem that cannot lock (some network ones) goes unlocked
+                return fd
+            with suppress(FileNotFoundError):
+                if os.stat(part).st_ino == os.fstat(fd).st_ino:  # the .part is still this file: ours to write
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the holder renamed or removed it while this one waited
+        if dest.exists():
+            return None
+
+
+def _fetch(url, dest, part, sha256, retries, backoff):
+    """fetch's download into part, held by _claim, then checked and renamed to dest."""
     for attempt in range(retries + 1):
         have = part.stat().st_size if part.exists() else 0
         try:
@@ -79,15 +122,15 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
                 raise ConnectionError(f"{url}: HTTP {e.code} {e.reason}; the server is failing, try again later")
         except (OSError, http.client.HTTPException) as e:  # includes dropped connections and timeouts
             reason = getattr(e, "reason", e)
-            if not part.exists() and getattr(reason, "errno", None) in _UNREACHABLE:  # offline: retries only wait
+            held = part.stat().st_size if part.exists() else 0
+            if not held and getattr(reason, "errno", None) in _UNREACHABLE:  # offline: retries only wait
                 raise ConnectionError(_offline(url, dest, reason)) from None
             if attempt == retries:
-                resume = f"run the same command again to resume from {part}" if part.exists() else "try again later"
+                resume = f"run the same command again to resume from {part}" if held else "try again later"
                 raise ConnectionError(f"{url}: {e}; {resume}") from None
         time.sleep(backoff * 2 ** attempt)
     _verify(part, dest.name, sha256)
     os.replace(part, dest)  # atomic: dest is either absent or complete and checked
-    return dest
 
 
 def _on_disk(path, call, *args, **kwargs):

@@ -10,6 +10,7 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import random
 import re
 import socket
@@ -27,10 +28,11 @@ from test_data import corpus, make_docs, tok  # noqa: F401 (the fixtures, shared
 
 class Server:
     """A local HTTP server, with Range support unless ranges=False; paths in `drop` lose their connection
-    halfway, once."""
+    halfway, once. pause: (bytes, event) for the first answers in turn: each sends that many bytes of its body, then
+    waits for its event before the rest."""
 
-    def __init__(self, files, drop=(), ranges=True):
-        self.files, self.drop, self.requests = files, set(drop), []
+    def __init__(self, files, drop=(), ranges=True, pause=()):
+        self.files, self.drop, self.requests, pause = files, set(drop), [], list(pause)
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -52,6 +54,12 @@ class Server:
                     server.drop.discard(self.path)
                     self.wfile.write(body[start:start + (len(body) - start) // 2])
                     return  # HTTP/1.0: returning closes the connection short of Content-Length
+                if len(server.requests) <= len(pause):
+                    sent, event = pause[len(server.requests) - 1]
+                    self.wfile.write(body[start:start + sent])
+                    self.wfile.flush()
+                    event.wait(10)
+                    start += sent
                 self.wfile.write(body[start:])
 
             def log_message(self, *args):
@@ -266,3 +274,39 @@ def test_a_disk_that_cannot_take_the_download_is_said_at_once_not_retried(serve,
     with pytest.raises(ValueError, match=r"^cannot write .*b\.json\.gz\.part \(Is a directory\): pass a path you can "
                                          r"write to \(data.py download --out or --tokenizer, train.py --data_dir"):
         download.fetch(server.url + "/a.json.gz", tmp_path / "b.json.gz", backoff=0)
+
+
+
+def test_two_downloads_of_one_file_at_once_write_it_once_and_whole(serve, tmp_path, capsys):
+    """Two runs with --download into one --data_dir (a sweep started at once) fetched a shard into the same .part: the
+    second appended from the size it saw, the first checked and renamed the file, and the second's bytes went on into
+    the renamed, checked shard (or the first's check failed on them: "bad, deleted"). The second now waits for the
+    first, and takes its file."""
+    body = gzip.compress(random.Random(0).randbytes(3 << 20), compresslevel=0)  # past the 1 MB that a read takes
+    first, second = threading.Event(), threading.Event()
+    server = serve({"/a.json.gz": body}, pause=[(3 << 19, first), (0, second)])  # 1.5 MB, then none, till the events
+    dest, got = tmp_path / "a.json.gz", {}
+
+    def fetch(name):
+        try:
+            got[name] = download.fetch(server.url + "/a.json.gz", dest, retries=0)
+        except Exception as e:  # noqa: BLE001 - said by the assert below
+            got[name] = e
+    a = threading.Thread(target=fetch, args=("a",))
+    a.start()
+    while not (dest.parent / "a.json.gz.part").exists() or (dest.parent / "a.json.gz.part").stat().st_size < 1 << 20:
+        time.sleep(0.01)  # the first MB of the first download is in its .part
+    b = threading.Thread(target=fetch, args=("b",))
+    b.start()
+    said, t = "", time.perf_counter()
+    while "waiting" not in said and len(server.requests) < 2 and time.perf_counter() - t < 5:
+        said += capsys.readouterr().out
+        time.sleep(0.01)
+    time.sleep(0.2)  # (the second, where it fetches too, opens the .part once its answer's headers come)
+    first.set()
+    a.join()
+    second.set()
+    b.join()
+    assert dest.read_bytes() == body, f"{dest.stat().st_size:,} bytes, served {len(body):,}"
+    assert got == {"a": dest, "b": dest}, got
+    assert len(server.requests) == 1 and os.listdir(tmp_path) == ["a.json.gz"], (server.requests, os.listdir(tmp_path))
