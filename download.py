@@ -58,7 +58,7 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
     if lock is None:  # another process fetched it while this one waited
         return dest
     try:
-        _fetch(url, dest, part, sha256, retries, backoff)
+        _fetch(url, dest, part, sha256, retries, backoff, lock)
     finally:
         with suppress(OSError):  # the .part made by _claim, where nothing came (an address refused): no trace left
             if os.stat(part).st_ino == os.fstat(lock).st_ino and not os.fstat(lock).st_size:
@@ -93,8 +93,8 @@ def _claim(part, dest):
             return None
 
 
-def _fetch(url, dest, part, sha256, retries, backoff):
-    """fetch's download into part, held by _claim, then checked and renamed to dest."""
+def _fetch(url, dest, part, sha256, retries, backoff, fd):
+    """fetch's download into part (fd: its descriptor, held by _claim), then checked, synced and renamed to dest."""
     for attempt in range(retries + 1):
         have = part.stat().st_size if part.exists() else 0
         try:
@@ -130,7 +130,16 @@ def _fetch(url, dest, part, sha256, retries, backoff):
                 raise ConnectionError(f"{url}: {e}; {resume}") from None
         time.sleep(backoff * 2 ** attempt)
     _verify(part, dest.name, sha256)
-    os.replace(part, dest)  # atomic: dest is either absent or complete and checked
+    # synced, then renamed, then the rename synced: after a crash or power loss dest is either absent or complete and
+    # checked (a filesystem may keep a rename and not the data written before it: an empty shard that counts as whole)
+    _on_disk(part, os.fsync, fd)
+    os.replace(part, dest)
+    with suppress(OSError):  # dest is in place: a filesystem that cannot sync a folder (some FUSE ones) loses no data
+        dir_fd = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _on_disk(path, call, *args, **kwargs):

@@ -310,3 +310,25 @@ def test_two_downloads_of_one_file_at_once_write_it_once_and_whole(serve, tmp_pa
     assert dest.read_bytes() == body, f"{dest.stat().st_size:,} bytes, served {len(body):,}"
     assert got == {"a": dest, "b": dest}, got
     assert len(server.requests) == 1 and os.listdir(tmp_path) == ["a.json.gz"], (server.requests, os.listdir(tmp_path))
+
+
+def test_a_fetched_file_is_on_disk_before_it_takes_its_name(serve, tmp_path, monkeypatch):
+    """The rename made a shard whole by its name, but its bytes were never synced: after a crash or power loss the
+    filesystem may keep the rename and not the data (an empty or zero-filled shard), which download then keeps as
+    whole. The file, then its folder (the rename), are synced, as checkpoint.atomic_file does."""
+    body = gz_shard(30)
+    server = serve({"/a.json.gz": body})
+    synced, fsync, replace = [], download.os.fsync, download.os.replace
+
+    def record(fd):
+        synced.append(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    def replaced(src, dst):
+        synced.append(("rename", Path(dst).name))
+        replace(src, dst)
+    monkeypatch.setattr(download.os, "fsync", record)
+    monkeypatch.setattr(download.os, "replace", replaced)
+    dest = download.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", sha256=sha(body))
+    monkeypatch.undo()
+    assert synced == [dest.stat().st_ino, ("rename", "a.json.gz"), tmp_path.stat().st_ino], synced
