@@ -27,12 +27,12 @@ import json
 import math
 import os
 import sys
-from contextlib import ExitStack
 
 import torch
 import torch.nn as nn
 
-from checkpoint import atomic_file, check_tokenizer, checkpoint_file, load_model, make_folder, peek, remove_empty
+from checkpoint import (atomic_file, atomic_files, check_tokenizer, checkpoint_file, load_model, make_folder, peek,
+                        remove_empty)
 from data import empty_path_refusal, find_shards, load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
 from model import SIZES, LLaMA, LLaMAConfig, RMSNorm, freeze_all_but_values
@@ -173,13 +173,11 @@ def spectrum_figures(rows, folder, title):
         figures.append((path, svg_text([(label, list(range(1, len(ys) + 1)), ys) for label, ys in series],
                                        title=f"{title}: singular values of {kind} ({sub})", xlabel="index i",
                                        ylabel="σ_i")))
-    # every figure whole in its temporary before any is renamed over an earlier one: a write that fails (a full disk)
-    # leaves the folder's earlier set as it was, not some kinds of this checkpoint beside others of the one before
-    with ExitStack() as files:
-        for path, text in figures:
-            f = files.enter_context(atomic_file(path))
+    # all or none (atomic_files): a write that fails (a full disk) leaves the folder's earlier set as it was, not some
+    # kinds of this checkpoint beside others of the one before
+    with atomic_files([path for path, _ in figures]) as files:
+        for f, (_, text) in zip(files, figures):
             f.write(text)
-            f.flush()  # a refused write fails now, before any rename, not in atomic_file's flush at the exits
     return [path for path, _ in figures]
 
 

@@ -98,23 +98,57 @@ def atomic_file(path):
     old file or the new one, never a mix (and the temporary, which folder_lock removes); an error (or Ctrl-C) in the
     writing removes the temporary, a partial file that would only fill the disk further, and leaves an earlier file
     at path as it was."""
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # TEMPORARY matches it
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open()'s files
+    with atomic_files([path]) as (f,):
+        yield f
+
+
+@contextmanager
+def atomic_files(paths):
+    """atomic_file for files that belong together (an export's weights, config and tokenizer; a set of figures): all
+    or none. Each is written into a temporary of its own, and every one is flushed and fsynced before the first is
+    renamed, so that a write or an fsync that fails (a full disk; a delayed-allocation one says so at fsync), or a
+    Ctrl-C, removes them all and leaves the earlier set as it was, not new files beside old ones. Only a kill in the
+    renames themselves can leave some renamed. An OSError of its own names the file (not its temporary)."""
+    paths, tmps, files = list(paths), [], []
     try:
-        with open(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path in paths:
+            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # TEMPORARY matches it
+            with _naming(path):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open()'s
+            tmps.append(tmp)
+            files.append(open(fd, "wb"))
+        yield files
+        for path, f in zip(paths, files):
+            with _naming(path):
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        for tmp, path in zip(tmps, paths):
+            os.replace(tmp, path)
     except BaseException:
-        with suppress(OSError):
-            os.remove(tmp)
+        for f in files:
+            with suppress(OSError):
+                f.close()
+        for tmp in tmps:  # (one renamed already is not there)
+            with suppress(OSError):
+                os.remove(tmp)
         raise
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the renames themselves
+        finally:
+            os.close(dir_fd)
+
+
+@contextmanager
+def _naming(path):
+    """An OSError raised inside names path: fsync's names no file, and os.open's the temporary."""
     try:
-        os.fsync(dir_fd)  # the rename itself
-    finally:
-        os.close(dir_fd)
+        yield
+    except OSError as e:
+        e.filename = path
+        raise
 
 
 class FolderBusy(Exception):

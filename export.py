@@ -19,18 +19,18 @@ tensor's dtype, shape and byte range [begin, end) in the data that follows, then
 import argparse
 import atexit
 import copy
+import functools
 import gc
 import json
 import os
 import struct
 import tempfile
-from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import torch
 import torch.nn as nn
 
-from checkpoint import (SaveFailed, atomic_file, check_tokenizer, checkpoint_file, load_model, make_folder,
+from checkpoint import (SaveFailed, atomic_files, check_tokenizer, checkpoint_file, load_model, make_folder,
                         remove_empty, save)
 from data import empty_path_refusal, load_tokenizer
 from model import ReLoRALinear
@@ -41,20 +41,25 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 # ----------------------------------------------------------------------------- safetensors
 
-@contextmanager
-def whole(path):
-    """A binary file that appears at path whole or not at all (checkpoint.atomic_file); a failed write raises OSError
-    naming path."""
+def write_whole(parts, kept):
+    """{path: bytes, or a function that writes into a binary file} -> files that appear at their paths all or none
+    (checkpoint.atomic_files). A failed write raises OSError naming its file, then `kept`: what stays as it was."""
+    paths = list(parts)
     try:
-        with atomic_file(path) as f:
-            yield f
+        with atomic_files(paths) as files:
+            for path, f in zip(paths, files):
+                try:
+                    parts[path](f) if callable(parts[path]) else f.write(parts[path])
+                    f.flush()  # a write the disk refuses fails now, naming its file, before any file is renamed
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, path) from None
     except OSError as e:
-        raise OSError(e.errno, f"{e.strerror}; nothing was left there", path) from None
+        raise OSError(e.errno, f"{e.strerror}; {kept}", e.filename) from None
 
 
-def save_safetensors(tensors, path):
-    """{name: tensor} -> one .safetensors file, a tensor at a time (no copy of the whole model in host memory).
-    Atomic (checkpoint.atomic_file): a failed write leaves no partial file and raises OSError naming path."""
+def write_safetensors(tensors, f):
+    """{name: tensor} -> the bytes of one .safetensors file, into the binary file f, a tensor at a time (no copy of
+    the whole model in host memory)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         if t.dtype not in DTYPES:
@@ -64,11 +69,16 @@ def save_safetensors(tensors, path):
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with whole(path) as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for t in tensors.values():
-            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian host
+    f.write(struct.pack("<Q", len(text)))
+    f.write(text)
+    for t in tensors.values():
+        f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian host
+
+
+def save_safetensors(tensors, path):
+    """{name: tensor} -> one .safetensors file, atomic (write_whole): a failed write leaves no partial file and raises
+    OSError naming path."""
+    write_whole({path: functools.partial(write_safetensors, tensors)}, "nothing was left there")
 
 
 def load_safetensors(path):
@@ -166,14 +176,10 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
         spm = f.read()  # read first: --tokenizer may be the tokenizer.model of this very folder
     os.makedirs(out_dir, exist_ok=True)
     tensors = {hf_name(k): v for k, v in densify(model, dtype).state_dict().items()}
-    save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     # max_position_embeddings only sizes HF's rotary cache; the model saw sequences of max_length tokens
     pad_id = max(sp.pad_id(), 0)  # what the loader pads rows with (data.py): T5's pad, 0
     config = hf_config(model.config, max(2048, run.get("max_length", 256)), dtype, sp.eos_id(), pad_id)
-    for name, data in (("config.json", json.dumps(config, indent=2).encode()), ("tokenizer.model", spm)):
-        with whole(os.path.join(out_dir, name)) as f:
-            f.write(data)
     # T5's tokenizer class reads a sentencepiece unigram model with its own normalizer, so its ids are ours (the
     # LLaMA class re-reads the model as BPE and is not). No extra ids: the vocabulary stays the model's. It appends
     # EOS, which ends every training document: right for scoring documents; pass add_special_tokens=False for prompts
@@ -181,8 +187,13 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
            "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(pad_id),
            "clean_up_tokenization_spaces": False}
-    with whole(os.path.join(out_dir, "tokenizer_config.json")) as f:
-        f.write(json.dumps(tok, indent=2).encode())
+    # all four or none: a disk that fills after the weights (or a Ctrl-C there) would leave, with --overwrite, new
+    # weights beside an earlier export's config, a folder that loads as neither model
+    contents = {"config.json": json.dumps(config, indent=2).encode(),
+                "model.safetensors": functools.partial(write_safetensors, tensors), "tokenizer.model": spm,
+                "tokenizer_config.json": json.dumps(tok, indent=2).encode()}
+    write_whole({os.path.join(out_dir, name): contents[name] for name in HF_FILES},
+                "none of the export's files was replaced (an earlier export there is as it was)")
     return list(HF_FILES)  # (not the folder's listing: it may hold other files, a run's own when it is the run's)
 
 
@@ -294,7 +305,7 @@ def main(argv=None):
         if isinstance(e, (OSError, ValueError, SaveFailed)):  # the partial file is gone already: one line
             raise SystemExit(f"export.py: {e}") from None
         if isinstance(e, KeyboardInterrupt):
-            raise SystemExit("export.py: interrupted; a file it was writing is removed, the ones it finished stay") \
+            raise SystemExit("export.py: interrupted; what it was writing is removed, what it finished stays") \
                 from None
         raise
 

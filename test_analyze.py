@@ -4,7 +4,6 @@ Tests of analyze.py and of train.py's --init_from, --freeze and --support_seed, 
     python -m pytest -q test_analyze.py
 """
 
-import errno
 import gc
 import json
 import math
@@ -12,7 +11,6 @@ import os
 import re
 import weakref
 import xml.etree.ElementTree as ET
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ import train
 from checkpoint import load_model
 from data import validation_batches
 from sllinear import SLLinear
-from test_train import base_args, corpus, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
+from test_train import base_args, corpus, disk_full_from, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -625,24 +623,16 @@ def test_a_figure_that_cannot_be_written_leaves_the_earlier_one_whole(tmp_path, 
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["big", "curves.svg", "small"]
 
 
-def test_spectrum_figures_are_replaced_all_or_none(dense_ckpt, sltrain_ckpt, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("at", ["open", "fsync"])
+def test_spectrum_figures_are_replaced_all_or_none(dense_ckpt, sltrain_ckpt, tmp_path, monkeypatch, capsys, at):
     """A disk that fills at the fourth of the seven figures left q, k and v of this checkpoint beside o, gate, up and
     down of the one analyzed before into the same folder, each whole, so nothing told the two apart. Every figure is
-    written before any replaces an earlier one: a failed write leaves the earlier set as it was."""
+    written and synced before any replaces an earlier one: a failed write leaves the earlier set as it was. Also where
+    the disk says so at fsync (delayed allocation): renamed one by one as each was synced, the last three were new."""
     analyze.main(["spectrum", dense_ckpt, "--figures", str(tmp_path)])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert len(before) == 7
-    atomic_file, opened = analyze.atomic_file, []
-
-    @contextmanager
-    def filling(path):  # the disk is full from the fourth file on
-        with atomic_file(path) as f:
-            opened.append(path)
-            if len(opened) > 3:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            yield f
-
-    monkeypatch.setattr(analyze, "atomic_file", filling)
+    disk_full_from(monkeypatch, 4, at)
     got = refusal(capsys, ["spectrum", sltrain_ckpt, "--figures", str(tmp_path)])
     assert "cannot write into --figures" in got and "No space left on device" in got, got
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}

@@ -25,7 +25,8 @@ import suite
 import train
 from checkpoint import load_model
 from model import LLaMA, config_for
-from test_train import base_args, corpus, eval_args, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
+from test_train import (base_args, corpus, disk_full_from, eval_args, file_size_limit,  # noqa: F401  (fixtures)
+                        other_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +337,28 @@ def test_export_that_cannot_write_is_one_line_and_leaves_no_partial_file(sl_ckpt
         assert {"model.safetensors", "config.json"} <= set(os.listdir(target))
     else:
         assert load_model(str(target))[0].config.method == "full"
+
+
+@pytest.mark.parametrize("at", ["open", "fsync"])
+def test_a_hugging_face_export_is_replaced_all_or_none(sl_ckpt, tmp_path, monkeypatch, at):
+    """export_hf wrote its four files one at a time, each atomic: a disk that filled after model.safetensors (or a
+    Ctrl-C there) left, with --overwrite, this export's weights beside an earlier export's config. Every file is now
+    written and synced before any replaces an earlier one: a write that fails leaves the earlier export as it was."""
+    out = tmp_path / "hf"
+    export.main([sl_ckpt, "--out", str(out), "--dtype", "bfloat16"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    disk_full_from(monkeypatch, 2, at)  # room for the weights alone (the new ones are float32: another config too)
+    with pytest.raises(SystemExit, match=r"^export.py: .*No space left on device.*; none of the export's files was "
+                                         r"replaced") as e:
+        export.main([sl_ckpt, "--out", str(out), "--overwrite"])
+    assert "\n" not in str(e.value) and str(out) in str(e.value)
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    replaced = sorted(name for name in before if after.get(name) != before[name])
+    assert after.keys() == before.keys() and not replaced, f"replaced: {replaced}; in the folder: {sorted(after)}"
+    monkeypatch.undo()
+    export.main([sl_ckpt, "--out", str(out), "--overwrite"])  # with room, every file is replaced
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert after.keys() == before.keys() and all(after[n] != before[n] for n in ("config.json", "model.safetensors"))
 
 
 class Scripted:

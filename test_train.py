@@ -7,6 +7,7 @@ full disks, bad data, divergence) is test_faults.py's, which takes its fixtures 
 """
 
 import atexit
+import errno
 import gc
 import gzip
 import json
@@ -1898,6 +1899,23 @@ def test_resume_with_another_tokenizer_is_refused(corpus, tmp_path):
     args[args.index("--tokenizer") + 1] = str(other)
     with pytest.raises(SystemExit, match="tokenizer_sha256"):
         train.main(args)
+
+
+def disk_full_from(monkeypatch, nth, at):
+    """A disk that is full from the nth temporary (checkpoint.TEMPORARY's name: atomic_file's and atomic_files') that
+    comes to it: creating it (at="open") or syncing it (at="fsync", as a delayed-allocation disk says so) fails with
+    ENOSPC, for it and for every one after. Returns the temporaries that came, in order."""
+    came, real = [], getattr(os, at)
+
+    def full(target, *args, **kwargs):
+        name = os.fspath(target) if at == "open" else os.readlink(f"/proc/self/fd/{target}")
+        if checkpoint.TEMPORARY.fullmatch(os.path.basename(name)):
+            came.append(name)
+            if len(came) >= nth:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(target, *args, **kwargs)
+    monkeypatch.setattr(os, at, full)
+    return came
 
 
 @contextmanager
