@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from checkpoint import (atomic_file, atomic_files, check_tokenizer, checkpoint_file, load_model, make_folder, peek,
                         remove_empty)
-from data import empty_path_refusal, find_shards, load_tokenizer, validation_batches
+from data import Unbroken, empty_path_refusal, find_shards, load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
 from model import SIZES, LLaMA, LLaMAConfig, RMSNorm, freeze_all_but_values
 from sllinear import SLLinear, merge, uniform_support
@@ -702,4 +702,7 @@ def weights(args):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    # its figures are written after its table, and its notes (on stderr) come before the work: a reader's end
+    # (| head, 2>&1 | tee) must stop neither
+    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)
     main()

@@ -64,7 +64,7 @@ import galore
 import optim
 import sample
 from checkpoint import atomic_file, make_folder
-from data import empty_path_refusal
+from data import Unbroken, empty_path_refusal
 from devices import device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import LLaMA, PRETRAINING, SIZES, config_for, is_projection, length_refusal
@@ -784,4 +784,5 @@ def main():
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    sys.stdout = Unbroken(sys.stdout)  # a reader's end must not fail the sections, or stop --out's rewrites
     main()

@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import secrets
+import signal
 import sys
 import tempfile
 import zipfile
@@ -385,4 +386,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # it writes no file: a reader that stops (| head) ends it at once
     main()

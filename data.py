@@ -30,6 +30,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import zlib
@@ -749,6 +750,41 @@ def train_tokenizer(data_dir, out_prefix, vocab_size=32000, max_docs=100_000):
 
 # ----------------------------------------------------------------------------- commands
 
+class Unbroken:
+    """stdout (or stderr) that, once its reader is gone (`python train.py | tee log` with tee ended by the job's
+    signal, `| head`, a closed terminal), sends what follows to /dev/null instead of raising in the middle of the
+    work. For the commands that write files as they print (train.py, export.py, analyze.py, bench.py, suite.py,
+    download and train-tokenizer): the stop a run is answering still saves its checkpoint, every output asked for is
+    written, and the command exits as its work says. One that writes no file takes SIGPIPE's default instead and
+    ends with its reader, at once; a command that writes files it would kill part way (its outputs unwritten, a
+    temporary left)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _gone(self):
+        with suppress(OSError):  # fd 1 itself now leads nowhere: the stream's buffer flushes there, at exit too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self._gone()
+            with suppress(OSError):
+                self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 SHOWN = 10  # bad lines said per shard by stats; the count of the rest follows
 
 
@@ -918,4 +954,8 @@ def check_args(p, args):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    if sys.argv[1:2] in (["stats"], ["bench"]):  # they write no file: a reader that stops (| head) ends them at once
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    else:  # download and train-tokenizer write files while they print: they go on (Unbroken)
+        sys.stdout = Unbroken(sys.stdout)
     main()

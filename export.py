@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import struct
+import sys
 import tempfile
 from dataclasses import asdict, replace
 
@@ -32,7 +33,7 @@ import torch.nn as nn
 
 from checkpoint import (SaveFailed, atomic_files, check_tokenizer, checkpoint_file, load_model, make_folder,
                         remove_empty, save)
-from data import empty_path_refusal, load_tokenizer
+from data import Unbroken, empty_path_refusal, load_tokenizer
 from model import ReLoRALinear
 from sllinear import SLLinear
 
@@ -312,4 +313,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    sys.stdout = Unbroken(sys.stdout)  # a reader's end after the folder's line must not stop --merged's write
     main()

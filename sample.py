@@ -29,6 +29,7 @@ import argparse
 import atexit
 import gc
 import math
+import signal
 import sys
 
 import torch
@@ -252,4 +253,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # it writes no file: a reader that stops (| head) ends it at once
     main()

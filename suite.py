@@ -59,7 +59,7 @@ import optim
 from bench import (INFERENCE_BATCH, bench_inference, check_out, finish, interleave, per_layer_host_time, pick_device,
                    ratio, ratio_text, record_error, report_inference, start, summary, synchronizer, write_json)
 from cudagraph import MicroBatchGraph, PerLayerGraph, cuda_graphed
-from data import DEFAULT_TOKENIZER, empty_path_refusal, find_shards, load_tokenizer
+from data import DEFAULT_TOKENIZER, Unbroken, empty_path_refusal, find_shards, load_tokenizer
 from devices import set_deterministic
 from estimate_memory import BLOCK_SIZE, estimate, measure
 from model import LLaMA, PRETRAINING, config_for
@@ -1065,4 +1065,5 @@ def main():
 
 if __name__ == "__main__":
     atexit.register(gc.freeze)  # no last walk of the heap at exit: train.py says why
+    sys.stdout = Unbroken(sys.stdout)  # a reader's end must not fail the sections, or stop --out's rewrites
     main()

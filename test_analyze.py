@@ -23,6 +23,7 @@ import train
 from checkpoint import load_model
 from data import validation_batches
 from sllinear import SLLinear
+from test_data import quiet, read_then_stop
 from test_train import base_args, corpus, disk_full_from, file_size_limit, other_tokenizer  # noqa: F401  (fixtures)
 
 
@@ -638,6 +639,22 @@ def test_spectrum_figures_are_replaced_all_or_none(dense_ckpt, sltrain_ckpt, tmp
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     mixed = sorted(name for name in before if after.get(name) != before[name])
     assert after.keys() == before.keys() and not mixed, f"replaced: {mixed}; in the folder: {sorted(after)}"
+
+
+@pytest.mark.parametrize("command", ["spectrum --figures", "prune", "curves 2>&1"])
+def test_a_command_read_by_a_reader_that_stops_does_its_work_and_exits_0(dense_ckpt, tmp_path, command):
+    """`python analyze.py spectrum ckpt --figures figs | head -3`: the table printed first, and the pipe's end there
+    was a BrokenPipeError traceback, exit 1, and no figure written (prune's table the same, after its evaluations);
+    with `2>&1 | tee log`, curves' note of a non-finite point (on stderr) came before its figure, which it stopped.
+    The lines after the reader's end go nowhere now, and the command does all it was asked."""
+    if command == "curves 2>&1":
+        rows = [{"step": 10, "val_ppl": 50.0}, {"step": 20, "val_ppl": float("inf")}, {"step": 30, "val_ppl": 30.0}]
+        argv = ["curves", write_metrics(tmp_path / "run" / "metrics.jsonl", rows), "--out", str(tmp_path / "c.svg")]
+    else:
+        argv = [command.split()[0], dense_ckpt, "--rank", "4", *(["--figures", str(tmp_path)] * ("figures" in command))]
+    status, err = read_then_stop(["analyze.py", *argv], stderr_too="2>&1" in command)
+    assert status == 0 and quiet(err), (status, err)
+    assert len(list(tmp_path.glob("*.svg"))) == {"spectrum --figures": 7, "prune": 0, "curves 2>&1": 1}[command]
 
 
 def test_a_failed_command_leaves_no_empty_folder_it_made(tmp_path, capsys):

@@ -14,6 +14,7 @@ import torch
 import bench
 import model
 import sample
+from test_data import quiet, read_then_stop
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -81,6 +82,16 @@ def test_the_optimizer_tools_run_and_report(monkeypatch, capsys, tmp_path):
     assert "one optimizer step on a 64x64 tensor" in out and "the median of 2 rounds' ratios" in out
     assert "200 steps on heavy-tailed gradients" in out and out.count("max |update|/lr") == 3
     assert "tiny sltrain (" in out and "x: median" not in out
+
+
+def test_a_bench_whose_reader_is_gone_runs_every_section_and_exits_0(tmp_path):
+    """`python bench.py --out bench.json | tee log`, and tee ends: the header line raised a BrokenPipeError before
+    any section ran (a line inside a section made it a failed one, and the tables at the end a traceback). The lines
+    go nowhere now: every section runs, --out holds them, and the exit is 0."""
+    status, err = read_then_stop(["bench.py", "--only", "heavy", "--device", "cpu", "--out", str(tmp_path / "b.json")])
+    assert status == 0 and quiet(err), (status, err)
+    r = json.loads((tmp_path / "b.json").read_text())
+    assert "heavy" in r and "errors" not in r, r.get("errors")
 
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -691,6 +692,26 @@ def test_an_unreadable_tokenizer_names_a_command_that_fetches_it(tmp_path, monke
     assert fetched == [bad], f"the message's command fetched {fetched}, not {bad}"
 
 
+def read_then_stop(argv, stderr_too=False):
+    """`python ARGV | head -0`, or `| tee log` with tee ended: a command whose stdout's reader closes it before the
+    first line, so that every line the command prints meets the closed pipe (a reader that stops after a few lines,
+    as head does, is the same for the lines after them, but leaves to chance which those are). Unbuffered
+    (PYTHONUNBUFFERED, as many job scripts set), so that each print meets it as it is made, not only the flush at
+    exit. stderr_too: stderr is that pipe too (`2>&1 | tee log`). Returns the exit status and stderr (else "")."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, env=env,
+                            stderr=subprocess.STDOUT if stderr_too else subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parent)
+    proc.stdout.close()
+    err = proc.communicate(timeout=300)[1]
+    return proc.returncode, err.decode() if err else ""
+
+
+def quiet(err):
+    """No traceback and no broken pipe said: what a command that a reader stopped may print on stderr."""
+    return "Traceback" not in err and "Broken pipe" not in err and "BrokenPipe" not in err
+
+
 # ----------------------------------------------------------------------------- commands
 
 def test_commands(corpus, tok, capsys):
@@ -705,6 +726,24 @@ def test_commands(corpus, tok, capsys):
                                cwd=Path(__file__).resolve().parent).stdout
     for command in ("download", "train-tokenizer", "stats", "bench"):
         assert command in help_text, f"{command} missing from --help:\n{help_text}"
+
+
+@pytest.mark.parametrize("command", ["stats", "bench"])
+def test_a_command_read_by_a_reader_that_stops_ends_quietly(corpus, tok, command):
+    """`python data.py stats | head -3`: stats and bench write no file, so the reader's end ends them (SIGPIPE's
+    default); they said "[Errno 32] Broken pipe" and exited 1, stats after reading every shard on."""
+    argv = ["data.py", command, "--data_dir", str(corpus[0]), "--tokenizer", str(tok), "--max_length", str(L)]
+    status, err = read_then_stop(argv + (["--seconds", "0.2"] if command == "bench" else []))
+    assert quiet(err) and status in (0, -signal.SIGPIPE), (status, err)
+
+
+def test_train_tokenizer_read_by_a_reader_that_is_gone_keeps_its_model_and_exits_0(corpus, tmp_path):
+    """train-tokenizer writes its model, then says so: with the reader gone, the line goes nowhere, not to a
+    "train-tokenizer: [Errno 32] Broken pipe" and exit 1 after a model written whole."""
+    status, err = read_then_stop(["data.py", "train-tokenizer", "--data_dir", str(corpus[0]), "--out",
+                                  str(tmp_path / "spm"), "--vocab_size", "100"])
+    assert status == 0 and quiet(err), (status, err)
+    assert data.load_tokenizer(tmp_path / "spm.model").vocab_size() == 100
 
 
 @pytest.mark.parametrize("argv,message", [

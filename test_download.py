@@ -23,7 +23,7 @@ import pytest
 
 import data
 import download
-from test_data import corpus, make_docs, tok  # noqa: F401 (the fixtures, shared with test_data.py)
+from test_data import corpus, make_docs, quiet, read_then_stop, tok  # noqa: F401 (fixtures shared with test_data)
 
 
 class Server:
@@ -192,6 +192,22 @@ def test_download_uses_the_hugging_face_layout(serve, tok, tmp_path, monkeypatch
         "already\n", said
     with pytest.raises(ValueError, match="c4-train.00000-of-01024.json.gz"):
         download.download(tmp_path / "c4", None, ["c4-train.0-of-1024.json"], base_url=server.url)
+
+
+def test_a_download_whose_reader_is_gone_fetches_every_file_and_exits_0(serve, tmp_path):
+    """`python data.py download ... | tee log`, and tee ends: the line said before each fetch failed, was taken for a
+    dropped connection and retried, and the download stopped with "[Errno 32] Broken pipe; try again later" after
+    its first file. The lines now go nowhere and every file is fetched."""
+    names = download.shard_names(2, 2)[1::2]  # shards 00001: 00000's known sha256 is the real shard's
+    files = {f"/datasets/allenai/c4/resolve/main/en/{n}": gz_shard(30, i) for i, n in enumerate(names)}
+    server = serve(files)
+    small = "import download, functools, runpy; download.SHARD_BYTES = {'train': 1e3, 'validation': 1e3}; " \
+            "download.download = functools.partial(download.download, backoff=0); " \
+            "runpy.run_path('data.py', run_name='__main__')"  # small_shards' room, and retries without waits
+    status, err = read_then_stop(["-c", small, "download", "--out", str(tmp_path), "--tokenizer", "", "--shards",
+                                  *names, "--base_url", server.url])
+    assert status == 0 and quiet(err), (status, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
 
 
 @pytest.mark.parametrize("base_url,env,message", [

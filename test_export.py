@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import sys
 
 import pytest
@@ -25,6 +26,7 @@ import suite
 import train
 from checkpoint import load_model
 from model import LLaMA, config_for
+from test_data import quiet, read_then_stop
 from test_train import (base_args, corpus, disk_full_from, eval_args, file_size_limit,  # noqa: F401  (fixtures)
                         other_tokenizer)
 
@@ -337,6 +339,24 @@ def test_export_that_cannot_write_is_one_line_and_leaves_no_partial_file(sl_ckpt
         assert {"model.safetensors", "config.json"} <= set(os.listdir(target))
     else:
         assert load_model(str(target))[0].config.method == "full"
+
+
+def test_an_export_whose_reader_is_gone_writes_both_outputs_and_exits_0(sl_ckpt, tmp_path):
+    """`python export.py ... --out hf --merged dense.pt | tee log`, and tee ends: the line said after the folder
+    failed ("export.py: [Errno 32] Broken pipe", exit 1), and --merged was never written. The lines go nowhere now."""
+    status, err = read_then_stop(["export.py", sl_ckpt, "--out", str(tmp_path / "hf"), "--merged",
+                                  str(tmp_path / "dense.pt")])
+    assert status == 0 and quiet(err), (status, err)
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted(export.HF_FILES)
+    assert load_model(str(tmp_path / "dense.pt"))[0].config.method == "full"
+
+
+def test_samples_read_by_a_reader_that_stops_end_quietly(sl_ckpt):
+    """`python sample.py ckpt --num_samples 20 | head`: the next sample failed with "sample.py: [Errno 32] Broken
+    pipe", exit 1. It writes no file, so the reader's end ends it (SIGPIPE's default)."""
+    status, err = read_then_stop(["sample.py", sl_ckpt, "--prompt", "the", "--num_samples", "20", "--batch_size", "1",
+                                  "--max_new_tokens", "4"])
+    assert quiet(err) and status in (0, -signal.SIGPIPE), (status, err)
 
 
 @pytest.mark.parametrize("at", ["open", "fsync"])

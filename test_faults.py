@@ -33,6 +33,7 @@ import flags
 import keeper
 import train
 from model import LLaMA, config_for
+from test_data import quiet, read_then_stop
 from test_hostsync import mark_pinning
 from test_train import (HERE, base_args, corpus, eval_args, file_size_limit, final_state, metrics,  # noqa: F401
                         one_gpu, run_torchrun)  # corpus: the tiny shards and tokenizer, a fixture
@@ -734,6 +735,17 @@ def test_checkpoint_command_checks_a_file_or_its_folder(corpus, tmp_path, capsys
         with pytest.raises(SystemExit):
             checkpoint.main(argv)
     assert "verify checkpoints" in capsys.readouterr().out
+
+
+def test_the_checkpoint_command_read_by_a_reader_that_stops_ends_quietly(tmp_path):
+    """`python checkpoint.py out/*/ckpt.pt | head -1`: each line after the reader's end failed with "[Errno 32] Broken
+    pipe", which was counted as a checkpoint not whole: "3 of 4 checkpoint(s) not whole" of four whole ones. It reads
+    and writes no file, so the reader's end ends it (SIGPIPE's default)."""
+    paths = [str(tmp_path / f"{i}.pt") for i in range(4)]
+    for step, path in enumerate(paths):
+        checkpoint.save(path, {"step": step, "w": torch.ones(3)})
+    status, err = read_then_stop([str(HERE / "checkpoint.py"), *paths])
+    assert quiet(err) and "not whole" not in err and status in (0, -signal.SIGPIPE), (status, err)
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import optim
 import suite
 from model import LLaMA, config_for
 from test_cudagraph import recorded_capture
+from test_data import quiet, read_then_stop
 from test_train import corpus  # noqa: F401  (the tiny shards and tokenizer, made once per module)
 
 
@@ -134,6 +135,16 @@ def test_a_failing_section_is_recorded_and_the_others_run(monkeypatch, tmp_path,
     assert list(r["seconds"]) == ["layer", "optimizer", "inference"] and r["command"].startswith("python suite.py tiny")
     printed = capsys.readouterr().out
     assert "optimizer failed" in printed and printed.index("layer: SLTrain") < printed.index("optimizer failed")
+
+
+def test_a_suite_whose_reader_is_gone_runs_every_section_and_exits_0(tmp_path):
+    """`python suite.py tiny --out gpu.json | tee log`, and tee ends: the header line raised a BrokenPipeError before
+    any section ran (a reader that stopped later made a section's table a failed section, "width (table)", and the
+    line after it a traceback). The lines go nowhere now: every section runs, and the exit is 0."""
+    status, err = read_then_stop(["suite.py", "tiny", "--only", "width", "--out", str(tmp_path / "s.json")])
+    assert status == 0 and quiet(err), (status, err)
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert "width" in r and "errors" not in r, r.get("errors")
 
 
 def test_each_section_is_on_disk_before_the_next_runs(monkeypatch, tmp_path):

@@ -59,7 +59,8 @@ from analyze import init_refusal, prepare_for_training
 import checkpoint
 import flags
 from cudagraph import MicroBatchGraph, PerLayerGraph
-from data import STOP_SIGNALS, SharedMemoryFull, TrainLoader, find_shards, load_tokenizer, one_line, validation_batches
+from data import (STOP_SIGNALS, SharedMemoryFull, TrainLoader, Unbroken, find_shards, load_tokenizer, one_line,
+                  validation_batches)
 from devices import set_deterministic
 from download import T5_PIECES, download, shard_names
 from flags import resume_path, same_file
@@ -1240,37 +1241,6 @@ def zero_grad(run):
         run.graph.zero_grads()
     else:
         run.optimizer.zero_grad(set_to_none=True)
-
-
-class Unbroken:
-    """stdout that, once its reader is gone (`python train.py | tee log` with tee ended by the job's signal, or a
-    closed terminal), sends what follows to /dev/null instead of raising in the middle of the run: the stop it is
-    answering still saves its checkpoint, and the run still exits 0."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def _gone(self):
-        with suppress(OSError):  # fd 1 itself now leads nowhere: the stream's buffer flushes there, at exit too
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:
-            self._gone()
-            return len(text)
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except OSError:
-            self._gone()
-            with suppress(OSError):
-                self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 if __name__ == "__main__":
