@@ -160,19 +160,25 @@ def test_each_section_is_on_disk_before_the_next_runs(monkeypatch, tmp_path):
     assert json.load(open(out)) == seen  # nothing after the interrupt, the earlier section kept
 
 
-def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
-    """The memory section saves after each setting: a kill during the second leaves the first on disk."""
-    out, measure, calls = str(tmp_path / "suite.json"), suite.measure, []
+def killed_on_the_second(monkeypatch, tmp_path, section, function):
+    """Run the tiny suite's section with its second call of suite.function stopped as a kill would; -> what --out
+    holds of it."""
+    out, real, calls = str(tmp_path / "suite.json"), getattr(suite, function), []
 
-    def killed_on_the_second(*args, **kwargs):
+    def killed(*args, **kwargs):
         calls.append(args)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return measure(*args, **kwargs)
-    monkeypatch.setattr(suite, "measure", killed_on_the_second)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(suite, function, killed)
     with pytest.raises(KeyboardInterrupt):
-        suite.run_suite("tiny", torch.device("cpu"), ["memory"], out=out)
-    saved = json.load(open(out))["memory"]["tiny"]
+        suite.run_suite("tiny", torch.device("cpu"), [section], out=out)
+    return json.load(open(out))[section]
+
+
+def test_a_long_section_keeps_its_finished_part_on_disk(monkeypatch, tmp_path):
+    """The memory section saves after each setting: a kill during the second leaves the first on disk."""
+    saved = killed_on_the_second(monkeypatch, tmp_path, "memory", "measure")["tiny"]
     assert list(saved["settings"]) == ["full/adamw"] and saved["settings"]["full/adamw"]["gb"] > 0, saved
     assert saved["reduction"] is None  # the SLTrain row was not measured yet
     suite.report_memory({"memory": {"tiny": saved}})  # a partial section still prints
@@ -222,17 +228,7 @@ def test_the_timed_sections_keep_their_finished_part_on_disk(monkeypatch, tmp_pa
 def test_the_width_section_keeps_each_finished_method_on_disk(monkeypatch, tmp_path):
     """A kill (the plan's timeout -s KILL) or a failure while SLTrain's models are timed keeps full rank's figures,
     timed before them, on disk: the section saves after each method."""
-    out, interleave, calls = str(tmp_path / "suite.json"), suite.interleave, []
-
-    def killed_on_the_second(*args, **kwargs):
-        calls.append(args)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return interleave(*args, **kwargs)
-    monkeypatch.setattr(suite, "interleave", killed_on_the_second)
-    with pytest.raises(KeyboardInterrupt):
-        suite.run_suite("tiny", torch.device("cpu"), ["width"], out=out)
-    saved = json.load(open(out))["width"]
+    saved = killed_on_the_second(monkeypatch, tmp_path, "width", "interleave")
     assert list(saved["methods"]) == ["full"] and saved["methods"]["full"]["176"]["ms"] > 0, saved
     suite.report_width({"width": saved})  # a partial section still prints
 
