@@ -656,9 +656,10 @@ def bf16_decay_refusal(args, dtype, resuming=False):
     if dtype == "bfloat16" and not args.eval_only and args.weight_decay and args.lr * args.weight_decay < 2 ** -9:
         least = 2 ** -9 / args.lr  # the smallest decay that acts, rounded up to 3 digits
         digits = 2 - math.floor(math.log10(least))
+        amp = "--amp in place of --dtype bfloat16" if args.dtype == "bfloat16" else "--amp"  # both: refused
         fix = (f"the run's parameters stay bf16 (--amp's are float32, another dtype): pass --weight_decay 0, or one "
                f"of at least {math.ceil(least * 10 ** digits) / 10 ** digits:g} at --lr {args.lr:g}") if resuming else \
-            "pass --amp (float32 parameters, bf16 compute) to decay, or --weight_decay 0"
+            f"pass {amp} (float32 parameters, bf16 compute) to decay, or --weight_decay 0"
         return (f"--weight_decay {args.weight_decay} with bf16 parameters: its decay per update, lr x weight_decay = "
                 f"{args.lr * args.weight_decay:.2g} at most, is under 2^-9, half a bf16 step of any weight, so it "
                 f"rounds away and would do nothing; {fix}")

@@ -1341,7 +1341,8 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--amp", "--dtype", "bfloat16"], "--amp keeps float32 parameters"),
     (["--dtype", "bfloat16", "--weight_decay", "0.1"], "--weight_decay 0.1 with bf16 parameters: its decay per update, "
      "lr x weight_decay = 0.0003 at most, is under 2^-9, half a bf16 step of any weight, so it rounds away and would "
-     "do nothing; pass --amp (float32 parameters, bf16 compute) to decay, or --weight_decay 0"),
+     "do nothing; pass --amp in place of --dtype bfloat16 (float32 parameters, bf16 compute) to decay, or "
+     "--weight_decay 0"),
     (["--method", "lowrank", "--delta", "0.5"], "--delta: not read by --method lowrank with --optimizer adamw; "
                                                 "drop it, or pass --method sltrain"),
     (["--method", "full", "--rank", "7", "--alpha", "99"], "--rank, --alpha: not read by --method full"),
@@ -1438,6 +1439,19 @@ def test_a_decay_bf16_parameters_take_is_honored_and_one_they_cannot_is_refused(
                   ["--weight_decay", "0.1"], ["--dtype", "bfloat16", "--weight_decay", "0"]):
         assert train.get_args(run + extra).weight_decay == float(extra[-1]), extra
 
+
+def test_a_decay_refused_for_a_given_bf16_dtype_names_a_fix_that_is_taken(corpus, capsys):
+    """--dtype bfloat16 with a decay that rounds away: the refusal said "pass --amp", and --amp beside --dtype
+    bfloat16 is refused ("drop --dtype bfloat16"). It names --amp in place of --dtype bfloat16, which is taken."""
+    folder, tokenizer = corpus
+    run = ["--size", "tiny", "--data_dir", folder, "--tokenizer", tokenizer, "--device", "cpu", "--weight_decay", "0.1"]
+    with pytest.raises(SystemExit):
+        train.get_args(run + ["--dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert "pass --amp in place of --dtype bfloat16 (float32 parameters, bf16 compute) to decay, or --weight_decay " \
+           "0" in err, err
+    args = train.get_args(run + ["--amp"])
+    assert args.amp and args.weight_decay == 0.1
 
 @pytest.mark.parametrize("device,env,expected", [
     ("cuda", {}, "cuda:0"), ("auto", {}, "cuda:0"), ("cuda:1", {}, "cuda:1"),
