@@ -615,6 +615,8 @@ def resolve_device_and_batch(p, args):
         fits = next((b for b in range(args.batch_size - 1, 0, -1) if args.total_batch_size % (b * world) == 0), None)
         total = -(-args.total_batch_size // per_micro) * per_micro  # the next multiple up
         fix = f"--batch_size {fits} or --total_batch_size {total}" if fits else f"--total_batch_size {total}"
+        if args.resume:  # a resume keeps the run's update; 1 always divides it (and the update splits: checked above)
+            fix = f"--batch_size {fits}, or drop --batch_size"
         p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size {args.batch_size} x "
                 f"{world} devices; pass {fix}")
     args.gradient_accumulation = args.total_batch_size // per_micro

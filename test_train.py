@@ -515,6 +515,24 @@ def test_a_resume_whose_batch_flags_no_longer_make_the_update_names_a_fix_it_tak
     assert args.batch_size * args.gradient_accumulation * world == args.total_batch_size == 8
 
 
+@pytest.mark.parametrize("world,batch,fits", [(1, 3, 2), (2, 3, 2), (1, 5, 4)])
+def test_a_resume_whose_batch_size_does_not_divide_the_update_names_a_batch_size(corpus, tmp_path, monkeypatch,
+                                                                               capsys, world, batch, fits):
+    """--resume --batch_size 3 of a run of 8 sequences an update: the refusal named --total_batch_size 9 too, which
+    the resume then refuses as another run's. It names the --batch_size that fits, which is taken, and so is dropping
+    --batch_size (a resume's default is a micro-batch that divides the update)."""
+    torchrun_variables(monkeypatch, rank=0, local_rank=0, world=world)
+    run = base_args(corpus, tmp_path, 4, "--resume")
+    run = run[:run.index("--batch_size")] + run[run.index("--batch_size") + 2:]
+    with pytest.raises(SystemExit):
+        train.get_args(run + ["--batch_size", str(batch)])
+    err = capsys.readouterr().err
+    assert f"is not a multiple of --batch_size {batch} x {world} devices; pass --batch_size {fits}" in err, err
+    assert "--total_batch_size" not in err.split("; pass ")[-1], err
+    for extra in (["--batch_size", str(fits)], []):
+        args = train.get_args(run + extra)
+        assert args.batch_size * args.gradient_accumulation * world == args.total_batch_size == 8
+
 
 def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_apart(corpus, capsys):
     """In --pack mode a rank's place within its block of documents is not kept: the resume line counts the documents
