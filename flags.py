@@ -257,7 +257,10 @@ def get_args(argv=None, description=None):
         if given:
             p.error(f"{', '.join('--' + name for name in given)}: not read by --eval_only, which evaluates the "
                     f"checkpoint's model on the validation tokens; drop {'them' if len(given) > 1 else 'it'}")
+    drop_per_layer = "drop --per_layer"  # the fix where per-layer updates are refused: the flag that asked for them
     if args.optimizer.endswith("_per_layer"):
+        drop_per_layer = f"pass --optimizer {args.optimizer[: -len('_per_layer')]}" + \
+            (" without --per_layer" if args.per_layer else "")
         args.optimizer, args.per_layer = args.optimizer[: -len("_per_layer")], True
     steps, _, lr, _ = RECIPES[args.size]
     args.num_training_steps = steps if args.num_training_steps is None else args.num_training_steps
@@ -269,7 +272,7 @@ def get_args(argv=None, description=None):
         p.error(f"--warmup_steps must be in [0, {args.num_training_steps}], got {args.warmup_steps}")
     if args.per_layer and args.grad_clipping:
         p.error("--per_layer updates each parameter during backward, before the global gradient norm exists: "
-                "drop --grad_clipping or drop --per_layer")
+                f"drop --grad_clipping or {drop_per_layer}")
     if args.cuda_graph and args.per_layer and args.optimizer.startswith("galore"):
         p.error("--cuda_graph --per_layer replays each update, and GaLore's projector is remade on the host every "
                 "--galore_update_gap updates: drop --cuda_graph, or use --optimizer adamw or adam8bit")

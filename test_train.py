@@ -552,6 +552,12 @@ def test_a_packed_resume_on_another_number_of_processes_counts_the_blocks_begun_
 
 @pytest.mark.parametrize("extra,message", [
     (["--per_layer", "--grad_clipping", "1.0"], "drop --grad_clipping or drop --per_layer"),
+    # per-layer updates by the optimizer's name: no --per_layer to drop
+    (["--optimizer", "adam8bit_per_layer", "--grad_clipping", "1.0"], "drop --grad_clipping or pass --optimizer "
+                                                                      "adam8bit"),
+    (["--optimizer", "adamw_per_layer", "--per_layer", "--grad_clipping", "1.0"], "drop --grad_clipping or pass "
+                                                                                  "--optimizer adamw without "
+                                                                                  "--per_layer"),
     (["--total_batch_size", "10"], "is not a multiple of --batch_size 4 x 1 devices; pass --batch_size 2 or "
                                    "--total_batch_size 12"),  # base_args' --batch_size 4
     (["--total_batch_size", "7", "--batch_size", "2"], "pass --batch_size 1 or --total_batch_size 8"),
