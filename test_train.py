@@ -1214,6 +1214,30 @@ def test_a_download_for_a_resume_it_refuses_is_refused_before_the_download(monke
         train.main(argv + ["--download", "--out_dir", str(tmp_path / "out"), *extra])
 
 
+def test_a_download_for_a_start_it_refuses_is_refused_before_the_download(corpus, monkeypatch, tmp_path, capsys):
+    """--init_from a checkpoint that cannot start the run (not full-rank; another width; with no tokenizer there
+    yet, another vocabulary than T5's, which --download fetches) was refused once the shards were fetched (minutes,
+    17 at 60m): it is refused on the checkpoint's quick look first, having fetched nothing."""
+    train.main(base_args(corpus, tmp_path / "sl", 1))
+    train.main(base_args(corpus, tmp_path / "full", 1, "--method", "full"))
+    monkeypatch.setattr(train, "download", lambda *a, **k: pytest.fail("downloaded before --init_from was checked"))
+    folder, tokenizer = corpus
+    for start, extra, message in ((tmp_path / "sl", [], "a sltrain checkpoint; pass a full-rank checkpoint"),
+                                  (tmp_path / "full", ["--ffn_dim", "160"], "ffn_dim 176 differs from this model's "
+                                                                            "160; pass --ffn_dim 176"),
+                                  (tmp_path / "full", ["--tokenizer", str(tmp_path / "t5.model")], "vocab_size 96 "
+                                   "differs from this model's 32000; pass the --tokenizer it was trained with")):
+        argv = base_args(corpus, tmp_path / "out", 2, "--download", "--init_from", str(start), *extra)
+        with pytest.raises(SystemExit, match=message):
+            train.main(argv)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    capsys.readouterr()
+    fetched = []  # a start that fits goes on to the download
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: fetched.append(shards) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train.main(base_args(corpus, tmp_path / "out", 2, "--download", "--init_from", str(tmp_path / "full")))
+    assert fetched
+
 @pytest.mark.parametrize("extra,validation", [([], 3), (["--eval_tokens", "100000"], 1)])
 @pytest.mark.parametrize("mode", ["--resume", "--eval_only"])
 def test_a_resumed_or_evaluated_download_fetches_the_validation_shards_of_the_runs_eval_tokens(

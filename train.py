@@ -282,6 +282,19 @@ def refuse_before_download(args, vocab_size, dtype_given, given):
     settle(early, look, path, vocab_size, device, 1, dtype_given, given)
 
 
+def refuse_start_before_download(args, vocab_size):
+    """A new run's --init_from refused on the checkpoint's quick look before --download's minutes, as prepare would
+    refuse it after them: not full-rank, or of another shape or vocabulary (vocab_size: the tokenizer's there; with
+    none there yet, T5's, the one fetched), or trained with another tokenizer than the one there. Without a quick
+    look the read after the download says what is wrong."""
+    if (look := checkpoint.peek(args.init_from)) is None:
+        return
+    config = config_for(args.size, method=args.method, rank=args.rank, alpha=args.alpha, delta=args.delta,
+                        ffn_dim=args.ffn_dim, vocab_size=vocab_size or T5_PIECES)
+    if refusal := init_refusal(args.init_from, look, config, file_sha256(args.tokenizer) if vocab_size else None):
+        raise SystemExit(refusal)
+
+
 def file_sha256(path):
     """The sha256 of a file's bytes, in hex."""
     with open(path, "rb") as f:
@@ -626,6 +639,8 @@ def setup(args, given=(), dtype_given=True):
                              f"--validation_shards {n_val}")
         if args.resume or args.eval_only:
             refuse_before_download(args, vocab_size, dtype_given, given)
+        elif args.init_from:
+            refuse_start_before_download(args, vocab_size)
         whose = " (the resumed run's)" if args.resume and train_shards else ""
         print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) into "
               f"{args.data_dir} and the T5 tokenizer to {args.tokenizer}")  # where each goes: the tokenizer apart
