@@ -317,7 +317,8 @@ def get_args(argv=None, description=None):
     if args.init_from and not args.eval_only and same_file(args.init_from, os.path.join(args.out_dir, "ckpt.pt")):
         p.error(f"--init_from {args.init_from} is the checkpoint in --out_dir {args.out_dir}, which this run's own "
                 "checkpoints replace: pass another --out_dir (or start from a copy)")
-    if args.eval_only and args.resume and "out_dir" in given_flags(argv):  # --resume PATH names what is evaluated
+    # --resume PATH names what is evaluated; a bare --resume, --out_dir's ckpt.pt
+    if args.eval_only and args.resume not in (None, "auto") and "out_dir" in given_flags(argv):
         p.error(f"--eval_only evaluates --resume's checkpoint ({resume_path(args)}) and writes nothing: drop "
                 "--out_dir, or drop --resume's path to evaluate --out_dir's")
     given = [name for name in unused_flags(args.method, args.optimizer) if getattr(args, name) is not None]

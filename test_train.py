@@ -2034,6 +2034,14 @@ def test_eval_only_reports_the_checkpoint_and_tokens(corpus, tmp_path, capsys):
     assert f"{tmp_path}/ckpt.pt at step 2 | val loss {val:.4f}" in out and "validation tokens" in out
 
 
+def test_eval_only_with_a_bare_resume_evaluates_the_out_dirs_checkpoint(corpus, tmp_path, capsys):
+    """--resume without a path names --out_dir's ckpt.pt (its help): --eval_only --resume --out_dir DIR was refused
+    as an --out_dir it never reads, naming --resume's path to drop, where none was given."""
+    train.main(base_args(corpus, tmp_path, 2))
+    capsys.readouterr()
+    train.main(eval_args(corpus, tmp_path, "--resume"))  # eval_args names --out_dir
+    assert f"{tmp_path}/ckpt.pt at step 2 | val loss" in capsys.readouterr().out
+
 def test_eval_only_cuts_the_validation_set_as_the_run_did_unless_told(corpus, tmp_path, capsys):
     """Without --max_length, --pack and --eval_tokens, --eval_only scored 256-token padded rows of 10M tokens: for a
     run trained on 16-token packed windows, positions it never saw and another loss than its own. It takes the run's
