@@ -171,7 +171,12 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        super().add_param_group(_checked_group(self, param_group))  # the constructor's groups, and any added later
+        """Each group checked as it is added, the constructor's and any later one: a group's own negative lr stepped
+        up the gradient, and betas[0] = 1 stopped the first step with a ZeroDivisionError."""
+        param_group = _checked_group(self, param_group)
+        settings = {**self.defaults, **param_group}
+        _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
+        super().add_param_group(param_group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()
     def step(self, closure=None):

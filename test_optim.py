@@ -327,6 +327,35 @@ def test_adam8bit_checks_each_param_groups_own_settings(group, message):
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("group,message", [
+    ({"lr": -1e-3}, "lr must be >= 0, got -0.001"),  # stepped up the gradient, without a word
+    ({"betas": (1.0, 0.999)}, r"betas must be in \[0, 1\), got \(1.0, 0.999\)"),  # a ZeroDivisionError at step
+    ({"lr": torch.tensor(1e-3)}, "lr must be a number, got a tensor: pass float"),
+    ({"eps": -1e-8}, "eps must be >= 0, got -1e-08"),
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),  # grew the weights
+], ids=["lr", "betas", "tensor lr", "eps", "weight_decay"])
+def test_adamw_checks_each_param_groups_own_settings(group, message):
+    """AdamW's constructor checked its arguments, but a param group's own settings reached step() unchecked: each
+    group is checked as it is added, the constructor's and later ones, and a refused group is not left half added.
+    A group that overrides nothing bad still steps as torch.optim.AdamW does."""
+    p, q = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=message):
+        AdamW([{"params": [p], **group}])
+    opt = AdamW([p])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1
+    ref_q = torch.nn.Parameter(q.detach().clone())
+    opt.add_param_group({"params": [q], "lr": 1e-2, "weight_decay": 0.1})
+    ref = torch.optim.AdamW([{"params": [ref_q], "lr": 1e-2, "weight_decay": 0.1}])
+    for _ in range(3):
+        g = torch.randn(8, 4)
+        q.grad, ref_q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(q, ref_q, rtol=0, atol=1e-6)
+
+
 def test_adam8bit_refuses_a_non_contiguous_8bit_parameter_when_given_it():
     """The 8-bit state is the parameter's flat storage, which a non-contiguous parameter does not have: refused when
     it is given (it was refused at the first step, after a forward and a backward), in one line that names the fix.
