@@ -836,7 +836,8 @@ def bench(data_dir, tokenizer_path, batch_size=64, max_length=256, pack=False, n
         tokens += int((y >= 0).sum()) + len(y)  # targets plus each row's first token = non-pad tokens
         rows += len(y)
     dt = time.perf_counter() - t1
-    print(f"first batch after {t1 - t0:.2f} s; then {rows / dt:,.0f} rows/s over {loader.epoch} passes")
+    print(f"first batch after {t1 - t0:.2f} s; then {rows / dt:,.0f} rows/s, ending in pass {loader.epoch + 1} "
+          "of the shards")  # loader.epoch counts from 0
     print(f"tokens/s {tokens / dt:.0f}")
 
 

@@ -857,6 +857,17 @@ def test_bench_says_a_full_dev_shm_in_one_line_naming_the_fix(corpus, tok, monke
                         r"free some, or use --num_workers 0", said), said
 
 
+def test_bench_says_which_pass_it_ended_in(corpus, tok, capsys):
+    """bench said "over 0 passes" while in its first pass, and "over 2" in its third (loader.epoch counts from 0):
+    it says the pass it ended in, counted from 1, which a run long enough to wrap around the shards shows."""
+    argv = ["bench", "--data_dir", str(corpus[0]), "--tokenizer", str(tok), "--batch_size", "4", "--max_length", "16"]
+    data.main(argv + ["--seconds", "0.001"])  # a batch or two of the 30 in a pass
+    assert "ending in pass 1 of the shards" in capsys.readouterr().out
+    data.main(argv + ["--seconds", "3"])
+    said = int(re.search(r"ending in pass (\d+) of the shards", capsys.readouterr().out).group(1))
+    assert said > 1, "the tiny corpus is read through more than once in 3 s"
+
+
 def test_data_commands_say_a_bad_shard_in_one_line(tok, tmp_path, capsys):
     """bench with workers (whose errors carry their traceback), train-tokenizer (sentencepiece wraps what the reading
     raises), stats (an empty shard, which training refuses, and both splits looked up before any reading)."""
