@@ -159,11 +159,16 @@ def go_on_from(last_good, out_dir):
 
 def diverged(why, last_good, out_dir):
     """The message for a diverged run into out_dir; last_good is (path, step) of the checkpoint it continues from or
-    last saved, empty when there is none yet (an older run's checkpoint in out_dir does not count)."""
+    last saved, empty when there is none yet (an older run's checkpoint in out_dir does not count). One gone since
+    (its folder removed under the run, or the checkpoint a resume began from deleted once read) is said so, as
+    go_on_from says it: a rerun that names it would be refused as having no checkpoint."""
     if not last_good:
         return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
                           f"--grad_clipping) and {OVERWRITE_ROWS}")
     path, step = last_good
+    if not os.path.exists(path):
+        return SystemExit(f"{why}; stopping. The last good checkpoint, {path} (step {step}), is gone: start again "
+                          f"with a lower --lr (or --grad_clipping) and {OVERWRITE_ROWS}")
     return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "
                       f"saved): rerun with {rerun_resume(path, out_dir)} and a lower --lr (or --grad_clipping)")
 

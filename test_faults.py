@@ -658,6 +658,25 @@ def test_a_run_resumed_from_a_lone_checkpoint_that_stops_before_its_first_save_n
     assert f"rerun with --resume {tmp_path / 'a'}/ckpt.pt and a lower --lr" in str(e.value)
 
 
+def test_a_divergence_after_its_last_good_checkpoint_is_gone_names_no_rerun_from_it(corpus, tmp_path, monkeypatch):
+    """A resume from another folder, deleted once read (the run goes on into its own --out_dir), diverges before its
+    first save there: the message named the deleted checkpoint to rerun from, a rerun refused as having none."""
+    source, out, step = tmp_path / "a", tmp_path / "b", train.train_step
+    train.main(base_args(corpus, source, 8, "--stop_after", "2"))
+
+    def deleting(*a, **k):
+        shutil.rmtree(source, ignore_errors=True)
+        return step(*a, **k)
+    monkeypatch.setattr(train, "train_step", deleting)
+    with pytest.raises(SystemExit, match=rf"^non-finite loss or gradient norm at step \d; stopping. The last good "
+                                         rf"checkpoint, {source}/ckpt.pt \(step 2\), is gone: start again with a "
+                                         r"lower --lr \(or --grad_clipping\) and --overwrite"):
+        train.main(base_args(corpus, out, 8, "--resume", str(source), "--lr", "1e9", "--warmup_steps", "0"))
+    monkeypatch.undo()
+    train.main(base_args(corpus, out, 2, "--overwrite"))  # the advice, followed
+    assert final_state(out)["step"] == 2
+
+
 def test_an_exploded_validation_loss_stops_the_run_before_its_row(corpus, tmp_path):
     """An evaluation between saves judges the model too: a finite validation loss past 2·ln V stops the run, naming
     it, and is not recorded as a result. Training losses are logged as they are (a spike may come back)."""
