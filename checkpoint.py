@@ -219,13 +219,14 @@ def make_folder(path):
     """Make folder path and the parents it lacks, and try a file in it; returns the folders made, outermost first, for
     remove_empty. A command makes its output folder before its expensive work, so that one it cannot make or write
     into is refused first, with nothing of it left. realpath: "link/.." is where the link points, up one, as the OS
-    reads it."""
+    reads it; and a link to a folder not there (made before its target, or one a scratch purge removed) is followed
+    to it, made as a file is made through such a link, where os.makedirs(link) fails with "File exists"."""
     made, head = [], os.path.realpath(path)
     while not os.path.exists(head):
         made.insert(0, head)
         head = os.path.dirname(head)
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(os.path.realpath(path), exist_ok=True)
         # tried, not read from permissions: root passes os.access where the filesystem refuses (/proc, a read-only
         # mount)
         tempfile.TemporaryFile(dir=path).close()

@@ -1473,6 +1473,20 @@ def test_out_dir_inside_a_file_and_changed_shards_are_one_line(corpus, tmp_path)
         train.main(base_args((str(folder), corpus[1]), tmp_path / "out", 4, "--resume"))
 
 
+def test_an_out_dir_that_links_to_a_folder_not_there_yet_is_made_there(corpus, tmp_path):
+    """--out_dir a link to a scratch folder not made yet (or purged): the run writes there, as a file written through
+    such a link is made at its target; it was refused as "cannot be made (File exists)". A run refused there leaves
+    the link as it was found."""
+    link, target = tmp_path / "out", tmp_path / "scratch" / "run"
+    link.symlink_to(target, target_is_directory=True)
+    (tmp_path / "ckpt.pt").write_bytes(b"")  # refused once out_dir is locked, before any write there
+    with pytest.raises(SystemExit, match="--init_from"):
+        train.main(base_args(corpus, link, 2, "--init_from", str(tmp_path / "ckpt.pt")))
+    assert link.is_symlink() and not (tmp_path / "scratch").exists()
+    train.main(base_args(corpus, link, 2))
+    assert final_state(target)["step"] == 2 and [r["step"] for r in metrics(target)[0]] == [1, 2]
+
+
 def test_a_diverged_model_is_never_evaluated_or_recorded(corpus, tmp_path):
     """The loss goes to inf/NaN at once (lr 1e9): the run stops at the first evaluation, before it, and
     metrics.jsonl holds no non-finite number (strict JSON, which NaN is not)."""
