@@ -146,13 +146,19 @@ def after_failed_write(e, last_good, out_dir):
     return f"{fix}, then {go_on_from(last_good, out_dir)}"
 
 
+def resumable(last_good):
+    """Whether a rerun can go on from last_good, (path, step) or empty: there is one, and it is not gone since (its
+    folder removed under the run, or the checkpoint a resume began from deleted once read)."""
+    return bool(last_good) and os.path.exists(last_good[0])
+
+
 def go_on_from(last_good, out_dir):
     """Where a stopped run into out_dir goes on from: the last good checkpoint (path, step), named (it may be in another
     folder), or a new start where there is none, or it is gone since (its folder removed under the run)."""
     if not last_good:
         return START_AGAIN
     path, step = last_good
-    if not os.path.exists(path):
+    if not resumable(last_good):
         return f"the last checkpoint, {path} (step {step}), is gone: {START_AGAIN}"
     return f"rerun with {rerun_resume(path, out_dir)} (step {step})"
 
@@ -166,7 +172,7 @@ def diverged(why, last_good, out_dir):
         return SystemExit(f"{why}; stopping. No checkpoint was saved yet: start again with a lower --lr (or "
                           f"--grad_clipping) and {OVERWRITE_ROWS}")
     path, step = last_good
-    if not os.path.exists(path):
+    if not resumable(last_good):
         return SystemExit(f"{why}; stopping. The last good checkpoint, {path} (step {step}), is gone: start again "
                           f"with a lower --lr (or --grad_clipping) and {OVERWRITE_ROWS}")
     return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "

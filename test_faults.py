@@ -602,10 +602,13 @@ def test_a_fault_of_a_rank_of_its_own_is_said_by_that_rank(monkeypatch, capsys, 
     args = argparse.Namespace(total_batch_size=8, batch_size=4, eval_only=False, activation_checkpointing=False,
                               out_dir=str(tmp_path / "out"))
     run = argparse.Namespace(world=2, rank=1, device=torch.device("cpu"))
-    fault = train.out_of_memory(args, run, "update 3", ["out/ckpt.pt", 2])
+    ckpt = tmp_path / "out" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"saved")  # named to rerun from while it is there
+    fault = train.out_of_memory(args, run, "update 3", [str(ckpt), 2])
     assert isinstance(fault, train.RankFault) and fault.code == 1
-    assert capsys.readouterr().err == ("rank 1: out of memory in update 3; the last checkpoint is out/ckpt.pt, step 2: "
-                                       "rerun with --resume out/ckpt.pt and --batch_size 2 (the same 8 sequences per "
+    assert capsys.readouterr().err == (f"rank 1: out of memory in update 3; the last checkpoint is {ckpt}, step 2: "
+                                       f"rerun with --resume {ckpt} and --batch_size 2 (the same 8 sequences per "
                                        "update, in more micro-batches)\n")
 
 
@@ -675,6 +678,38 @@ def test_a_divergence_after_its_last_good_checkpoint_is_gone_names_no_rerun_from
     monkeypatch.undo()
     train.main(base_args(corpus, out, 2, "--overwrite"))  # the advice, followed
     assert final_state(out)["step"] == 2
+
+
+def test_out_of_memory_after_its_last_checkpoint_is_gone_names_no_rerun_from_it(corpus, tmp_path, monkeypatch):
+    """As a divergence: a run resumed from another folder, deleted once read, runs out of memory before its first
+    save: the line named the deleted checkpoint to rerun from, a rerun refused as having none. It says the checkpoint
+    is gone and to start again (a smaller --size among the fixes, which a resume would refuse)."""
+    source, out, step = tmp_path / "a", tmp_path / "b", train.train_step
+    train.main(base_args(corpus, source, 8, "--stop_after", "2"))
+
+    def deleting_then_no_memory(*a, **k):
+        shutil.rmtree(source, ignore_errors=True)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(train, "train_step", deleting_then_no_memory)
+    with pytest.raises(SystemExit, match=rf"^out of memory in update 3; the last checkpoint, {source}/ckpt.pt \(step "
+                                         r"2\), is gone: start again with --batch_size 2 \(the same 8 sequences per "
+                                         r"update, in more micro-batches\) and --overwrite \(it replaces"):
+        train.main(base_args(corpus, out, 8, "--resume", str(source)))
+    monkeypatch.setattr(train, "train_step", step)
+    train.main(base_args(corpus, out, 2, "--overwrite", "--batch_size", "2"))  # the advice, followed
+    assert final_state(out)["step"] == 2
+
+
+def test_the_fixes_after_a_stop_name_a_checkpoint_to_rerun_from_only_while_it_is_there(tmp_path):
+    """keeper.go_on_from, which a lost rank's and a signalled evaluation's lines end with, as a failed write's: a
+    checkpoint there is named to rerun from; one gone since is said gone, with the start again."""
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"x")
+    assert keeper.go_on_from([str(ckpt), 4], str(tmp_path)) == f"rerun with --resume {ckpt} (step 4)"
+    ckpt.unlink()
+    assert keeper.go_on_from([str(ckpt), 4], str(tmp_path)) == (
+        f"the last checkpoint, {ckpt} (step 4), is gone: start again with --overwrite (it replaces this run's rows)")
+    assert keeper.go_on_from([], str(tmp_path)) == "start again with --overwrite (it replaces this run's rows)"
 
 
 def test_an_exploded_validation_loss_stops_the_run_before_its_row(corpus, tmp_path):

@@ -65,8 +65,8 @@ from devices import set_deterministic
 from download import T5_PIECES, download, shard_names
 from flags import resume_path, same_file
 from hostsync import HostSyncs
-from keeper import (OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, lock_out_dir, refuse_overwrite,
-                    rerun_resume)
+from keeper import (OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, go_on_from, lock_out_dir,
+                    refuse_overwrite, rerun_resume, resumable)
 from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge, slow_width
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
@@ -458,16 +458,20 @@ def out_of_memory(args, run, where, last_good):
     elif not args.activation_checkpointing:
         fix = "--activation_checkpointing"
     else:  # --resume refuses another --size
-        fix = more if last_good else f"{more} (or a smaller --size)"
+        fix = more if resumable(last_good) else f"{more} (or a smaller --size)"
     peak = ""
     if run.device.type == "cuda":
         total = torch.cuda.get_device_properties(run.device).total_memory
         peak = f" ({torch.cuda.max_memory_allocated(run.device) / 1e9:.1f} GB allocated at the peak, of " \
             f"{total / 1e9:.1f})"
-    then = f"rerun --eval_only with {fix}" if args.eval_only else \
-        f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with " \
-        f"{rerun_resume(last_good[0], args.out_dir)} and {fix}" if last_good else \
-        f"no checkpoint was saved yet: start again with {fix} and {OVERWRITE_ROWS}"
+    if args.eval_only:
+        then = f"rerun --eval_only with {fix}"
+    elif resumable(last_good):
+        then = f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with " \
+            f"{rerun_resume(last_good[0], args.out_dir)} and {fix}"
+    else:  # none yet, or gone since (its folder removed under the run, a resume's source deleted once read)
+        then = (f"the last checkpoint, {last_good[0]} (step {last_good[1]}), is gone" if last_good else
+                "no checkpoint was saved yet") + f": start again with {fix} and {OVERWRITE_ROWS}"
     if run.world == 1:
         return RankFault(f"out of memory in {where}{peak}; {then}")
     # said now, not at exit: the process group's teardown before it may wait on the other ranks (NCCL)
@@ -1027,9 +1031,8 @@ def train(args, run, ckpt, val, loader, stop):
     except Exception as e:  # a GPU's OutOfMemoryError, also wrapped (torch.compile raises its own error around it)
         if run.world > 1 and lost_a_rank(e):
             good = loop.keeper.last_good
-            fix = (f"Nothing since the last checkpoint is kept: rerun with {rerun_resume(good[0], args.out_dir)} "
-                   f"(step {good[1]})"
-                   if good else f"No checkpoint was saved yet: {START_AGAIN}")
+            fix = (f"Nothing since the last checkpoint is kept: {go_on_from(good, args.out_dir)}" if good else
+                   f"No checkpoint was saved yet: {START_AGAIN}")
             raise rank_lost(run.rank, where, e, fix) from None
         if not ran_out_of_memory(e):
             raise
@@ -1095,8 +1098,8 @@ class Loop:
         its checkpoint: as in a scheduled save, that stops on it, with no update more and no second write."""
         if not self.evaluate(self.start):
             if self.master:
-                print(f"stopped by {self.stop['signal']} in the evaluation of step {self.start}; rerun with "
-                      f"{rerun_resume(self.keeper.last_good[0], self.args.out_dir)}")
+                print(f"stopped by {self.stop['signal']} in the evaluation of step {self.start}; "
+                      f"{go_on_from(self.keeper.last_good, self.args.out_dir)}")
             return False
         self.save(self.start)  # made: a later resume must not make it (and its row) again
         if self.start < self.total and stopping(self.stop, self.world):
