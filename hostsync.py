@@ -2,8 +2,9 @@
 Find where a training loop makes the host wait for the device (train.py --sync_debug).
 
 A GPU runs ahead of Python only while nothing asks for a value it has not computed yet. Reading a tensor's value
-(.item(), float(t), `if t:`), copying it to the host, or an op whose output size depends on values (nonzero,
-boolean-mask indexing, unique) stalls the queue until every kernel before it has finished. So may a copy to the
+(.item(), float(t), `if t:`), copying it to the host (but with non_blocking=True into pinned memory, which is
+queued), or an op whose output size depends on values (nonzero, boolean-mask indexing, unique) stalls the queue until
+every kernel before it has finished. So may a copy to the
 device from pageable (not pinned) host memory: CUDA may wait for the stream before it stages such a copy (the CUDA
 documentation, "API synchronization behavior"), and torch's own sync check does not see that. HostSyncs counts
 those ops, by name, while a block runs:
@@ -49,11 +50,15 @@ def _is_host(device):
 
 
 def to_host(func, args, kwargs):
-    """Whether the op copies a device tensor to the host."""
+    """Whether the op copies a device tensor to the host and waits for it. A non-blocking copy into pinned memory is
+    queued and the host goes on (torch pins a non-blocking .to("cpu")'s strided output itself); into pageable
+    memory, CUDA returns only once the copy is done."""
     if func is aten._to_copy.default:
-        return not _is_host(args[0].device) and _is_host(kwargs.get("device"))
+        queued = kwargs.get("non_blocking", False) and kwargs.get("layout", torch.strided) == torch.strided
+        return not _is_host(args[0].device) and _is_host(kwargs.get("device")) and not queued
     if func is aten.copy_.default:
-        return _is_host(args[0].device) and not _is_host(args[1].device)
+        queued = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) and args[0].is_pinned()
+        return _is_host(args[0].device) and not _is_host(args[1].device) and not queued
     return False
 
 

@@ -137,3 +137,22 @@ def test_only_cudas_sync_warning_counts_not_its_note_on_being_switched_on():
             warnings.warn("called a synchronizing CUDA operation (function cudaStreamSynchronize)", UserWarning)
     assert syncs.summary() == "cuda: called a synchronizing CUDA operation (function cudaStreamSynchronize) x1"
     assert [str(w.message)[:40] for w in seen] == ["Synchronization debug mode is a prototyp"]
+
+
+def test_a_non_blocking_copy_into_pinned_host_memory_is_not_counted(monkeypatch):
+    """A non-blocking copy from the device into pinned memory is queued and the host goes on (torch pins the output
+    of a non-blocking .to("cpu") itself; CUDA's sync-debug mode is silent on it): not a sync. Blocking, or into
+    pageable memory (CUDA returns once that copy is done), the host waits: counted. meta stands in for the device;
+    its tensors have no data, so each copy raises once the check has seen it."""
+    mark_pinning(monkeypatch)
+    device = torch.ones(4, device="meta")
+    waits = [lambda: device.to("cpu"), lambda: torch.ones(4).copy_(device, non_blocking=True),
+             lambda: torch.ones(4).pin_memory().copy_(device)]
+    queued = [lambda: device.to("cpu", non_blocking=True),
+              lambda: torch.ones(4).pin_memory().copy_(device, non_blocking=True)]
+    syncs = HostSyncs()
+    with syncs.watch():
+        for copy in waits + queued:
+            with pytest.raises(NotImplementedError, match="meta"):
+                copy()
+    assert syncs.counts == {"aten::_to_copy": 1, "aten::copy_": 2}, syncs.counts
