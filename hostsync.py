@@ -31,10 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
-# ops whose result the host must see: a value (item, bool, int) or a data-dependent size
+# ops whose result the host must see: a value (item, bool, int) or a data-dependent size (bincount's is its largest
+# entry + 1, which a GPU reads even where minlength is given)
 VALUE_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
                    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
-                   aten.repeat_interleave.Tensor, aten.equal.default, aten.allclose.default}
+                   aten.repeat_interleave.Tensor, aten.bincount.default, aten.equal.default, aten.allclose.default}
 
 
 # what CUDA's sync-debug mode warns with at each sync; not its note, on being switched on, that it is a prototype

@@ -41,6 +41,16 @@ def test_repeat_interleave_counts_only_when_its_size_is_not_given():
     assert syncs.counts == {"aten::repeat_interleave.Tensor": 1}, syncs.counts
 
 
+def test_bincount_is_counted_whatever_its_minlength():
+    """bincount's output has its largest entry + 1 bins (minlength if more): on a GPU the host reads that entry
+    first, with minlength given too. A CPU run standing in for a GPU one missed it."""
+    syncs = HostSyncs()
+    with syncs.watch():
+        torch.bincount(torch.tensor([0, 3, 3]))
+        torch.bincount(torch.tensor([0, 3, 3]), minlength=8)
+    assert syncs.counts == {"aten::bincount": 2}, syncs.counts
+
+
 def test_device_work_alone_is_none():
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
