@@ -136,6 +136,20 @@ def test_on_a_device_a_value_the_host_holds_is_not_a_sync():
     assert syncs.counts == {"aten::_local_scalar_dense": 1}, syncs.counts
 
 
+def test_on_a_device_a_boolean_mask_of_host_tensors_is_not_a_sync():
+    """As for a value read: with the loop's device given, indexing host tensors by a host mask waits for nothing
+    and is left out (it was counted, where their nonzero() was not); a device tensor's mask is counted."""
+    host, device = torch.arange(4.0), torch.ones(4, device="meta")
+    syncs = HostSyncs(device="meta")
+    with syncs.watch():
+        host[host > 1]
+        host[host > 1] = 0.0
+        (host > 1).nonzero()
+        with pytest.raises(Exception):  # counted first; a meta tensor then has no values to count the mask's True of
+            device[device > 0]
+    assert syncs.counts == {"aten::index.Tensor": 1}, syncs.counts
+
+
 def test_only_cudas_sync_warning_counts_not_its_note_on_being_switched_on():
     # seen on an H200: the note that torch's sync-debug mode gives when set to "warn" was counted as a sync
     syncs = HostSyncs()
