@@ -15,7 +15,8 @@ those ops, by name, while a block runs:
     print(syncs.summary())      # "none" or "aten::_local_scalar_dense x3, ..."
 
 It sees every op dispatched from Python, backward and optimizer hooks included, on any device (so the CPU tests can
-check a loop that is meant for the GPU). On CUDA it also turns on torch's own sync-debug mode, which warns from
+check a loop that is meant for the GPU), and there a host tensor's .tolist() and .cpu(), which copy a GPU tensor to
+the host but dispatch no op on a CPU. On CUDA it also turns on torch's own sync-debug mode, which warns from
 inside the CUDA calls, and counts those warnings. A torch.compile'd model hides its ops from the first check, not
 from the second; so does printing or formatting a tensor (torch formats with dispatch modes off). Given the
 loop's device (HostSyncs(device)), value reads of tensors already on the host (torch.optim's step counters) are
@@ -27,6 +28,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -84,6 +86,28 @@ def masked(func, args):
     return func in INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
 
 
+def host_copy(func, args):
+    """Whether a method call on a host tensor would, on a GPU tensor, copy it to the host and wait: .tolist() and
+    .cpu(), which on a CPU dispatch no op (the tensor is there already), so the op check cannot see them. Not .to(),
+    whose device a loop takes from its tensors (the CPU, on a CPU), nor .numpy(), which takes host tensors alone."""
+    return func in (torch.Tensor.tolist, torch.Tensor.cpu) and _is_host(args[0].device)
+
+
+class HostCopies(TorchFunctionMode):
+    """HostSyncs' check, for a CPU run standing in for a GPU one, of the method calls that dispatch no op there
+    (host_copy): counted by name, into counts."""
+
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if host_copy(func, args):
+            self.counts[f"Tensor.{func.__name__}"] += 1
+        return func(*args, **kwargs)
+
+
 class HostSyncs(TorchDispatchMode):
     """device: the device the loop runs on. Off the CPU, reading a value of a tensor that lives on the host (a
     counter kept there) waits for nothing and is not counted; by default (None) every value read is, so that a CPU
@@ -117,7 +141,8 @@ class HostSyncs(TorchDispatchMode):
                 if cuda:
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    with self if ops else nullcontext():
+                    stand_in = HostCopies(self.counts) if ops and not self.on_host_is_free else nullcontext()
+                    with self if ops else nullcontext(), stand_in:
                         yield self
                 finally:
                     if cuda:

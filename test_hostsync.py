@@ -180,3 +180,22 @@ def test_a_non_blocking_copy_into_pinned_host_memory_is_not_counted(monkeypatch)
             with pytest.raises(NotImplementedError, match="meta"):
                 copy()
     assert syncs.counts == {"aten::_to_copy": 1, "aten::copy_": 2}, syncs.counts
+
+
+def test_a_cpu_run_standing_in_counts_the_copies_to_the_host_that_dispatch_no_op():
+    """.tolist() and .cpu() of a GPU tensor copy it to the host and wait; of a CPU tensor they dispatch no op, and a
+    CPU run standing in for a GPU one missed them. Not .to(), whose device a loop takes from its tensors (the CPU, on
+    a CPU: clip_grad_norm_'s), nor .numpy(); and not where the loop's device is given: a host tensor's are free."""
+    t = torch.arange(4.0)
+    syncs = HostSyncs()
+    with syncs.watch():
+        t.tolist()
+        t.cpu()
+        t.to(t.device)
+        t.numpy()  # a host tensor's, on a GPU too
+    assert syncs.counts == {"Tensor.tolist": 1, "Tensor.cpu": 1}, syncs.counts
+    syncs = HostSyncs(device="meta")
+    with syncs.watch():
+        t.tolist()
+        t.cpu()
+    assert syncs.summary() == "none"
