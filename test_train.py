@@ -1874,6 +1874,22 @@ def test_relora_restarts_only_after_its_first_warmup(monkeypatch, capsys, argv, 
     assert message in capsys.readouterr().err
 
 
+def test_a_relora_run_too_short_for_its_default_reset_says_it_restarts_nothing(corpus, tmp_path, capsys,
+                                                                               monkeypatch):
+    """ReLoRA's default reset, 2000, in a shorter run (--size tiny's 1000 updates, or any short one) never restarts:
+    it trained LoRA over a frozen W0 without a word. It is said; a reset the run reaches makes no note and restarts
+    (a --relora_reset given that it does not reach is refused: test_relora)."""
+    train.main(base_args(corpus, tmp_path / "default", 2, "--method", "relora"))
+    out = capsys.readouterr().out
+    assert ("note: --relora_reset 2000 restarts nothing in a run of 2 updates: this run trains LoRA over a frozen W0, "
+            "without ReLoRA's merges; pass a --relora_reset below --num_training_steps for them") in out, out
+    restarts, merge = [], train.relora_merge
+    monkeypatch.setattr(train, "relora_merge", lambda *a: restarts.append(1) or merge(*a))
+    train.main(base_args(corpus, tmp_path / "reached", 2, "--method", "relora", "--relora_reset", "1",
+                         "--relora_warmup", "0", "--warmup_steps", "1"))
+    assert "restarts nothing" not in capsys.readouterr().out and restarts == [1]
+
+
 def test_a_rows_time_counts_the_work_the_device_still_had_queued():
     """On a GPU the interval's kernels may still run when the row is made; reading its tokens waits for them. The
     clock must be read after that wait, or each row's ms and tok/s leave out their own last work."""

@@ -835,6 +835,11 @@ def prepare(args, held, given=()):
             print(f"note: the validation shards in {args.data_dir} hold {val.tokens:,} tokens at --max_length "
                   f"{args.max_length}, fewer than --eval_tokens {args.eval_tokens:,}: every evaluation covers those "
                   f"{val.tokens:,}; for more, fetch more shards (python data.py download --validation_shards N)")
+        if args.method == "relora" and not args.eval_only and args.relora_reset >= args.num_training_steps:
+            # the default reset (ReLoRA's 2000) in a shorter run; one given is refused there (check_baseline_flags)
+            print(f"note: --relora_reset {args.relora_reset} restarts nothing in a run of {args.num_training_steps} "
+                  "updates: this run trains LoRA over a frozen W0, without ReLoRA's merges; pass a --relora_reset "
+                  "below --num_training_steps for them")
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
         exact = " | deterministic" if args.deterministic else ""
