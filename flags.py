@@ -514,8 +514,9 @@ def check_baseline_flags(p, args, config, rank_given=None):
     if galore and not 0 < args.galore_rank <= min(config.dim, config.ffn_dim):
         p.error(f"{rank_flag} (GaLore's rank) must be in [1, {min(config.dim, config.ffn_dim)}], got "
                 f"{args.galore_rank}")
-    if args.galore_update_gap <= 0 or args.relora_reset <= 0 or args.relora_warmup < 0:
-        p.error("--galore_update_gap and --relora_reset must be positive, --relora_warmup >= 0")
+    for name, least in (("galore_update_gap", 1), ("relora_reset", 1), ("relora_warmup", 0)):
+        if getattr(args, name) < least:  # the one given, named (a line naming all three left which to find)
+            p.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
     if args.method == "relora" and args.relora_warmup >= args.relora_reset:  # else no jag ever reaches the cosine
         p.error(f"--relora_warmup {args.relora_warmup} must be shorter than --relora_reset {args.relora_reset}: each "
                 "restart's warmup ends before the next restart, else the learning rate never climbs back to the "

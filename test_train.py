@@ -1890,6 +1890,19 @@ def test_a_relora_run_too_short_for_its_default_reset_says_it_restarts_nothing(c
     assert "restarts nothing" not in capsys.readouterr().out and restarts == [1]
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--method", "full", "--optimizer", "galore_adamw", "--galore_update_gap", "0"],
+     "--galore_update_gap must be at least 1, got 0"),
+    (["--method", "relora", "--relora_reset", "-5"], "--relora_reset must be at least 1, got -5"),
+    (["--method", "relora", "--relora_warmup", "-1"], "--relora_warmup must be at least 0, got -1"),
+], ids=["gap", "reset", "warmup"])
+def test_a_baselines_count_out_of_range_is_refused_naming_that_flag(capsys, argv, message):
+    """One line named all three of GaLore's and ReLoRA's counts, whichever was wrong: it names the one given."""
+    with pytest.raises(SystemExit):
+        train.get_args(["--size", "tiny", "--device", "cpu", "--num_training_steps", "100", *argv])
+    assert capsys.readouterr().err.rstrip().endswith(message)
+
+
 def test_a_rows_time_counts_the_work_the_device_still_had_queued():
     """On a GPU the interval's kernels may still run when the row is made; reading its tokens waits for them. The
     clock must be read after that wait, or each row's ms and tok/s leave out their own last work."""
