@@ -17,10 +17,13 @@ Over AdamW, ε is GaLore's own: its AdamW (Hugging Face's) adds ε = 1e-6 to √
 Run the tests:   python -m pytest -q test_galore.py
 """
 
+import math
+
 import torch
 
-from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_fused, _check_hyperparameters,
-                   _evaluate, _finite, _fused, _keep_state_dtypes, _step_scalars)
+from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_block_size, _check_fused,
+                   _check_hyperparameters, _checked_group, _evaluate, _finite, _fused, _keep_state_dtypes,
+                   _step_scalars)
 
 
 def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fused=None):
@@ -83,8 +86,7 @@ class GaLore(torch.optim.Optimizer):
             raise ValueError(f"inner must be adamw or adam8bit, got {inner!r}")
         eps = (1e-6 if inner == "adamw" else 1e-8) if eps is None else eps  # GaLore's AdamW's; bitsandbytes'
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        _check_block_size(block_size)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank, update_gap=update_gap,
                         scale=scale, block_size=block_size, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
@@ -98,9 +100,16 @@ class GaLore(torch.optim.Optimizer):
 
     def add_param_group(self, group):
         """Every group, the constructor's and any added later, checked: an int rank within each weight's sides (or
-        None), an int update_gap >= 1."""
-        group = dict(group, params=[group["params"]] if torch.is_tensor(group["params"]) else list(group["params"]))
-        gap, rank = group.get("update_gap", self.defaults["update_gap"]), group.get("rank", self.defaults["rank"])
+        None), an int update_gap >= 1, a finite scale > 0, and the settings AdamW and Adam8bit check (a group's own
+        negative lr stepped up the gradient, its scale 0 stepped nothing, both without a word)."""
+        group = _checked_group(self, group)
+        settings = {**self.defaults, **group}
+        _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
+        _check_block_size(settings["block_size"])
+        scale = settings["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        gap, rank = settings["update_gap"], settings["rank"]
         if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
             raise ValueError(f"update_gap must be an int >= 1, got {gap!r}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):

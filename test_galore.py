@@ -270,3 +270,27 @@ def test_every_param_group_is_checked_when_it_is_added():
     W.grad, b.grad = torch.randn(8, 12), torch.randn(8)
     opt.step()
     assert opt.state[W]["projector"].shape == (8, 4) and "projector" not in opt.state[b]
+
+
+@pytest.mark.parametrize("group,message", [
+    ({"lr": -1e-2}, "lr must be >= 0, got -0.01"),  # stepped up the gradient, without a word
+    ({"betas": (1.0, 0.999)}, r"betas must be in \[0, 1\)"),  # a ZeroDivisionError at the first step
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+    ({"scale": 0}, "scale must be a finite number > 0, got 0"),  # stepped nothing
+    ({"scale": float("nan")}, "scale must be a finite number > 0, got nan"),
+    ({"block_size": 0}, "block_size must be an int >= 1, got 0"),
+], ids=["lr", "betas", "weight_decay", "scale 0", "scale nan", "block_size"])
+def test_a_param_groups_own_optimizer_settings_are_checked_too(group, message):
+    """Beside its rank and gap, a group's own lr, betas, weight decay, scale and block size reached the first step
+    unchecked (the constructor checked its arguments, not a group's): checked as the group is added, in the
+    constructor's groups and later ones, and a refused group is not left half added."""
+    W, V = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8, 12))
+    with pytest.raises(ValueError, match=message):
+        GaLore([{"params": [W], "rank": 4, **group}], inner="adam8bit")
+    opt = GaLore([{"params": [W], "rank": 4}], inner="adam8bit")
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [V], "rank": 4, **group})
+    assert len(opt.param_groups) == 1
+    if "scale" in group:  # the constructor's own argument too
+        with pytest.raises(ValueError, match=message):
+            GaLore([W], scale=group["scale"])
