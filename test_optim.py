@@ -924,9 +924,9 @@ def test_complex_parameters_are_refused():
     """torch.optim.AdamW steps a complex parameter as its real and imaginary parts (v of |g|², not g²); ours took it
     as it came: AdamW's v became g² (complex) and its updates another optimizer's, Adam8bit's moments kept the real
     part alone and the imaginary part never trained. Refused, in one line that names the fix, when the parameter is
-    given (the constructor, or a param group added later)."""
+    given (the constructor, or a param group added later); GaLore too, whose plain-Adam groups are these steps."""
     z, real = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64)), torch.nn.Parameter(torch.randn(8, 8))
-    for make in (AdamW, Adam8bit):
+    for make in (AdamW, Adam8bit, GaLore):
         with pytest.raises(ValueError, match=rf"^{make.__name__} takes real parameters, not a \(4, 3\) complex64 one: "
                                              r"use torch.optim.AdamW"):
             make([real, z])
@@ -934,7 +934,7 @@ def test_complex_parameters_are_refused():
         with pytest.raises(ValueError, match="takes real parameters"):
             opt.add_param_group({"params": [z]})
         assert len(opt.param_groups) == 1, "a refused group is not added"
-    for make in (lambda ps: AdamW(ps), lambda ps: Adam8bit(ps), torch.optim.AdamW):  # a generator, read once
+    for make in (lambda ps: AdamW(ps), lambda ps: Adam8bit(ps), GaLore, torch.optim.AdamW):  # a generator, read once
         assert len(make(p for p in [real]).param_groups[0]["params"]) == 1
 
 
