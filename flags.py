@@ -622,8 +622,9 @@ def resolve_device_and_batch(p, args):
         fix = f"--batch_size {fits} or --total_batch_size {total}" if fits else f"--total_batch_size {total}"
         if args.resume:  # a resume keeps the run's update; 1 always divides it (and the update splits: checked above)
             fix = f"--batch_size {fits}, or drop --batch_size"
-        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size {args.batch_size} x "
-                f"{world} devices; pass {fix}")
+        default = "" if batch is not None else " (the default)"  # not a value the user gave
+        p.error(f"--total_batch_size {args.total_batch_size} is not a multiple of --batch_size {args.batch_size}"
+                f"{default} x {world} devices; pass {fix}")
     args.gradient_accumulation = args.total_batch_size // per_micro
     if not args.resume:  # a resume is checked once it has taken the run's own batch and dtype (load_for_resume)
         check_memory(p, args, device, world, vocabulary(args), accumulation_given=accumulation is not None)

@@ -515,6 +515,19 @@ def test_a_resume_whose_batch_flags_no_longer_make_the_update_names_a_fix_it_tak
     assert args.batch_size * args.gradient_accumulation * world == args.total_batch_size == 8
 
 
+def test_a_default_micro_batch_that_does_not_divide_the_update_is_said_to_be_the_default(capsys):
+    """A new run given only --total_batch_size was refused naming "--batch_size 16", a value the user never gave:
+    the line says it is the default (the refusal stands: the fix names a micro-batch, or a total, that works)."""
+    with pytest.raises(SystemExit):
+        train.get_args(["--size", "tiny", "--device", "cpu", "--total_batch_size", "20"])
+    assert capsys.readouterr().err.rstrip().endswith(
+        "--total_batch_size 20 is not a multiple of --batch_size 16 (the default) x 1 devices; pass --batch_size 10 or "
+        "--total_batch_size 32")
+    with pytest.raises(SystemExit):
+        train.get_args(["--size", "tiny", "--device", "cpu", "--total_batch_size", "20", "--batch_size", "16"])
+    assert "--batch_size 16 x 1 devices" in capsys.readouterr().err  # given: no "(the default)"
+
+
 @pytest.mark.parametrize("world,batch,fits", [(1, 3, 2), (2, 3, 2), (1, 5, 4)])
 def test_a_resume_whose_batch_size_does_not_divide_the_update_names_a_batch_size(corpus, tmp_path, monkeypatch,
                                                                                capsys, world, batch, fits):
