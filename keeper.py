@@ -287,8 +287,8 @@ class Keeper:
 
     def check_model(self, step):
         """Stop if the model after update `step` has a non-finite parameter, or a loss on the first validation batch
-        that is not finite or has exploded. Under DDP the ranks hold the same model, yet each its own batch: they stop
-        on the worst of their losses, all alike, as none may save alone."""
+        that is not finite or has exploded. Under DDP every rank scores the same batch on the same model, which a GPU's
+        kernels may still round apart: they stop on the worst of their losses, all alike, as none may save alone."""
         loss = checked_loss(self.model, self.val[0], self.device)
         if self.ddp:
             dist.all_reduce(loss, op=dist.ReduceOp.MAX)
