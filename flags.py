@@ -747,7 +747,13 @@ def no_checkpoint(args):
     """The refusal of a --resume or --eval_only whose checkpoint is not there, or None."""
     if (args.resume or args.eval_only) and not os.path.exists(resume_path(args)):
         flag = "--eval_only" if args.eval_only else "--resume"
-        return f"{flag}: no checkpoint at {resume_path(args)}; pass its path with --resume or drop {flag}"
+        drop = f"drop {flag}"
+        if args.resume and not args.overwrite and not args.eval_only:
+            from keeper import others_rows  # (keeper imports flags)
+            if others_rows(args.out_dir):  # a run that stopped before its first save: a fresh one would be refused
+                drop = f"drop --resume and pass --overwrite (it replaces the rows in {args.out_dir} of a run that " \
+                    "saved no checkpoint)"
+        return f"{flag}: no checkpoint at {resume_path(args)}; pass its path with --resume or {drop}"
     return None
 
 

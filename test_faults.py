@@ -661,6 +661,24 @@ def test_a_run_resumed_from_a_lone_checkpoint_that_stops_before_its_first_save_n
     assert f"rerun with --resume {tmp_path / 'a'}/ckpt.pt and a lower --lr" in str(e.value)
 
 
+def test_a_resume_of_a_run_that_saved_nothing_names_the_fix_that_works_at_once(corpus, tmp_path):
+    """A run that diverged before its first save, rerun with --resume: "no checkpoint ...; drop --resume", whose
+    rerun was then refused for the rows left behind, naming --overwrite. The one line names both."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="No checkpoint was saved yet"):
+        train.main(base_args(corpus, out, 4, "--lr", "1e9", "--warmup_steps", "0"))
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, out, 4, "--resume"))
+    assert str(e.value.code) == (f"--resume: no checkpoint at {out}/ckpt.pt; pass its path with --resume or drop "
+                                 f"--resume and pass --overwrite (it replaces the rows in {out} of a run that saved no "
+                                 "checkpoint)")
+    train.main(base_args(corpus, out, 4, "--overwrite"))  # the advice, taken at once
+    assert final_state(out)["step"] == 4
+    with pytest.raises(SystemExit, match=rf"no checkpoint at {tmp_path}/empty/ckpt.pt; pass its path with --resume "
+                                         r"or drop --resume$"):  # no rows there: dropping --resume is enough
+        train.main(base_args(corpus, tmp_path / "empty", 4, "--resume"))
+
+
 def test_a_divergence_after_its_last_good_checkpoint_is_gone_names_no_rerun_from_it(corpus, tmp_path, monkeypatch):
     """A resume from another folder, deleted once read (the run goes on into its own --out_dir), diverges before its
     first save there: the message named the deleted checkpoint to rerun from, a rerun refused as having none."""
