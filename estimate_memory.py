@@ -185,6 +185,17 @@ def recomputed_block(whole, checkpointed, n_layers):
     return (whole - checkpointed) // n_layers
 
 
+def autocast_copies(module):
+    """Bytes of the bf16 copies autocast keeps of the module's nn.Linear weights (float32 leaves that require grad):
+    its cache holds each from its first use to the end of the outermost autocast, the model's whole forward. Without
+    checkpointing they are saved for backward too, and so counted among the activations; a checkpointed block saves
+    none of them, nor does a forward without gradients, which holds them all at once (train.py --amp, full rank and
+    GaLore: 13 GB at 7b). None for SLTrain's layers, which cast inside their Function, ReLoRA's factors, which enter
+    through a view (A.t()) that autocast does not cache, or frozen weights."""
+    return BF16 * sum(m.weight.numel() for m in module.modules()
+                      if isinstance(m, torch.nn.Linear) and m.weight.requires_grad)
+
+
 def layer_grad_numel(model, trainable):
     """Gradient elements of the largest layer, or group of layers sharing a call (model.shared_calls), whose
     gradients appear together: with per-layer updates a layer's gradients are freed after its step."""
@@ -204,11 +215,13 @@ def at_most(grad, act, start, kept=False):
     """The most of gradients and activations alive at once, beside the parameters and optimizer state. Backward
     starts with every activation saved and adds `start`: the largest of the loss's backward (loss_backward_bytes),
     the first layer's gradient (the head's, the largest layer) and, with activation checkpointing, a recomputed
-    block (recomputed_block; it comes later, with less saved, so this bounds it). Without per-layer updates backward
-    ends with every gradient and few activations left. In between, each block frees its activations as its
-    gradients appear, so the larger end bounds it. With per-layer updates grad is one layer's and the first term is
-    the larger. kept: the gradients outlive a backward (grads_kept), so the next forward saves its activations beside
-    them, and all three add up. The step's other temporaries come on top (estimate_memory.py --measure)."""
+    block (recomputed_block; it comes later, with less saved, so this bounds it). `start` bounds the forward's end
+    too, where under --amp a checkpointed forward also holds autocast's copies of the blocks' weights
+    (autocast_copies). Without per-layer updates backward ends with every gradient and few activations left. In
+    between, each block frees its activations as its gradients appear, so the larger end bounds it. With per-layer
+    updates grad is one layer's and the first term is the larger. kept: the gradients outlive a backward
+    (grads_kept), so the next forward saves its activations beside them, and all three add up. The step's other
+    temporaries come on top (estimate_memory.py --measure)."""
     return grad + act + start if kept else max(act + start, grad)
 
 
@@ -350,15 +363,17 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         act = whole = activation_bytes(*shape, **options)
         logit_bytes = BF16 if amp else width
         adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes)]
+        copies = autocast_copies(model) if amp else 0
         if activation_checkpointing:
             act = activation_bytes(*shape, activation_checkpointing=True, **options)
             adds.append(recomputed_block(whole, act, config.n_layers))
+            adds.append(autocast_copies(model.layers) if amp else 0)  # the forward's end (the head's copy is saved)
         row["act_gb"], row["start_gb"] = act / GB, max(adds) / GB
         # train.py --eval_only: the parameters and a forward without gradients, which holds one block's activations at
-        # a time (of those saved for backward, less the logits the loss saves), then the logits and the loss's float32
-        # chunk (the two that loss_backward_bytes counts)
+        # a time (of those saved for backward, less the logits the loss saves and autocast's copies, held all along),
+        # then the logits and the loss's float32 chunk (the two that loss_backward_bytes counts)
         logits = batch_size * max_length * config.vocab_size * logit_bytes
-        row["eval_gb"] = (held + (whole - logits) / config.n_layers + adds[1]) / GB
+        row["eval_gb"] = (held + copies + (whole - logits - copies) / config.n_layers + adds[1]) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"],
                                                                  adds_up(row))
@@ -465,7 +480,8 @@ def print_breakdown(r):
     held = round(r["held_gb"], 2) + round(r["optim_gb"], 2)  # the total, but for relora (its model as built)
     train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2), adds_up(r))
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
-                                                                   if r["activation_checkpointing"] else "")
+                                                                   if r["activation_checkpointing"] else "") \
+        + (", the forward's autocast copies" if r["activation_checkpointing"] and r["amp"] else "")
     base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"
     line("train", train, "G", f"{base} + " + ("grads + activations + backward's start (the gradients kept: the "
                                               f"most of {start}: at_most)" if adds_up(r) else
@@ -654,7 +670,8 @@ def _measure(size, method, rank, delta, optimizer, per_layer, batch_size, max_le
     layer_grad = layer_grad_numel(raw, lambda p: p.requires_grad) * params[0].element_size()
     logit_bytes = BF16 if amp else params[0].element_size()
     start = max(layer_grad, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes),
-                0 if whole is None else recomputed_block(whole, peak["acts"], config.n_layers))
+                0 if whole is None else recomputed_block(whole, peak["acts"], config.n_layers),
+                autocast_copies(raw.layers) if amp and whole is not None else 0)
     kept = grads_kept(per_layer, accumulation, ddp)
     counted["train"] = counted["param"] + counted["optim"] + at_most(counted["grad"], counted["act"], start, kept)
     if device.type == "cuda":
