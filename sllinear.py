@@ -34,7 +34,6 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 
 def scaled_mm(a, b, scale):
@@ -232,8 +231,14 @@ class SLLinearFunction(torch.autograd.Function):
         return tuple(ys)
 
     @staticmethod
-    @once_differentiable  # a second derivative (create_graph=True) is refused in one line, not failed deep inside
     def backward(ctx, *grad_ys):
+        # a second derivative (create_graph=True: a gradient penalty, a Hessian-vector product) is refused in one
+        # line, here: backward is not itself differentiable. (torch's once_differentiable refused it only when an
+        # output's gradient required grad; a layer whose output enters the loss linearly, as y.sum(), gave gradients
+        # that silently carried no graph, and a penalty on them gave B, A and V none of its gradient)
+        if torch.is_grad_enabled():
+            raise RuntimeError("the SLTrain layer has no second derivative: its backward is not differentiable; "
+                               "drop create_graph=True")
         x, *layers = ctx.saved_tensors
         group = [(*_cast(ctx.dtype, *layers[i:i + 3]), *layers[i + 3:i + 5]) for i in range(0, len(layers), 5)]
         gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_ys]  # (N, out) each
