@@ -162,19 +162,22 @@ def hf_config(config, max_length, dtype, eos_id, pad_id=0):
             "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id, "initializer_range": 0.02}
 
 
-HF_FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json")  # what export_hf writes
+# what export_hf writes. The sentencepiece model goes under both names transformers reads it by: T5's tokenizer
+# class reads spiece.model (its vocab_files_names; transformers 4.x finds no other), and 5.x tokenizer.model first
+# where there is one (so both are written, and an earlier export's is never left there to be read)
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.model", "spiece.model", "tokenizer_config.json")
 
 
 def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
-    """Write config.json, model.safetensors (in dtype, default the model's) and the tokenizer (sentencepiece model +
-    tokenizer_config.json)."""
+    """Write config.json, model.safetensors (in dtype, default the model's) and the tokenizer (sentencepiece model,
+    as tokenizer.model and spiece.model, + tokenizer_config.json)."""
     run = ckpt.get("args", {})
     tokenizer = tokenizer or run.get("tokenizer")
     if not tokenizer:
         raise ValueError("the checkpoint names no tokenizer; pass --tokenizer")
     sp = load_tokenizer(tokenizer, pieces=model.config.vocab_size, sha256=run.get("tokenizer_sha256"))
     with open(tokenizer, "rb") as f:
-        spm = f.read()  # read first: --tokenizer may be the tokenizer.model of this very folder
+        spm = f.read()  # read first: --tokenizer may be the tokenizer.model (or spiece.model) of this very folder
     os.makedirs(out_dir, exist_ok=True)
     tensors = {hf_name(k): v for k, v in densify(model, dtype).state_dict().items()}
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
@@ -188,11 +191,11 @@ def export_hf(model, ckpt, out_dir, tokenizer=None, dtype=None):
     tok = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "model_max_length": run.get("max_length", 256),
            "eos_token": eos, "unk_token": unk, "pad_token": sp.id_to_piece(pad_id),
            "clean_up_tokenization_spaces": False}
-    # all four or none: a disk that fills after the weights (or a Ctrl-C there) would leave, with --overwrite, new
+    # all or none: a disk that fills after the weights (or a Ctrl-C there) would leave, with --overwrite, new
     # weights beside an earlier export's config, a folder that loads as neither model
     contents = {"config.json": json.dumps(config, indent=2).encode(),
                 "model.safetensors": functools.partial(write_safetensors, tensors), "tokenizer.model": spm,
-                "tokenizer_config.json": json.dumps(tok, indent=2).encode()}
+                "spiece.model": spm, "tokenizer_config.json": json.dumps(tok, indent=2).encode()}
     write_whole({os.path.join(out_dir, name): contents[name] for name in HF_FILES},
                 "none of the export's files was replaced (an earlier export there is as it was)")
     return list(HF_FILES)  # (not the folder's listing: it may hold other files, a run's own when it is the run's)

@@ -627,7 +627,7 @@ def test_export_merges_and_merged_checkpoint_matches(sl_ckpt, tmp_path):
     model, _ = load_model(sl_ckpt)
     export.main([sl_ckpt, "--out", str(tmp_path / "hf"), "--merged", str(tmp_path / "dense.pt")])
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+        "config.json", "model.safetensors", "spiece.model", "tokenizer.model", "tokenizer_config.json"]
     weights = export.load_safetensors(tmp_path / "hf" / "model.safetensors")
     q = model.layers[0].attn.q_proj
     assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], q.merged_weight())
@@ -721,6 +721,28 @@ def test_transformers_tokenizer_gives_our_ids(sl_ckpt, tmp_path):
         ids = sp.encode(text)
         assert tok(text, add_special_tokens=False)["input_ids"] == ids, "the exported tokenizer must give our ids"
         assert tok(text)["input_ids"] == ids + [sp.eos_id()], "a document ends with EOS, as in training"
+
+
+def test_the_tokenizer_is_in_every_file_transformers_reads_it_from(sl_ckpt, other_tokenizer, tmp_path):
+    """tokenizer_config.json names T5Tokenizer, which reads spiece.model (its vocab_files_names): written as
+    tokenizer.model alone, transformers 4.x's AutoTokenizer found no model in the folder ("Either model_file or
+    model_proto must be specified"); 5.x reads tokenizer.model first, so an export over an earlier one (of another
+    run, here) rewrites both. The class's name is the installed transformers' where there is one."""
+    try:
+        import transformers
+        names = {transformers.T5Tokenizer.vocab_files_names["vocab_file"], "tokenizer.model"}
+    except ImportError:
+        names = {"spiece.model", "tokenizer.model"}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in names:  # an earlier export's, of another run
+        shutil.copy(other_tokenizer, hf / name)
+    export.main([sl_ckpt, "--out", str(hf), "--overwrite"])
+    assert json.loads((hf / "tokenizer_config.json").read_text())["tokenizer_class"] == "T5Tokenizer"
+    trained_with = open(checkpoint.load(sl_ckpt)["args"]["tokenizer"], "rb").read()
+    for name in sorted(names):
+        assert (hf / name).is_file(), f"no {name} in the export: {sorted(os.listdir(hf))}"
+        assert (hf / name).read_bytes() == trained_with, f"{name} is not the run's tokenizer"
 
 
 @pytest.mark.parametrize("where", ["embed.weight", "layers.0.mlp.up_proj.values"])
@@ -827,14 +849,14 @@ def test_export_again_with_the_folders_own_tokenizer(sl_ckpt, tmp_path, capsys):
     again = [sl_ckpt, "--out", str(hf), "--tokenizer", str(hf / "tokenizer.model"), "--dtype", "bfloat16"]
     with pytest.raises(SystemExit):
         export.main(again)
-    assert f"--out {hf} holds an export already (config.json, model.safetensors, tokenizer.model, " \
+    assert f"--out {hf} holds an export already (config.json, model.safetensors, tokenizer.model, spiece.model, " \
            "tokenizer_config.json): pass another folder, or --overwrite to replace it" in capsys.readouterr().err
     assert (hf / "model.safetensors").read_bytes() == weights
     export.main(again + ["--overwrite"])
     assert (hf / "tokenizer.model").read_bytes() == spm
     assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert export.load_safetensors(str(hf / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == sorted(export.HF_FILES)
 
 
 def test_an_export_into_a_folder_with_other_files_names_only_its_own(sl_ckpt, tmp_path, capsys):
