@@ -269,6 +269,9 @@ def load(path):
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
+    except PermissionError as e:  # (a shared cluster's run of another user, say): the file is whole, not damaged
+        raise ValueError(f"checkpoint {path} cannot be read ({e.strerror}); ask for read access to it, or pass a copy "
+                         "you can read") from None
     except Exception as e:  # noqa: BLE001 - torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
         if not _zip_start(path):  # torch.save writes a zip archive, which a cut or damaged one still starts as
             raise ValueError(f"{path} is not a checkpoint (not a torch zip file); {other}") from None

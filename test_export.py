@@ -323,6 +323,23 @@ def test_a_file_that_is_no_checkpoint_is_not_called_damaged(sl_ckpt, tmp_path):
                    "export.py --merged wrote" in str(e.value) and "damaged" not in str(e.value), e.value
 
 
+def test_a_checkpoint_that_may_not_be_read_is_not_called_damaged(sl_ckpt, tmp_path, monkeypatch):
+    """A checkpoint without read permission (another user's run) was "damaged ... restore it from a copy, or start a
+    fresh run": torch.load's PermissionError is named, with its fix. (torch.load raises it as open does: as root, a
+    mode of 0 does not stop a read, so the test raises it.)"""
+    locked = tmp_path / "locked.pt"
+    shutil.copy(sl_ckpt, locked)
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(torch, "load", denied)
+    with pytest.raises(SystemExit) as e:
+        export.main([str(locked), "--merged", str(tmp_path / "d.pt")])
+    assert str(e.value) == f"export.py: checkpoint {locked} cannot be read (Permission denied); ask for read access " \
+        "to it, or pass a copy you can read", e.value
+    assert sorted(os.listdir(tmp_path)) == ["locked.pt"]
+
+
 @pytest.mark.parametrize("flag", ["--out", "--merged"])
 def test_export_that_cannot_write_is_one_line_and_leaves_no_partial_file(sl_ckpt, tmp_path, flag):
     """A write the filesystem refuses (here a file past the process's size limit, EFBIG) is one line naming the
