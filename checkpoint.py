@@ -266,7 +266,11 @@ def load(path):
     other = ("pass a checkpoint that train.py or export.py --merged wrote (a run's ckpt.pt, or its folder); a Hugging "
              "Face export is not read back")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # the open file, not its name: torch.load reads a path ending in .safetensors as a safetensors file (with that
+        # package, else it says to install it), so a --merged dense.safetensors was "damaged"; and a real one, an
+        # export's weights, is refused here from its first bytes, not read whole (13.5 GB at 7b)
+        with open(path, "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise
     except PermissionError as e:  # (a shared cluster's run of another user, say): the file is whole, not damaged
@@ -314,6 +318,8 @@ def _pickle_whole(path):
 def peek(path):
     """The checkpoint at path with its tensors mapped from the file, not read, and its checksum not checked: a quick
     look at its run (args, data positions) before the real load; None where it cannot be read that way."""
+    if not _zip_start(path):  # a safetensors file, say, which torch.load would read whole (mmap needs the name)
+        return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - load() says what is wrong with it, when it comes to that

@@ -340,6 +340,35 @@ def test_a_checkpoint_that_may_not_be_read_is_not_called_damaged(sl_ckpt, tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["locked.pt"]
 
 
+def test_a_merged_checkpoint_of_any_name_loads_and_an_exports_weights_are_not_read_whole(sl_ckpt, tmp_path,
+                                                                                         monkeypatch):
+    """torch.load reads a path ending in .safetensors as a safetensors file (where that package is installed; else it
+    says to install it): a --merged dense.safetensors, just written, was "damaged" in every tool. And an export's
+    model.safetensors (13.5 GB at 7b) was read whole, twice (the tokenizer's quick look, then the load), to be
+    refused, with another message where the package was installed."""
+    dense = tmp_path / "dense.safetensors"
+    export.main([sl_ckpt, "--merged", str(dense)])
+    (model, _), (merged, _) = load_model(sl_ckpt), load_model(str(dense))
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        err = (merged(idx)[0] - model(idx)[0]).abs().max().item()
+    assert err < 1e-5, f"the merged model's logits differ by {err:.2e}"
+    weights = tmp_path / "hf" / "model.safetensors"
+    export.main([sl_ckpt, "--out", str(weights.parent)])
+    read = torch.load
+
+    def by_name(f, *args, **kwargs):  # as torch.load does with the safetensors package: every tensor read
+        if isinstance(f, (str, os.PathLike)) and os.path.samefile(f, weights):
+            pytest.fail(f"{f} was read whole")
+        return read(f, *args, **kwargs)
+    monkeypatch.setattr(torch, "load", by_name)
+    for tool, name in [(sample.main, "sample.py"), (lambda argv: export.main(argv + ["--out", str(tmp_path / "o")]),
+                                                    "export.py")]:
+        with pytest.raises(SystemExit) as e:
+            tool([str(weights)])
+        assert str(e.value).startswith(f"{name}: {weights} is not a checkpoint (not a torch zip file)"), e.value
+
+
 @pytest.mark.parametrize("flag", ["--out", "--merged"])
 def test_export_that_cannot_write_is_one_line_and_leaves_no_partial_file(sl_ckpt, tmp_path, flag):
     """A write the filesystem refuses (here a file past the process's size limit, EFBIG) is one line naming the
