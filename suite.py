@@ -95,6 +95,11 @@ PAPER_REDUCTION = {"350m": 0.51, "1b": 0.58, "7b": 0.73}  # Figure 3: 8-bit SLTr
 # values, delta 0.03, where 7b trains at 0.05 (§5.1). Where a size's delta differs, the memory section adds an
 # SLTrain row at this one.
 PAPER_MEMORY_DELTA = 0.03
+# issue 13's targets, each kept beside its figure in the JSON ("target", and whether it is met) and in its table
+LAYER_TARGET = {"350m": 0.05, "1b": 0.015, "7b": 0.015}  # SLTrain ÷ nn.Linear at most this share above the floor
+MODEL_TARGET, PAPER_THROUGHPUT = 0.98, 0.945  # SLTrain's train-step tokens/s ÷ full rank's, at least (Table 3: 350m)
+ESTIMATE_TARGET = 0.05  # a memory figure (the peak less the base) within this share of estimate_memory's estimate
+OPTIMIZER_TARGET = 1.5  # the 8-bit step ÷ torch.optim.AdamW(fused=True)'s, at most (on the 7b shapes)
 
 
 def projection_shapes(size):
@@ -190,10 +195,14 @@ def suite_layer(s, device, dtype, progress=lambda partial: None, graphs=None):
             for name, seconds in issued.items():  # CUDA: the host's time to issue a call, beside the device's
                 v[name]["issued_ms"] = 1e3 * statistics.median(seconds)
             floor = 1 + 4 * c.rank / (3 * s["tokens"])
+            target = LAYER_TARGET.get(size)  # none at 60m: the issue asks for the ratio there, and where time goes
+            met = lambda x: None if target is None else x <= floor * (1 + target)  # noqa: E731
             row = dict(size=size, shape=f"{out_f}x{in_f}", rank=c.rank, delta=c.delta, tokens=s["tokens"],
-                       floor=floor, accounted_ms=accounted_ms(v), variants=v)
+                       floor=floor, target=target, meets_target=met(v["sltrain"]["ratio"]),
+                       accounted_ms=accounted_ms(v), variants=v)
             if "sltrain/graphed" in v:
                 row["graphed_ratio"], row["graphed_range"] = ratio(times, "sltrain/graphed", "dense/graphed")
+                row["graphed_meets_target"] = met(row["graphed_ratio"])
                 row["packed_graphed_ratio"], _ = ratio(times, "sltrain_packed/graphed", "dense/graphed")
                 row["graphed_accounted_ms"] = accounted_ms(v, "/graphed")
             if graph_error:
@@ -300,10 +309,13 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
         variants["sltrain/adam8bit/per_layer/launch_per_tensor"] = with_setting(  # the kernel without its runs
             optim, "KERNEL_RUN", 0, make("sltrain", "adam8bit", True))
 
-    def figures(times):
+    def figures(times):  # the issue's target: SLTrain's throughput ÷ full rank's with the same optimizer
+        vs_full = {f"sltrain/{o}": ratio(times, f"sltrain/{o}", f"full/{o}", invert=True)[0]
+                   for o in ("adamw", "adam8bit/per_layer")}
         return dict(size=s["model_size"], batch_size=s["model_batch"], max_length=s["max_length"], compiled=compiled,
-                    rounds=len(times["full/adamw"]), variants=with_tokens_per_second(s, summary(times, "full/adamw",
-                                                                                                invert=True)))
+                    rounds=len(times["full/adamw"]), target=MODEL_TARGET, paper=PAPER_THROUGHPUT,
+                    vs_full={k: dict(ratio=r, meets_target=r >= MODEL_TARGET) for k, r in vs_full.items()},
+                    variants=with_tokens_per_second(s, summary(times, "full/adamw", invert=True)))
     times = interleave(variants, s["rounds"], device, warmup=2 if compiled else 1,  # compiling is warm-up
                        after_round=lambda times: progress(figures(times)))
     result = figures(times)
@@ -352,10 +364,12 @@ def release(device):
 
 def side_by_side(s, variants, device):
     """A group of suite_model's steps timed on their own, interleaved, ÷ the first: {rounds, variants: {name:
-    {ms, ratio, range, tok_s}}}. Three warm-up calls each (a CUDA graph tree: warm-up, recording, replay)."""
+    {ms, ratio, range, tok_s}}, target: MODEL_TARGET, for SLTrain's ratio}. Three warm-up calls each (a CUDA graph
+    tree: warm-up, recording, replay)."""
     times = interleave(variants, s["rounds"], device, warmup=3)
     base = next(iter(variants))
-    return dict(rounds=len(times[base]), variants=with_tokens_per_second(s, summary(times, base, invert=True)))
+    return dict(rounds=len(times[base]), target=MODEL_TARGET,
+                variants=with_tokens_per_second(s, summary(times, base, invert=True)))
 
 
 def with_tokens_per_second(s, rows):
@@ -483,8 +497,8 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
     the reduction against full AdamW is of the whole peaks. progress gets the result after each setting.
     galore: GaLore's row alone at each size (memory_galore), its reduction against the full AdamW peak of full, the
     memory section's result, where that has one."""
-    result = {size: dict(settings={}, reduction=None, paper_reduction=None if galore else PAPER_REDUCTION.get(size))
-              for size in s["memory_sizes"]}
+    result = {size: dict(settings={}, reduction=None, paper_reduction=None if galore else PAPER_REDUCTION.get(size),
+                         meets_paper=None, estimate_target=ESTIMATE_TARGET) for size in s["memory_sizes"]}
     # every size's settings first, then the rows at the appendix's delta, then SLTrain's with packed supports
     # (train.py --packed_support) at both deltas, then the smallest size's SLTrain run accumulating micro-batches,
     # whose gradients are kept between backwards (estimate_memory.grads_kept): a command cut short loses those
@@ -512,11 +526,15 @@ def suite_memory(s, device, progress=lambda partial: None, galore=False, full=No
         # the estimate is of the step's own memory: the peak less what the process held before the model
         rows[name] = dict(gb=gb, base_gb=base_gb, estimate_gb=est["train_gb"],
                           vs_estimate=None if gb is None else (gb - base_gb) / est["train_gb"] - 1,
+                          within_estimate_target=None if gb is None else
+                          abs((gb - base_gb) / est["train_gb"] - 1) <= ESTIMATE_TARGET,
                           counted_gb={k: v / 1e9 for k, v in counted.items() if k not in ("peak", "base")})
         release(device)
         if galore:
             rows = dict((full or {}).get(size, {}).get("settings", {}), **rows)
-        result[size]["reduction"] = _reduction(rows, name if galore else "sltrain/adam8bit/per_layer")
+        result[size]["reduction"] = red = _reduction(rows, name if galore else "sltrain/adam8bit/per_layer")
+        paper = result[size]["paper_reduction"]  # the target: at least the paper's reduction
+        result[size]["meets_paper"] = None if red is None or paper is None else red >= paper
         if delta is not None or packed:  # reduction_at_paper_delta, reduction_packed, reduction_at_paper_delta_packed
             key = "reduction" + ("_at_paper_delta" if delta is not None else "") + ("_packed" if packed else "")
             result[size][key] = _reduction(rows, name)
@@ -580,8 +598,10 @@ def suite_optimizer(s, device, dtype, progress=lambda partial: None):
             steps[f"optim.Adam8bit(fused=True), ROWS={rows}"] = with_setting(adam8bit_kernel, "ROWS", rows,
                                                                                stepper(kernel))
     times = interleave(steps, s["rounds"], device)  # the compiled step compiles in the warm-up
-    result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference,
-                  variants=summary(times, "torch.optim.AdamW"), host_size=s["model_size"], host_ms_per_update={})
+    variants = summary(times, "torch.optim.AdamW")
+    result = dict(shapes=[list(x) for x in s["optimizer_shapes"]], reference=reference, target=OPTIMIZER_TARGET,
+                  meets_target={k: v["ratio"] <= OPTIMIZER_TARGET for k, v in variants.items() if "Adam8bit" in k},
+                  variants=variants, host_size=s["model_size"], host_ms_per_update={})
     progress(result)  # saved before the host times, which build a model of host_size per method
     if "optim.Adam8bit(fused=True)" in steps:
         result["host_us_per_call"] = host_us_per_call(device, dtype)
@@ -879,15 +899,21 @@ def run_suite(name, device, sections=None, data_dir=None, tokenizer=None, out_di
 LAUNCH_BOUND = 0.9  # a variant whose host issued its work in this share of its time or more waited on the host
 
 
+def verdict(met):
+    """A target's outcome in a table: met or missed; nothing where a figure has no target (or an older JSON none)."""
+    return "" if met is None else " met" if met else " MISSED"
+
+
 def report_layer(r):
     print("layer: SLTrain fwd+bwd ÷ nn.Linear (floor 1 + 4r/3N); merge = forming W alone ÷ nn.Linear fwd+bwd; "
           "parts in ms, accounted = dense + 2·(form + scatter) + factor grads + gather")
     for L in r["layer"]:
         v = L["variants"]
         ms = lambda k: f"{v[k]['ms']:.3f}"  # noqa: E731
+        target = "" if L.get("target") is None else f", target +{L['target']:.1%}{verdict(L['meets_target'])}"
         print(f"  {L['size']:>4} {L['shape']:>11} r={L['rank']:<4} floor x{L['floor']:.4f} | dense {ms('dense')} ms "
-              f"| sltrain {ratio_text(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%} of floor) | merge "
-              f"{ratio_text(v['merge'])}")
+              f"| sltrain {ratio_text(v['sltrain'])} ({v['sltrain']['ratio'] / L['floor'] - 1:+.1%} of floor{target})"
+              f" | merge {ratio_text(v['merge'])}")
         print(f"  {'':>16} form {ms('form')} | scatter {ms('scatter')} | factor grads {ms('factor_grads')} | gather "
               f"{ms('gather')} | accounted {L['accounted_ms']:.3f} of sltrain {ms('sltrain')} ms "
               f"({L['accounted_ms'] / v['sltrain']['ms']:.0%})")
@@ -902,9 +928,9 @@ def report_layer(r):
             low, high = L["graphed_range"]
             print(f"  {'':>16} CUDA graphs (the GPU's time alone): dense {ms('dense/graphed')} ms | sltrain "
                   f"x{L['graphed_ratio']:.3f} [{low:.2f}-{high:.2f}] ({L['graphed_ratio'] / L['floor'] - 1:+.1%} of "
-                  f"floor) | form {ms('form/graphed')} | scatter {ms('scatter/graphed')} | factor grads "
-                  f"{ms('factor_grads/graphed')} | gather {ms('gather/graphed')} | accounted "
-                  f"{L['graphed_accounted_ms']:.3f}")
+                  f"floor{verdict(L.get('graphed_meets_target'))}) | form {ms('form/graphed')} | scatter "
+                  f"{ms('scatter/graphed')} | factor grads {ms('factor_grads/graphed')} | gather {ms('gather/graphed')}"
+                  f" | accounted {L['graphed_accounted_ms']:.3f}")
         if "graph_error" in L:
             print(f"  {'':>16} CUDA graph capture failed: {L['graph_error']}")
 
@@ -913,6 +939,9 @@ def report_model(r, key="model"):
     M = r[key]
     print(f"model {M['size']} batch {M['batch_size']} x {M['max_length']}, {'compiled' if M['compiled'] else 'eager'}: "
           "tokens/s, ratio to full/adamw")
+    if "vs_full" in M:
+        print(f"  target: sltrain ÷ full with the same optimizer x{M['target']} or more (paper x{M['paper']}): "
+              + " | ".join(f"{k} x{t['ratio']:.3f}{verdict(t['meets_target'])}" for k, t in M["vs_full"].items()))
     for name, row in M["variants"].items():
         host = "" if "host_ms" not in row else (f" | on {HOST_TOKENS} tokens {row['host_ms']:.1f} ms, "
                                                 f"{row['host_share']:.0%} of the step's {row['ms']:.1f} ms")
@@ -929,7 +958,7 @@ def report_model(r, key="model"):
                        ("graph_trees", "blocks compiled with mode reduce-overhead (CUDA graph trees), ratio to "
                                        "full/adamw so compiled:")):
         if key in M:
-            print(f"  {title}")
+            print(f"  {title}" + (f" (target for sltrain x{M[key]['target']} or more)" if "target" in M[key] else ""))
             for name, row in M[key]["variants"].items():
                 print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}")
 
@@ -950,8 +979,10 @@ def report_memory(r, key="memory"):
     for size, P in r.get(key, {}).items():
         paper = "" if P["paper_reduction"] is None else f", paper -{100 * P['paper_reduction']:.0f}%"
         red = "n/a" if P["reduction"] is None else f"-{100 * P['reduction']:.1f}%"
+        paper += "" if P.get("meets_paper") is None else f" (target: at least the paper's,{verdict(P['meets_paper'])})"
         print(f"{key} {size}, batch 1: {'galore' if key == 'memory_galore' else 'sltrain'} 8-bit per-layer vs full "
               f"AdamW {red}{paper}")
+        within = "" if "estimate_target" not in P else f", target ±{P['estimate_target']:.0%}"
         for field, what in (("reduction_at_paper_delta", f"at delta {PAPER_MEMORY_DELTA}, the commented-out 7b count"),
                             ("reduction_packed", "with packed supports (--packed_support)"),
                             ("reduction_at_paper_delta_packed", f"at delta {PAPER_MEMORY_DELTA}, packed supports")):
@@ -959,7 +990,8 @@ def report_memory(r, key="memory"):
                 print(f"  sltrain {what}: {'n/a' if P[field] is None else f'-{100 * P[field]:.1f}%'}")
         for name, row in P["settings"].items():
             gb = "OOM" if row["gb"] is None else (f"{row['gb']:.3f} GB, base {row['base_gb']:.3f} "
-                                                  f"({row['vs_estimate']:+.1%} vs estimate)")
+                                                  f"({row['vs_estimate']:+.1%} vs estimate{within}"
+                                                  f"{verdict(row.get('within_estimate_target'))})")
             counted = row.get("counted_gb", {})
             parts = "" if not counted else " | counted " + ", ".join(
                 f"{k} {counted[k]:.3f}" for k in ("param", "optim", "grad", "act", "train"))
@@ -991,8 +1023,10 @@ def report_profile(r):
 
 def report_suite_optimizer(r):
     O = r["optimizer"]
-    print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}): "
-          + " | ".join(f"{k} {v['ms']:.2f} ms {ratio_text(v)}" for k, v in O["variants"].items()))
+    target = "" if "target" not in O else f" (target for the 8-bit step x{O['target']} or less)"
+    met = O.get("meets_target", {})
+    print(f"optimizer step on {O['shapes']}, ÷ torch.optim.AdamW({O['reference']}){target}: "
+          + " | ".join(f"{k} {v['ms']:.2f} ms {ratio_text(v)}{verdict(met.get(k))}" for k, v in O["variants"].items()))
     for method, host in O["host_ms_per_update"].items():
         print(f"  per-layer updates, host time per update ({O['host_size']} {method} layers at tiny width): "
               + " | ".join(f"{k} {ms:.1f} ms{'' if n is None else f' ({n} ops)'}" for k, (ms, n) in host.items()))
