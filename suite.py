@@ -41,6 +41,7 @@ any failed. tiny runs on CPU (float32; memory by the profiler) and is what test_
 import argparse
 import atexit
 import contextlib
+import ctypes
 import functools
 import gc
 import glob
@@ -657,6 +658,21 @@ def process_tree(pid):
     return tree
 
 
+def start_run(cmd, **kwargs):
+    """subprocess.Popen(cmd, **kwargs) in a session of its own, killed once this process ends, whatever ends it
+    (Linux's PR_SET_PDEATHSIG; elsewhere it is not): the plan's timeout -s KILL reaching the program section left
+    the train.py run it was waiting for training on the GPU, beside the next command's measurements, and with the
+    deadline gone, a hung one for good. A torchrun agent so killed ends its workers (train.py's own PDEATHSIG)."""
+    import subprocess
+    parent, prctl = os.getpid(), ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+
+    def end_with_parent():  # in the child, before its program starts
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the suite ended before the call: no signal will come
+            os._exit(1)
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=end_with_parent if prctl else None, **kwargs)
+
+
 @contextlib.contextmanager
 def deadline(proc, seconds):
     """Kills proc, its process group and every process below it after `seconds`, so that a hung NCCL start or
@@ -701,7 +717,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     micro-batches an update: AdamW, and 8-bit per-layer (--cuda_graph --per_layer). Last, the short run twice under
     --deterministic, the second stopped half way and resumed: where their losses part, if they do. Every run trains
     on device, the suite's (default: CUDA if present, as train.py's auto)."""
-    import shutil, subprocess  # only this section starts processes and writes files
+    import shutil, subprocess  # only this section starts processes (start_run) and writes files
     p = s["program"]
     # given to every run: left to train.py's auto, the runs of a suite told --device cpu (or cuda:1) trained on the
     # GPU (on cuda:0)
@@ -719,7 +735,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
 
     def train(run, *extra, launcher=(), common=base):
         cmd = [*launcher, *common[1 if launcher else 0:], "--out_dir", os.path.join(out_dir, run), *extra]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = start_run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         with deadline(proc, p["timeout"]) as fired:
             out, err = proc.communicate()
         if fired.is_set() or proc.returncode:
@@ -738,8 +754,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
 
     def sigterm_resume():  # SIGTERM as a scheduler sends it: to the whole process group, once the run is half way
         cmd = base + ["--out_dir", os.path.join(out_dir, "signalled"), "--num_training_steps", str(p["steps"]), *halves]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = start_run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         with deadline(proc, p["timeout"]) as fired:
             for line in proc.stdout:  # the log line of the half-way update, as it is printed
                 if line.startswith(f"step {p['steps'] // 2}/"):

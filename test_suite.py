@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 
 import pytest
@@ -693,6 +694,34 @@ def test_a_hung_worker_in_a_session_of_its_own_is_killed_too(tmp_path):
     with suite.deadline(proc, 3) as fired:
         out = proc.communicate()[0]
     assert fired.is_set() and out == "worker\n" and time.perf_counter() - t0 < 30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_run_ends_with_the_suite_that_started_it(tmp_path):
+    """The plan runs the suite under timeout -s KILL: a kill in the program section left the train.py run it was
+    waiting for running on (in a session of its own, with the deadline's timer gone with the suite), training on
+    the GPU beside the next command's measurements. Here a suite starts a run that sleeps, and is killed."""
+    import subprocess
+    said = tmp_path / "run.pid"
+    run = f"import os, time; open({str(said)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    starter = f"import sys, time, suite; suite.start_run([sys.executable, '-c', {run!r}]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", starter], cwd=os.path.dirname(os.path.abspath(suite.__file__)))
+    try:
+        for _ in range(300):  # the run has started (the suite's imports take seconds)
+            if said.exists() and said.read_text():
+                break
+            time.sleep(0.1)
+        pid = int(said.read_text())
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the run outlived the suite that started it")
 
 
 def test_the_programs_shards_and_tokenizer_are_checked_first(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
