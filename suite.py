@@ -15,7 +15,8 @@ with --data_dir):
     layer           SLTrain forward+backward ÷ nn.Linear at every projection shape of 60m/350m/1b/7b (N = 32768,
                     bf16), beside the floor 1 + 4r/(3N), with the parts of SLTrain's extra work timed alone
     model           350m train-step tokens/s of the four methods, AdamW and 8-bit per-layer, ÷ full AdamW
-                    (paper: sltrain/full = 0.945); and what --packed_support and --deterministic cost
+                    (paper: sltrain/full = 0.945), batch 64; full and sltrain again at the paper's per-GPU 128;
+                    and what --packed_support and --deterministic cost
     optimizer       the 8-bit step, eager and compiled, ÷ fused AdamW on the 7b shapes, and the host time of
                     per-layer updates
     amp             train.py --amp beside pure bf16 at 350m: tokens/s and peak memory
@@ -70,14 +71,18 @@ from sllinear import SLLinear, scaled_mm
 # gpu: every figure of the paper's GPU claims in one command (never run yet; BENCHMARKS.md splits it with --only);
 # tiny: the same code at toy sizes, which the CPU tests run end to end.
 SUITES = {
+    # model_batch: 64 sequences, as every GPU session has measured; paper_batch: the paper's per-GPU micro-batch at
+    # 350m (its appendix's table and the authors' script: 128), at which the model sections time the issue's pairs
     "gpu": dict(layer_sizes=("60m", "350m", "1b", "7b"), tokens=32768, model_size="350m", model_batch=64,
-                max_length=256, memory_sizes=("350m", "1b", "7b"), memory_steps=3, backend="inductor", rounds=5,
+                paper_batch=128, max_length=256, memory_sizes=("350m", "1b", "7b"), memory_steps=3, backend="inductor",
+                rounds=5,
                 optimizer_shapes=((4096, 4096), (11008, 4096), (int(0.05 * 4096 * 11008),)),
                 program=dict(size="60m", steps=300, batch=64, eval_every=100, eval_tokens=200_000, short=20,
                              compile=True, timeout=240),
                 inference_sizes=("130m", "350m", "1b", "7b"),
                 width=dict(size="1b", batch=16, widths=(5461, 5464, 5504))),
-    "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, max_length=32, vocab=512,
+    "tiny": dict(layer_sizes=("tiny",), tokens=64, model_size="tiny", model_batch=1, paper_batch=2, max_length=32,
+                 vocab=512,
                  memory_sizes=("tiny",), memory_steps=1, backend="eager", rounds=1,
                  optimizer_shapes=((64, 32), (96, 64), (500,)),  # 96 x 64: 8-bit state (min_8bit_size 4096)
                  program=dict(size="tiny", steps=40, batch=2, eval_every=20, eval_tokens=2000, short=4,
@@ -290,12 +295,16 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     optimizer eager, what the graphed figures promise made real), four variants alone: each graph holds its step's
     activations for good (about 19 GB at 350m, batch 64, where all the variants at once ran out of an H100's
     memory). And ("cuda_graph_per_layer") sltrain 8-bit per-layer plain and as train.py --cuda_graph --per_layer
-    runs it (its per-layer updates replayed too) beside full AdamW, alone."""
+    runs it (its per-layer updates replayed too) beside full AdamW, alone. Before these, with the variants above
+    freed, ("paper_batch") full and sltrain, AdamW and 8-bit per-layer, alone at the paper's per-GPU micro-batch
+    (s["paper_batch"]; at 350m 128, twice the section's, which all the variants at once would not fit in an H100 at),
+    the batch the issue's target is of."""
     methods = ("full", "lowrank", "sltrain") if compiled else PRETRAINING
     backend = s["backend"] if compiled else None
     graphs = device.type == "cuda" if graphs is None else graphs
-    make = lambda m, o, pl, **kw: train_step(s["model_size"], m, o, pl, s["model_batch"],  # noqa: E731
-                                             s["max_length"], device, dtype, backend, s.get("vocab"), **kw)
+    make = lambda m, o, pl, batch=None, **kw: train_step(  # noqa: E731
+        s["model_size"], m, o, pl, batch or s["model_batch"], s["max_length"], device, dtype, backend, s.get("vocab"),
+        **kw)
     variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
                 for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
     variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
@@ -331,8 +340,14 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     if graphs:
         graphed_steps(result, variants, s["rounds"], device)
         progress(result)
-        variants = None  # their memory, before the graphs below hold their own
-        release(device)
+    variants = None  # their memory, before the groups below hold their own
+    release(device)
+    result["paper_batch"] = side_by_side(s, {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl, s["paper_batch"])
+                                             for o, pl in (("adamw", False), ("adam8bit", True))
+                                             for m in ("full", "sltrain")}, device, s["paper_batch"])
+    progress(result)
+    release(device)
+    if graphs:
         result["cuda_graph"] = side_by_side(s, {f"{m}/adamw{'/cuda_graph' * g}": make(m, "adamw", False, cuda_graph=g)
                                                 for m in ("full", "sltrain") for g in (False, True)}, device)
         progress(result)
@@ -363,20 +378,20 @@ def release(device):
         torch.cuda.empty_cache()
 
 
-def side_by_side(s, variants, device):
+def side_by_side(s, variants, device, batch=None):
     """A group of suite_model's steps timed on their own, interleaved, ÷ the first: {rounds, variants: {name:
     {ms, ratio, range, tok_s}}, target: MODEL_TARGET, for SLTrain's ratio}. Three warm-up calls each (a CUDA graph
-    tree: warm-up, recording, replay)."""
+    tree: warm-up, recording, replay). batch: the steps' sequences, if not the model sections' own."""
     times = interleave(variants, s["rounds"], device, warmup=3)
-    base = next(iter(variants))
-    return dict(rounds=len(times[base]), target=MODEL_TARGET,
-                variants=with_tokens_per_second(s, summary(times, base, invert=True)))
+    base, batch = next(iter(variants)), batch or s["model_batch"]
+    return dict(rounds=len(times[base]), batch_size=batch, target=MODEL_TARGET,
+                variants=with_tokens_per_second(s, summary(times, base, invert=True), batch))
 
 
-def with_tokens_per_second(s, rows):
-    """rows (summary's) with each step's tokens/s at the model sections' batch, as tok_s."""
+def with_tokens_per_second(s, rows, batch=None):
+    """rows (summary's) with each step's tokens/s at batch (default: the model sections'), as tok_s."""
     for row in rows.values():
-        row["tok_s"] = s["model_batch"] * s["max_length"] / (row["ms"] / 1e3)
+        row["tok_s"] = (batch or s["model_batch"]) * s["max_length"] / (row["ms"] / 1e3)
     return rows
 
 
@@ -966,7 +981,10 @@ def report_model(r, key="model"):
         if "graph_error" in row:
             host += f" | CUDA graph capture failed: {row['graph_error']}"
         print(f"  {name:<28} {row['tok_s']:>10,.0f} tok/s {ratio_text(row)}{host}")
-    for key, title in (("cuda_graph", "as train.py --cuda_graph (forward and backward replayed), alone, ratio to "
+    paper = M.get("paper_batch", {}).get("batch_size")
+    for key, title in (("paper_batch", f"at the paper's per-GPU micro-batch, {paper} sequences, alone, ratio to "
+                                       "full/adamw there:"),
+                       ("cuda_graph", "as train.py --cuda_graph (forward and backward replayed), alone, ratio to "
                                       "full/adamw there:"),
                        ("cuda_graph_per_layer", "as train.py --cuda_graph --per_layer (the per-layer updates "
                                                 "replayed too), alone, ratio to full/adamw there:"),

@@ -318,6 +318,29 @@ def test_each_figure_has_the_issues_target_beside_it_in_the_json_and_its_table(m
     assert "(target for the 8-bit step x1.5 or less)" in out
 
 
+def test_the_model_section_times_the_issues_pairs_at_the_papers_micro_batch(monkeypatch, capsys):
+    """The issue's throughput target is at the paper's per-GPU micro-batch (350m: 128, its appendix's table and the
+    authors' script), twice the section's 64 (which every GPU session has measured at): full and SLTrain, AdamW and
+    8-bit per-layer, are timed there too, alone, after the other variants are freed. Tiny: 2 beside 1."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the deterministic variants set it
+    tiny = suite.SUITES["tiny"]
+    assert suite.SUITES["gpu"]["paper_batch"] == 128 and tiny["paper_batch"] == 2
+    batches = []
+    train_step = suite.train_step
+    monkeypatch.setattr(suite, "train_step", lambda *args, **kw: batches.append(args[4]) or train_step(*args, **kw))
+    r = suite.suite_model(tiny, torch.device("cpu"), torch.float32, False)
+    paper = r["paper_batch"]
+    assert list(paper["variants"]) == ["full/adamw", "sltrain/adamw", "full/adam8bit/per_layer",
+                                       "sltrain/adam8bit/per_layer"] and paper["batch_size"] == 2, paper
+    assert batches[-4:] == [2] * 4 and set(batches[:-4]) == {1}
+    for row in paper["variants"].values():  # tokens/s at the group's own batch
+        assert row["tok_s"] == pytest.approx(2 * tiny["max_length"] / (row["ms"] / 1e3))
+    assert paper["variants"]["full/adamw"]["ratio"] == 1.0 and paper["target"] == 0.98
+    suite.report_model({"model": r})
+    tail = capsys.readouterr().out.split("at the paper's per-GPU micro-batch, 2 sequences, alone")[1].splitlines()
+    assert [line.split()[0] for line in tail[1:5]] == list(paper["variants"])
+
+
 def test_the_separate_variant_calls_each_projection_on_its_own():
     """model's sltrain/adamw/separate differs from sltrain/adamw in that alone: the same GEMMs, and more operations
     for the host, each projection in an autograd call of its own."""
@@ -651,7 +674,8 @@ def test_each_step_is_also_timed_from_a_cuda_graph_one_at_a_time(monkeypatch, ca
     if compiled:  # then the blocks compiled as CUDA graph trees, side by side, each ÷ full AdamW so compiled
         trees = r["graph_trees"]["variants"]
         assert list(trees) == ["full/adamw", "sltrain/adamw", "full/adam8bit/per_layer", "sltrain/adam8bit/per_layer"]
-        assert modes == [None] * (len(v) + len(replayed) + len(per_layer)) + ["reduce-overhead"] * len(trees)
+        assert modes == [None] * (len(v) + len(r["paper_batch"]["variants"]) + len(replayed) + len(per_layer)) + \
+            ["reduce-overhead"] * len(trees)
         assert trees["full/adamw"]["ratio"] == 1.0
         assert all(row["tok_s"] > 0 for row in trees.values()) and r["graph_trees"]["rounds"] == tiny["rounds"]
         tail = out.split("mode reduce-overhead (CUDA graph trees)")[1].splitlines()[1:]
