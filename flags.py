@@ -25,9 +25,11 @@ from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for, length_refusal
 
 # size -> (training steps, warmup steps, peak lr, micro-batch per device on a GPU): §5.1 and the authors' scripts,
-# whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share
-RECIPES = {"tiny": (1000, 100, 3e-3, 16), "60m": (11_000, 1100, 3e-3, 128), "130m": (22_000, 2200, 3e-3, 128),
-           "350m": (65_000, 6500, 3e-3, 64), "1b": (140_000, 10_000, 3e-3, 32), "7b": (150_000, 15_000, 5e-4, 8)}
+# whose warmup is 10% of the steps except 1b's (10k of 140k); another --num_training_steps keeps that share. The
+# micro-batches are the scripts' (--batch_size 256, 256, 128, 32, 8; 350m's 128 is also the appendix's "batch size
+# = 128 per GPU"); they were 128, 128 and 64 at 60m to 350m, half the scripts', until 2026-12-03
+RECIPES = {"tiny": (1000, 100, 3e-3, 16), "60m": (11_000, 1100, 3e-3, 256), "130m": (22_000, 2200, 3e-3, 256),
+           "350m": (65_000, 6500, 3e-3, 128), "1b": (140_000, 10_000, 3e-3, 32), "7b": (150_000, 15_000, 5e-4, 8)}
 # the baselines' own flags (GaLore's paper and ReLoRA's): their defaults, filled in once the method is known
 BASELINES = {"galore_update_gap": 200, "galore_scale": 0.25, "relora_reset": 2000, "relora_warmup": 50,
              "relora_prune": 0.99}
