@@ -22,8 +22,8 @@ import math
 import torch
 
 from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_block_size, _check_fused,
-                   _check_hyperparameters, _checked_group, _evaluate, _finite, _fused, _keep_state_dtypes,
-                   _step_scalars)
+                   _check_fused_group, _check_hyperparameters, _checked_group, _evaluate, _finite, _fused,
+                   _keep_state_dtypes, _step_scalars)
 
 
 def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fused=None):
@@ -118,6 +118,8 @@ class GaLore(torch.optim.Optimizer):
             if p.dim() != 2 or not 0 < rank <= min(p.shape):
                 raise ValueError(f"GaLore projects 2-D weights to a rank in [1, min(m, n)]; got rank {rank} for a "
                                  f"{tuple(p.shape)} parameter: put it in a rank=None group")
+        if getattr(self, "fused", None):  # a group added after the constructor, which checks its own groups
+            _check_fused_group(dict(settings, params=group["params"]))
         super().add_param_group(group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()

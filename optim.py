@@ -420,6 +420,8 @@ class Adam8bit(torch.optim.Optimizer):
         for p in params:  # when given, not at the first step
             if p.numel() >= settings["min_8bit_size"]:
                 _check_flat(p)
+        if getattr(self, "fused", None):  # a group added after the constructor, which checks its own groups
+            _check_fused_group(dict(settings, params=params))
         super().add_param_group(param_group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()
@@ -516,13 +518,19 @@ def _check_fused(fused, optimizer):
     if fused not in (None, True, False):
         raise ValueError(f"fused must be None (where it can), True or False, got {fused!r}")
     for group in optimizer.param_groups if fused else []:
-        for p in group["params"]:
-            reason = p.numel() >= group["min_8bit_size"] and adam8bit_kernel.why_not(p.device, p.dtype,
-                                                                                        group["block_size"])
-            if reason:
-                raise ValueError(f"fused=True: the one-kernel 8-bit step cannot run here: {reason}; pass fused=None "
-                                 "to use it only where it can run")
+        _check_fused_group(group)
     return fused
+
+
+def _check_fused_group(group):
+    """_check_fused for one group, its settings filled in: the constructor's, and each one added later (a group
+    added after the constructor, unchecked, took the eager step under fused=True without a word)."""
+    for p in group["params"]:
+        reason = p.numel() >= group["min_8bit_size"] and adam8bit_kernel.why_not(p.device, p.dtype,
+                                                                                    group["block_size"])
+        if reason:
+            raise ValueError(f"fused=True: the one-kernel 8-bit step cannot run here: {reason}; pass fused=None "
+                             "to use it only where it can run")
 
 
 def _update_8bit_together(params, states, block_size, hyper, compile=False, fused=False):

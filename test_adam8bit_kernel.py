@@ -376,6 +376,21 @@ def test_fused_true_is_refused_where_the_kernel_cannot_run():
     optim.Adam8bit([nn.Parameter(torch.randn(8))], fused=True)  # below min_8bit_size: nothing needs the kernel
 
 
+def test_fused_true_is_refused_for_a_group_added_later():
+    """A param group added after the constructor is held to fused=True as the constructor's are: refused, in the
+    same line, where its 8-bit tensors cannot run the kernel (it took the eager step without a word), and not left
+    half added; a group with nothing 8-bit is taken."""
+    for make in (lambda ps: optim.Adam8bit(ps, fused=True),
+                 lambda ps: GaLore([dict(params=ps, rank=None)], inner="adam8bit", fused=True)):
+        opt = make([nn.Parameter(torch.randn(8))])  # below min_8bit_size: nothing needs the kernel
+        with pytest.raises(ValueError, match="fused=True: the one-kernel 8-bit step cannot run here: "
+                                             "it runs on a CUDA GPU, not on cpu"):
+            opt.add_param_group(dict(params=[nn.Parameter(torch.randn(64, 96))]))
+        assert len(opt.param_groups) == 1
+        opt.add_param_group(dict(params=[nn.Parameter(torch.randn(8))]))
+        assert len(opt.param_groups) == 2
+
+
 def test_the_launch_is_made_on_the_parameters_gpu(monkeypatch):
     """Triton launches on the current GPU: a parameter on cuda:1 while cuda:0 is current is updated with cuda:1 made
     current for the launch (faked here: this test runs without a GPU); on the current GPU nothing is switched."""
