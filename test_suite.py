@@ -286,13 +286,33 @@ def test_each_figure_has_the_issues_target_beside_it_in_the_json_and_its_table(m
     train-step throughput 0.98 of full rank's, each memory figure within 5% of its estimate and the reduction at
     least the paper's, the 8-bit step 1.5 times fused AdamW's at most. Each is in the JSON beside its figure, with
     whether it is met, and in the table (they were in BENCHMARKS.md's prose alone). Tiny stands in for the paper's
-    sizes; measure (the peak its estimate plus a tenth) and the host times stand in."""
+    sizes; measure (the peak its estimate plus a fiftieth for SLTrain's rows, a tenth for the others) and the host
+    times stand in. Every variant runs, and its times are then set to fall on both sides of each target, so that
+    a verdict fixed at met, or at missed, fails here whatever this machine's timings (the CPU's own fell on one
+    side of the 8-bit step's target: a verdict always "missed" passed)."""
     def measured(size, method, rank, delta, optimizer, per_layer, batch_size, max_length, steps, device,
                  accumulation=1, packed=False):
         train = suite.estimate(size, method, rank, delta, "packed" if packed else "int32", optimizer, per_layer,
                                batch_size, max_length, accumulation=accumulation)["train_gb"]
-        return dict(peak=1.1e9 * train, base=0, **dict.fromkeys(("param", "optim", "grad", "act", "train"), 0)), None
+        over = 1.02 if method == "sltrain" else 1.1
+        return dict(peak=over * 1e9 * train, base=0, **dict.fromkeys(("param", "optim", "grad", "act", "train"), 0)), \
+            None
+    layers, interleave = [], suite.interleave
+
+    def straddling(variants, *args, **kwargs):  # the real calls; then the same times, or 10x, as the reference's
+        times = interleave(variants, *args, **kwargs)
+        if "dense" in times and "sltrain" in times:  # every other projection shape misses the layer's target
+            layers.append(None)
+            times["sltrain"] = [t * (10 if len(layers) % 2 == 0 else 1) for t in times["dense"]]
+        if "full/adamw" in times:  # sltrain/adamw meets the model's target, sltrain/adam8bit/per_layer misses it
+            times["sltrain/adamw"] = list(times["full/adamw"])
+            times["sltrain/adam8bit/per_layer"] = [10 * t for t in times["full/adam8bit/per_layer"]]
+        if "torch.optim.AdamW" in times:  # the first 8-bit step meets the optimizer's target, the others miss it
+            for i, name in enumerate(k for k in times if "Adam8bit" in k):
+                times[name] = [t * (1 if i == 0 else 10) for t in times["torch.optim.AdamW"]]
+        return times
     monkeypatch.setattr(suite, "measure", measured)
+    monkeypatch.setattr(suite, "interleave", straddling)
     monkeypatch.setattr(suite, "per_layer_host_time", lambda *args: {})
     monkeypatch.setitem(suite.LAYER_TARGET, "tiny", 0.05)
     monkeypatch.setitem(suite.PAPER_REDUCTION, "tiny", 0.5)
@@ -302,19 +322,24 @@ def test_each_figure_has_the_issues_target_beside_it_in_the_json_and_its_table(m
     out = capsys.readouterr().out
     for L in r["layer"]:  # each of the size's projection shapes
         assert L["target"] == 0.05 and L["meets_target"] == (L["variants"]["sltrain"]["ratio"] <= L["floor"] * 1.05)
-    assert "of floor, target +5.0% " in out
+    assert [L["meets_target"] for L in r["layer"]][:2] == [True, False], [L["meets_target"] for L in r["layer"]]
+    assert "of floor, target +5.0% met" in out and "of floor, target +5.0% MISSED" in out
     M = r["model"]
     assert M["target"] == 0.98 and M["paper"] == 0.945 and list(M["vs_full"]) == ["sltrain/adamw",
                                                                                     "sltrain/adam8bit/per_layer"]
     assert all(t["meets_target"] == (t["ratio"] >= 0.98) for t in M["vs_full"].values()), M["vs_full"]
+    assert [t["meets_target"] for t in M["vs_full"].values()] == [True, False], M["vs_full"]
     assert "target: sltrain ÷ full with the same optimizer x0.98 or more (paper x0.945): sltrain/adamw x" in out
     mem = r["memory"]["tiny"]
     assert mem["estimate_target"] == 0.05 and mem["meets_paper"] == (mem["reduction"] >= 0.5)
-    assert all(row["within_estimate_target"] is False for row in mem["settings"].values())  # 10% over
-    assert "(+10.0% vs estimate, target ±5% MISSED)" in out and "(target: at least the paper's," in out
+    for name, row in mem["settings"].items():  # SLTrain's 2% over, the others 10%
+        assert row["within_estimate_target"] is name.startswith("sltrain"), (name, row)
+    assert "(+10.0% vs estimate, target ±5% MISSED)" in out and "(+2.0% vs estimate, target ±5% met)" in out
+    assert "(target: at least the paper's," in out
     O = r["optimizer"]
     assert O["target"] == 1.5 and set(O["meets_target"]) == {k for k in O["variants"] if "Adam8bit" in k}
     assert all(met == (O["variants"][k]["ratio"] <= 1.5) for k, met in O["meets_target"].items())
+    assert list(O["meets_target"].values())[0] and not all(O["meets_target"].values()), O["meets_target"]
     assert "(target for the 8-bit step x1.5 or less)" in out
 
 
