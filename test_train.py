@@ -1893,12 +1893,16 @@ def test_relora_restarts_only_after_its_first_warmup(monkeypatch, capsys, argv, 
 def test_a_relora_run_too_short_for_its_default_reset_says_it_restarts_nothing(corpus, tmp_path, capsys,
                                                                                monkeypatch):
     """ReLoRA's default reset, 2000, in a shorter run (--size tiny's 1000 updates, or any short one) never restarts:
-    it trained LoRA over a frozen W0 without a word. It is said; a reset the run reaches makes no note and restarts
-    (a --relora_reset given that it does not reach is refused: test_relora)."""
+    it trained LoRA over a frozen W0 without a word. It is said, also in a run of exactly 2000 updates (its last
+    update is no restart: the "reached" run below restarts at 1 of 2, not at 2); a reset the run reaches makes no
+    note and restarts (a --relora_reset given that it does not reach is refused: test_relora)."""
     train.main(base_args(corpus, tmp_path / "default", 2, "--method", "relora"))
     out = capsys.readouterr().out
     assert ("note: --relora_reset 2000 restarts nothing in a run of 2 updates: this run trains LoRA over a frozen W0, "
             "without ReLoRA's merges; pass a --relora_reset below --num_training_steps for them") in out, out
+    train.main(base_args(corpus, tmp_path / "as_long", 2000, "--method", "relora", "--stop_after", "1"))
+    out = capsys.readouterr().out
+    assert "note: --relora_reset 2000 restarts nothing in a run of 2000 updates" in out, out
     restarts, merge = [], train.relora_merge
     monkeypatch.setattr(train, "relora_merge", lambda *a: restarts.append(1) or merge(*a))
     train.main(base_args(corpus, tmp_path / "reached", 2, "--method", "relora", "--relora_reset", "1",
