@@ -1428,6 +1428,8 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--method", "full", "--optimizer", "galore_adamw", "--rank", "1000"], "--rank (GaLore's rank) must be in [1, "),
     (["--method", "relora", "--relora_reset", "5000", "--relora_prune", "0.5"], "--relora_reset, --relora_prune: "
      "--relora_reset 5000 restarts nothing in a run of 4 updates; pass a --relora_reset below --num_training_steps"),
+    (["--method", "relora", "--relora_reset", "4", "--relora_warmup", "0", "--warmup_steps", "1"],  # the last: none
+     "--relora_reset 4 restarts nothing in a run of 4 updates; pass a --relora_reset below --num_training_steps"),
 ])
 def test_every_flag_is_checked_before_any_work(corpus, tmp_path, capsys, extra, message):
     if extra[:2] == ["--device", "cuda"] and torch.cuda.is_available():
