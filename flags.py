@@ -19,7 +19,7 @@ import torch
 
 import adam8bit_kernel
 import checkpoint
-from data import empty_path_refusal, load_tokenizer
+from data import _cpus, empty_path_refusal, load_tokenizer
 from devices import cublas_refusal, device_from_flag
 from estimate_memory import BLOCK_SIZE, estimate, memory_there
 from model import METHODS, SPARSE, LLaMA, SIZES, config_for, length_refusal
@@ -391,8 +391,9 @@ def check_ranges(p, args):
         value = getattr(args, name)
         if value is not None and not 0 <= value <= top(value):
             p.error(f"--{name} must be >= 0{bound(value)}, got {value}")
-    if args.workers > (os.cpu_count() or 1):  # each a process reading shards: more than the CPUs only crowd them
-        p.error(f"--workers must be at most {os.cpu_count() or 1}, this machine's CPUs, got {args.workers}")
+    if args.workers > _cpus():  # each a process reading shards: more than the CPUs only crowd them (those this
+        # process may run on, as data.py counts them: a container's or a scheduler's share, not the machine's)
+        p.error(f"--workers must be at most {_cpus()}, the CPUs this process may use, got {args.workers}")
     for name in ("seed", "support_seed"):  # torch's generators take a 64-bit seed
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < 2 ** 63:
             p.error(f"--{name} must be in [0, 2^63), got {getattr(args, name)}")

@@ -1358,6 +1358,17 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     train.main(base_args(corpus, tmp_path, 2))
 
 
+def test_workers_are_bounded_by_the_cpus_this_process_may_use(monkeypatch, capsys):
+    """flags counted the machine's CPUs (os.cpu_count) where data.py counts those the process may run on (a
+    container's or a scheduler's share): on one CPU of two, --workers 2 was taken, and crowded it."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(SystemExit):
+        train.get_args(["--size", "tiny", "--device", "cpu", "--workers", "2"])
+    assert "--workers must be at most 1, the CPUs this process may use, got 2" in capsys.readouterr().err
+    assert train.get_args(["--size", "tiny", "--device", "cpu", "--workers", "1"]).workers == 1
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--lr", "0"], "--lr must be positive"),
     (["--num_training_steps", "0"], "--num_training_steps must be positive"),
@@ -1393,7 +1404,8 @@ def test_fresh_run_into_the_rows_of_a_run_without_a_checkpoint_is_refused(corpus
     (["--support_seed", "-1"], "--support_seed must be in [0, 2^63), got -1"),
     (["--support", "top", "--support_seed", "3", "--resume"], "--support top picks the residual's largest entries, "
                                                               "and --support_seed draws random ones: drop one"),
-    (["--workers", str(os.cpu_count() + 1)], f"--workers must be at most {os.cpu_count()}, this machine's CPUs"),
+    (["--workers", str(data._cpus() + 1)], f"--workers must be at most {data._cpus()}, the CPUs this process may "
+                                           "use"),
     *[([f"--{name}", value], f"--{name} is empty (an unset variable?): pass a path, or drop --{name}")
       for name, value in (("resume", ""), ("init_from", ""), ("model_config", ""), ("out_dir", ""),
                           ("data_dir", " "), ("tokenizer", ""))],
