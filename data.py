@@ -933,7 +933,7 @@ def check_args(p, args):
                     f"{args.batch_size * row / 1e9:.1f} GB, more than {share:.0%} of {where}; pass --batch_size "
                     f"{int(share * available // row)} or less")
         if args.num_workers > _cpus():
-            p.error(f"--num_workers must be at most {_cpus()}, this machine's CPUs, got {args.num_workers}")
+            p.error(f"--num_workers must be at most {_cpus()}, the CPUs this process may use, got {args.num_workers}")
     if args.command == "train-tokenizer" and args.vocab_size < 4:  # pad, eos, unk and one piece
         p.error(f"--vocab_size must be at least 4 (pad, eos, unk and a piece), got {args.vocab_size}")
     if args.command == "train-tokenizer" and (args.out.endswith(("/", os.sep)) or Path(args.out).is_dir()):

@@ -764,8 +764,8 @@ def test_train_tokenizer_read_by_a_reader_that_is_gone_keeps_its_model_and_exits
     (["bench", "--max_length", str(2 ** 24 + 1)], "--max_length must be at most 2^24 = 16,777,216"),
     (["bench", "--batch_size", str(10 ** 11)], f"--batch_size {10 ** 11} rows of 257 tokens need about 616800.0 GB, "
                                                "more than 80% of this machine's"),
-    (["bench", "--num_workers", str(os.cpu_count() + 1)], f"--num_workers must be at most {data._cpus()}, this "
-                                                          "machine's CPUs"),
+    (["bench", "--num_workers", str(os.cpu_count() + 1)], f"--num_workers must be at most {data._cpus()}, the "
+                                                          "CPUs this process may use"),
     (["bench", "--data_dir", "MISSING"], "does not exist; pass --data_dir"),
     (["download", "--shards", "c4-train.00005-of-01024.json.gz", "--train_shards", "3"],
      "--shards names the shards to fetch, --train_shards and --validation_shards count them: pass one or the other"),
