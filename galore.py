@@ -22,8 +22,8 @@ import math
 import torch
 
 from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_block_size, _check_fused,
-                   _check_fused_group, _check_hyperparameters, _checked_group, _evaluate, _finite, _fused,
-                   _keep_state_dtypes, _step_scalars)
+                   _check_hyperparameters, _checked_settings, _evaluate, _finite, _fused, _keep_state_dtypes,
+                   _step_scalars)
 
 
 def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fused=None):
@@ -102,10 +102,7 @@ class GaLore(torch.optim.Optimizer):
         """Every group, the constructor's and any added later, checked: an int rank within each weight's sides (or
         None), an int update_gap >= 1, a finite scale > 0, and the settings AdamW and Adam8bit check (a group's own
         negative lr stepped up the gradient, its scale 0 stepped nothing, both without a word)."""
-        group = _checked_group(self, group)
-        settings = {**self.defaults, **group}
-        _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
-        _check_block_size(settings["block_size"])
+        group, settings = _checked_settings(self, group)
         scale = settings["scale"]
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
@@ -118,8 +115,6 @@ class GaLore(torch.optim.Optimizer):
             if p.dim() != 2 or not 0 < rank <= min(p.shape):
                 raise ValueError(f"GaLore projects 2-D weights to a rank in [1, min(m, n)]; got rank {rank} for a "
                                  f"{tuple(p.shape)} parameter: put it in a rank=None group")
-        if getattr(self, "fused", None):  # a group added after the constructor, which checks its own groups
-            _check_fused_group(dict(settings, params=group["params"]))
         super().add_param_group(group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()

@@ -121,10 +121,10 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (value_dependent(func, kwargs) or masked(func, args)) and self.on_host_is_free and all(
-                _is_host(a.device) for a in args if isinstance(a, torch.Tensor)):
+        reads = value_dependent(func, kwargs) or masked(func, args)  # a value, or a mask's count of True
+        if reads and self.on_host_is_free and all(_is_host(a.device) for a in args if isinstance(a, torch.Tensor)):
             pass  # a value the host holds already (a mask of host tensors too: its count of True is on the host)
-        elif value_dependent(func, kwargs) or to_host(func, args, kwargs) or masked(func, args):
+        elif reads or to_host(func, args, kwargs):
             self.counts[func.name()] += 1
         elif from_pageable(func, args, kwargs):
             self.counts[func.name() + " from pageable memory"] += 1

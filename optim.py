@@ -75,6 +75,22 @@ def _checked_group(optimizer, param_group):
     return dict(param_group, params=params)
 
 
+def _checked_settings(optimizer, param_group):
+    """(group, settings): a param group as torch.optim will take it (_checked_group), and its settings, the
+    optimizer's defaults under the group's own, checked as the constructor checks its arguments: a group's own lr,
+    betas, eps, weight decay or block size reached the first step unchecked (a negative lr stepped up the gradient,
+    betas[0] = 1 or block_size 0 stopped it with a ZeroDivisionError). Under fused=True (set once the constructor's
+    groups are in, which _check_fused checks), a group added later is held to it too: it took the eager step."""
+    group = _checked_group(optimizer, param_group)
+    settings = {**optimizer.defaults, **group}
+    _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
+    if "block_size" in settings:
+        _check_block_size(settings["block_size"])
+    if getattr(optimizer, "fused", None):
+        _check_fused_group(settings)
+    return group, settings
+
+
 def _evaluate(closure):
     """step(closure)'s loss: the closure runs with gradients on, as torch.optim's optimizers run it."""
     if closure is None:
@@ -171,12 +187,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        """Each group checked as it is added, the constructor's and any later one: a group's own negative lr stepped
-        up the gradient, and betas[0] = 1 stopped the first step with a ZeroDivisionError."""
-        param_group = _checked_group(self, param_group)
-        settings = {**self.defaults, **param_group}
-        _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
-        super().add_param_group(param_group)  # after the checks: a refused group is not left half added
+        """Each group checked as it is added, the constructor's and any later one (_checked_settings)."""
+        super().add_param_group(_checked_settings(self, param_group)[0])  # after the checks: none left half added
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -410,18 +422,12 @@ class Adam8bit(torch.optim.Optimizer):
         _build_tables(self)
 
     def add_param_group(self, param_group):
-        """Each group checked as it is added, the constructor's and any later one: a group's own lr, betas or
-        block_size reached the first step unchecked (block_size 0 stopped it with a ZeroDivisionError)."""
-        param_group = _checked_group(self, param_group)
-        params = param_group["params"]
-        settings = {**self.defaults, **param_group}
-        _check_hyperparameters(settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
-        _check_block_size(settings["block_size"])
-        for p in params:  # when given, not at the first step
+        """Each group checked as it is added, the constructor's and any later one (_checked_settings), and each of its
+        8-bit tensors contiguous."""
+        param_group, settings = _checked_settings(self, param_group)
+        for p in param_group["params"]:  # when given, not at the first step
             if p.numel() >= settings["min_8bit_size"]:
                 _check_flat(p)
-        if getattr(self, "fused", None):  # a group added after the constructor, which checks its own groups
-            _check_fused_group(dict(settings, params=params))
         super().add_param_group(param_group)  # after the checks: a refused group is not left half added
 
     @torch.no_grad()

@@ -305,8 +305,10 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
     make = lambda m, o, pl, batch=None, **kw: train_step(  # noqa: E731
         s["model_size"], m, o, pl, batch or s["model_batch"], s["max_length"], device, dtype, backend, s.get("vocab"),
         **kw)
-    variants = {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl)
-                for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
+    both = lambda methods, batch=None: {  # noqa: E731 - each method with AdamW, and with 8-bit Adam per-layer
+        f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl, batch)
+        for o, pl in (("adamw", False), ("adam8bit", True)) for m in methods}
+    variants = both(methods)
     variants["sltrain/adamw/separate"] = make("sltrain", "adamw", False, fuse=False)
     if not compiled:  # what train.py --packed_support costs, in the setting where memory binds
         variants["sltrain/adam8bit/per_layer/packed"] = make("sltrain", "adam8bit", True, packed=True)
@@ -342,9 +344,7 @@ def suite_model(s, device, dtype, compiled, progress=lambda partial: None, graph
         progress(result)
     variants = None  # their memory, before the groups below hold their own
     release(device)
-    result["paper_batch"] = side_by_side(s, {f"{m}/{o}{'/per_layer' if pl else ''}": make(m, o, pl, s["paper_batch"])
-                                             for o, pl in (("adamw", False), ("adam8bit", True))
-                                             for m in ("full", "sltrain")}, device, s["paper_batch"])
+    result["paper_batch"] = side_by_side(s, both(("full", "sltrain"), s["paper_batch"]), device, s["paper_batch"])
     progress(result)
     release(device)
     if graphs:
