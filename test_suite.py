@@ -336,6 +336,11 @@ def test_each_figure_has_the_issues_target_beside_it_in_the_json_and_its_table(m
         assert row["within_estimate_target"] is name.startswith("sltrain"), (name, row)
     assert "(+10.0% vs estimate, target ±5% MISSED)" in out and "(+2.0% vs estimate, target ±5% met)" in out
     assert "(target: at least the paper's," in out
+    for paper, met in ((mem["reduction"] - 0.01, True), (mem["reduction"] + 0.01, False)):  # on either side of it
+        monkeypatch.setitem(suite.PAPER_REDUCTION, "tiny", paper)
+        suite.report_memory({"memory": {"tiny": suite.run_suite("tiny", torch.device("cpu"), ["memory"])["memory"]
+                                        ["tiny"]}})
+        assert f"(target: at least the paper's, {'met' if met else 'MISSED'})" in capsys.readouterr().out, paper
     O = r["optimizer"]
     assert O["target"] == 1.5 and set(O["meets_target"]) == {k for k in O["variants"] if "Adam8bit" in k}
     assert all(met == (O["variants"][k]["ratio"] <= 1.5) for k, met in O["meets_target"].items())
