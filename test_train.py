@@ -432,7 +432,7 @@ def test_torchrun_two_processes_match_one(corpus, tmp_path, extra):
     one, two = tmp_path / "one", tmp_path / "two"
     train.main(base_args(corpus, one, 5, "--batch_size", "8", *extra))  # one process, the whole global batch
     out = run_torchrun(base_args(corpus, two, 5, "--batch_size", "4", *extra))  # two ranks of 4
-    assert "2 x cpu" in out
+    assert "\n2 x cpu (DDP: gloo) | " in out  # the header says what the gradients go through
     assert_same_updates(one, two)
 
 

@@ -670,8 +670,14 @@ def setup(args, given=(), dtype_given=True):
     args.tokenizer_sha256 = file_sha256(args.tokenizer)
     if ddp:  # on GPUs the gradients go through NCCL and the ranks' one-number flags (a signal, a bad shard line)
         # through gloo, on the host: reading a flag then never waits for a GPU to finish its queue
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(process_group_backend(device))
     return ddp, rank, world, device, vocab_size
+
+
+def process_group_backend(device):
+    """What DDP runs on (the run's header line says it): on GPUs the gradients through NCCL and the ranks' one-number
+    flags through gloo; on CPUs all through gloo."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def tokenizer_pieces(args):
@@ -843,7 +849,8 @@ def prepare(args, held, given=()):
         amp = " + bf16 autocast" if args.amp else ""
         mem = "peak CUDA allocated" if device.type == "cuda" else "peak RSS"
         exact = " | deterministic" if args.deterministic else ""
-        print(f"{world} x {device.type} | {args.dtype}{amp}{exact}{eight_bit_step(args, device)} | " + (
+        ddp_on = f" (DDP: {process_group_backend(device)})" if ddp else ""
+        print(f"{world} x {device.type}{ddp_on} | {args.dtype}{amp}{exact}{eight_bit_step(args, device)} | " + (
             f"--eval_only: batches of {args.batch_size} sequences of {args.max_length} tokens per device, the first "
             f"{val.tokens:,} validation tokens{rounded_up(args, val)}" if args.eval_only else
             f"batch {args.batch_size} x {args.gradient_accumulation} accum x {world} = {args.total_batch_size} "
