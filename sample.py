@@ -97,7 +97,15 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         else:
             window = idx[:, -1:]  # the new token; the cache holds the ones before it
         logits, _ = model(window, cache=kv)  # (B, T', vocab)
-        next_id = draw(logits[:, -1, :].float(), temperature, top_k, top_p, generator)  # (B, 1)
+        last = logits[:, -1, :].float()  # (B, vocab)
+        # a NaN or +inf (max propagates NaN), or a row of -inf, was multinomial's RuntimeError, or at temperature 0 a
+        # text of token 0; a -inf beside finite logits is a token ruled out, which draw takes as its own cuts do
+        if not torch.isfinite(last.max(-1).values).all():
+            refuse_non_finite(model, "the model")
+            raise ValueError(f"the model's logits hold NaN or inf though its weights are finite: its {logits.dtype} "
+                             "activations overflow; sample a float32 copy of it (export.py CKPT --merged dense.pt "
+                             "--dtype float32)")
+        next_id = draw(last, temperature, top_k, top_p, generator)  # (B, 1)
         if eos_id is not None:
             # an ended row stays in the batch (its draws unused) and keeps EOS: nothing after its end is shown
             next_id = next_id.masked_fill(ended[:, None], eos_id)
@@ -106,6 +114,14 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         if eos_id is not None and ended.all():
             break
     return idx
+
+
+def refuse_non_finite(model, where):
+    """A model with a weight that holds NaN or inf (a diverged run's) is refused, naming the first such tensor: every
+    logit it gives is then NaN."""
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{where}: {name} holds NaN or inf (the run diverged); sample an earlier checkpoint")
 
 
 def sample(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
@@ -136,6 +152,7 @@ def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature
                          "pass it in UTF-8") from None
     check_tokenizer(ckpt_path, tokenizer)  # before the full read and the merge, which at 7b take a while
     model, ckpt = load_model(ckpt_path, device=device)
+    refuse_non_finite(model, ckpt_path)  # before the merge, which would only carry the NaN into every layer
     run = ckpt.get("args", {})
     del ckpt  # its tensors (the optimizer's state too) would stay in memory through the run
     tokenizer = tokenizer or run.get("tokenizer")

@@ -159,7 +159,8 @@ def test_sample_takes_any_prompt_and_temperature(sl_ckpt, monkeypatch):
     eos, seen = sample.load_tokenizer(ckpt["args"]["tokenizer"]).eos_id(), []
 
     class Spy:  # the model, recording the positions each call attends to: the cached ones and the new ones
-        config, parameters, buffers, modules = model.config, model.parameters, model.buffers, model.modules
+        config, parameters, buffers, modules, state_dict = (model.config, model.parameters, model.buffers,
+                                                            model.modules, model.state_dict)
 
         def __call__(self, idx, cache=None):
             seen.append((cache.pos if cache else 0) + idx.shape[1])
@@ -309,6 +310,36 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
         sample.main([str(tmp_path / "cut.pt")])
 
 
+@pytest.mark.parametrize("temperature", ["0.8", "0"])
+def test_sample_refuses_weights_or_logits_that_are_not_finite(sl_ckpt, tmp_path, monkeypatch, temperature):
+    """A checkpoint with a NaN in its sparse values (a diverged run's) ended in multinomial's RuntimeError, a
+    traceback, and at temperature 0 printed token 0's empty text as each sample; finite float16 weights whose
+    activations overflow did the same. Each is one line naming the fix, the NaN's before the merge."""
+    state = checkpoint.load(sl_ckpt)
+    state["model"]["layers.1.mlp.up_proj.values"][3] = float("nan")
+    checkpoint.save(str(tmp_path / "nan.pt"), state)
+    argv = ["--device", "cpu", "--num_samples", "1", "--max_new_tokens", "4", "--temperature", temperature]
+
+    def refuse_to_merge(model):
+        raise AssertionError("a model with a NaN weight was merged")
+    with monkeypatch.context() as m:
+        m.setattr(sample, "merged", refuse_to_merge)
+        with pytest.raises(SystemExit) as e:
+            sample.main([str(tmp_path / "nan.pt"), *argv])
+    assert str(e.value) == f"sample.py: {tmp_path / 'nan.pt'}: layers.1.mlp.up_proj.values holds NaN or inf (the " \
+        "run diverged); sample an earlier checkpoint", e.value
+    state = checkpoint.load(sl_ckpt)  # logits of about 10^5, past float16's 65504, from weights in its range
+    state["model"]["norm.weight"] *= 300
+    state["model"]["lm_head.weight"] *= 3000
+    checkpoint.save(str(tmp_path / "large.pt"), state)
+    export.main([str(tmp_path / "large.pt"), "--merged", str(tmp_path / "half.pt"), "--dtype", "float16"])
+    with pytest.raises(SystemExit) as e:
+        sample.main([str(tmp_path / "half.pt"), *argv])
+    assert str(e.value) == "sample.py: the model's logits hold NaN or inf though its weights are finite: its " \
+        "torch.float16 activations overflow; sample a float32 copy of it (export.py CKPT --merged dense.pt --dtype " \
+        "float32)", e.value
+
+
 def test_a_file_that_is_no_checkpoint_is_not_called_damaged(sl_ckpt, tmp_path):
     """The export's weights, a run's metrics.jsonl: each was "damaged ... restore it from a copy", in every tool."""
     hf = tmp_path / "hf"
@@ -439,6 +470,9 @@ class Scripted:
 
     def buffers(self):
         return iter([])
+
+    def state_dict(self):
+        return {"weight": torch.zeros(8)}
 
     def __call__(self, idx, cache=None):
         logits = torch.zeros(*idx.shape, self.config.vocab_size)  # (B, T, vocab)
