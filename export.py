@@ -22,6 +22,7 @@ import copy
 import functools
 import gc
 import json
+import math
 import os
 import struct
 import sys
@@ -131,15 +132,18 @@ def densify(model, dtype=None):
 
 
 def refuse_overflow(name, tensor, dtype):
-    """A tensor with a value past dtype's range is refused: cast to float16 (at most 65504) it would hold inf."""
-    narrower = tensor.is_floating_point() and dtype.is_floating_point and tensor.numel() and \
-        torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
-    if narrower:
-        low, high = torch.aminmax(tensor.detach())  # one pass, no copy of the tensor (an abs() would be one)
-        largest = max(-low.item(), high.item())
-        if largest > torch.finfo(dtype).max:
-            raise ValueError(f"{name} holds a value of magnitude {largest:.4g}, past {dtype}'s largest, "
-                             f"{torch.finfo(dtype).max:.6g}: pass --dtype bfloat16 or float32")
+    """A tensor that holds NaN or inf (a diverged run's) is refused, as is one with a value past dtype's range: cast to
+    float16 (at most 65504) it would hold inf."""
+    if not (tensor.is_floating_point() and tensor.numel()):
+        return
+    low, high = (v.item() for v in torch.aminmax(tensor.detach()))  # one pass, no copy (an abs() would be one)
+    if not math.isfinite(low) or not math.isfinite(high):  # aminmax propagates a NaN
+        raise ValueError(f"{name} holds NaN or inf (the run diverged); export an earlier checkpoint")
+    largest = max(-low, high)
+    if dtype.is_floating_point and largest > torch.finfo(dtype).max:
+        wider = "bfloat16 or float32" if dtype == torch.float16 else "float32"  # past bf16's 3.39e38: float32 alone
+        raise ValueError(f"{name} holds a value of magnitude {largest:.4g}, past {dtype}'s largest, "
+                         f"{torch.finfo(dtype).max:.6g}: pass --dtype {wider}")
 
 
 def hf_name(name):

@@ -845,6 +845,40 @@ def test_export_refuses_weights_past_float16s_range(sl_ckpt, tmp_path, where):
     assert torch.load(tmp_path / "dense.pt", weights_only=True)["model"][name].float().abs().max() > 65504
 
 
+@pytest.mark.parametrize("where", ["norm.weight", "layers.0.attn.q_proj.values"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_export_refuses_weights_that_are_not_finite(sl_ckpt, tmp_path, where, value):
+    """A diverged run's NaN was exported without a word, as a folder (or --merged file) of a model whose every logit
+    is NaN; an inf too, and to float16 or bfloat16 it was "past the dtype's largest: pass --dtype bfloat16 or float32",
+    a fix that holds no inf. Each is refused naming the tensor (a sparse value in its merged weight), nothing left."""
+    ckpt = checkpoint.load(sl_ckpt)
+    ckpt["model"][where].view(-1)[0] = value
+    bad = tmp_path / "bad.pt"
+    checkpoint.save(bad, ckpt)
+    message = f"export.py: {where.replace('.values', '.weight')} holds NaN or inf (the run diverged); export an " \
+        "earlier checkpoint"
+    for argv in (["--out", str(tmp_path / "hf")], ["--merged", str(tmp_path / "dense.pt"), "--dtype", "bfloat16"],
+                 ["--merged", str(tmp_path / "dense.pt"), "--dtype", "float16"]):
+        with pytest.raises(SystemExit) as e:
+            export.main([str(bad), *argv])
+        assert str(e.value) == message, (argv, e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"], "nothing is left of the refused exports"
+
+
+def test_a_value_past_bfloat16s_range_names_float32_alone(sl_ckpt, tmp_path):
+    """float32's largest, 3.40e38, is past bfloat16's, 3.39e38: such a value was refused with "pass --dtype bfloat16
+    or float32" to a --dtype bfloat16 export."""
+    ckpt = checkpoint.load(sl_ckpt)
+    ckpt["model"]["norm.weight"][0] = 3.4e38
+    big = tmp_path / "big.pt"
+    checkpoint.save(big, ckpt)
+    with pytest.raises(SystemExit) as e:
+        export.main([str(big), "--merged", str(tmp_path / "dense.pt"), "--dtype", "bfloat16"])
+    assert str(e.value) == "export.py: norm.weight holds a value of magnitude 3.4e+38, past torch.bfloat16's " \
+        "largest, 3.38953e+38: pass --dtype float32", e.value
+    export.main([str(big), "--merged", str(tmp_path / "dense.pt")])  # float32 holds it
+
+
 def test_the_export_pads_with_the_tokenizers_pad(tmp_path):
     """config.json and tokenizer_config.json said pad 0 whatever the tokenizer: the loader pads with its pad piece
     (T5's is 0), so the export names that one."""
