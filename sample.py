@@ -86,6 +86,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
     (see draw). With eos_id, a row ends at its first new EOS and is EOS from there on; the loop stops when every row
     has ended. cache=False runs the whole window at every step: slower, the same tokens in float32 (a check)."""
     ended = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+    finite = torch.ones((), dtype=torch.bool, device=idx.device)  # every logit so far; see refuse_logits
     kv = None
     for _ in range(max_new_tokens):
         if not cache:
@@ -99,12 +100,12 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         logits, _ = model(window, cache=kv)  # (B, T', vocab)
         last = logits[:, -1, :].float()  # (B, vocab)
         # a NaN or +inf (max propagates NaN), or a row of -inf, was multinomial's RuntimeError, or at temperature 0 a
-        # text of token 0; a -inf beside finite logits is a token ruled out, which draw takes as its own cuts do
-        if not torch.isfinite(last.max(-1).values).all():
-            refuse_non_finite(model, "the model")
-            raise ValueError(f"the model's logits hold NaN or inf though its weights are finite: its {logits.dtype} "
-                             "activations overflow; sample a float32 copy of it (export.py CKPT --merged dense.pt "
-                             "--dtype float32)")
+        # text of token 0; a -inf beside finite logits is a token ruled out, which draw takes as its own cuts do.
+        # Read where the step waits for the device anyway (a draw copies its probabilities to the host, the EOS
+        # check reads ended); greedy without EOS issues no sync, and reads it once, at the end
+        finite = finite & torch.isfinite(last.max(-1).values).all()
+        if temperature > 0 or eos_id is not None:
+            refuse_logits(model, finite, logits.dtype)
         next_id = draw(last, temperature, top_k, top_p, generator)  # (B, 1)
         if eos_id is not None:
             # an ended row stays in the batch (its draws unused) and keeps EOS: nothing after its end is shown
@@ -113,7 +114,18 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         idx = torch.cat([idx, next_id], dim=1)
         if eos_id is not None and ended.all():
             break
+    refuse_logits(model, finite, logits.dtype if max_new_tokens > 0 else None)
     return idx
+
+
+def refuse_logits(model, finite, dtype):
+    """Refuses logits that held NaN or inf (finite, a bool on the device, says they did not): from a weight that
+    holds one (refuse_non_finite names it), else from activations past the dtype's range."""
+    if not finite:
+        refuse_non_finite(model, "the model")
+        raise ValueError(f"the model's logits hold NaN or inf though its weights are finite: its {dtype} "
+                         "activations overflow; sample a float32 copy of it (export.py CKPT --merged dense.pt "
+                         "--dtype float32)")
 
 
 def refuse_non_finite(model, where):

@@ -310,6 +310,28 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
         sample.main([str(tmp_path / "cut.pt")])
 
 
+def test_greedy_generation_checks_its_logits_without_a_sync_a_token():
+    """Greedy generation without EOS (bench.py --only generate times it) issued no host sync; the check of its logits
+    for NaN or inf reads one flag, once, at the end: the same syncs for 2 tokens as for 6. A NaN it saw is refused
+    there, naming the weight that holds it."""
+    from hostsync import HostSyncs
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", method="sltrain")).eval()
+    idx = torch.randint(model.config.vocab_size, (2, 5))
+    counts = []
+    for n in (2, 6):
+        syncs = HostSyncs()
+        with syncs.watch():
+            out = sample.generate(model, idx, n, temperature=0)
+        counts.append(sum(syncs.counts.values()))
+        assert out.shape == (2, 5 + n)
+    assert counts[0] == counts[1] <= 1, counts
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="^the model: lm_head.weight holds NaN or inf"):
+        sample.generate(model, idx, 4, temperature=0)
+
+
 @pytest.mark.parametrize("temperature", ["0.8", "0"])
 def test_sample_refuses_weights_or_logits_that_are_not_finite(sl_ckpt, tmp_path, monkeypatch, temperature):
     """A checkpoint with a NaN in its sparse values (a diverged run's) ended in multinomial's RuntimeError, a
