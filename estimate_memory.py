@@ -196,6 +196,20 @@ def autocast_copies(module):
                       if isinstance(m, torch.nn.Linear) and m.weight.requires_grad)
 
 
+def formed_weight(model):
+    """(entries, gradient entries) of the largest dense weight an SLTrain call forms, s·BA ⊕_I V of a layer or of a
+    group of layers that share one call (sllinear._weights), and of the trainable parameters of that call, whose
+    gradients it returns beside the weight. The weight lives through the call's GEMMs: beside a block's activations
+    in a forward without gradients, and again in backward (which then writes the weight's gradient over it) beside
+    nearly every activation. A forward of few tokens at wide layers is mostly this matrix (at 7b the MLP's gate and
+    up: 180 MB in bf16). (0, 0) where no layer forms one: full-rank layers are nn.Linear, low-rank ones multiply by
+    A and B in turn."""
+    calls = [[m] for m in model.modules()] + model.shared_calls()
+    return max(((sum(m.out_features for m in ms) * ms[0].in_features,
+                 sum(p.numel() for m in ms for p in m.parameters() if p.requires_grad)) for ms in calls
+                if all(isinstance(m, SLLinear) and m.values is not None for m in ms)), default=(0, 0))
+
+
 def layer_grad_numel(model, trainable):
     """Gradient elements of the largest layer, or group of layers sharing a call (model.shared_calls), whose
     gradients appear together: with per-layer updates a layer's gradients are freed after its step."""
@@ -362,7 +376,14 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
         options = dict(dtype=dtype, amp=amp, vocab_size=vocab_size, freeze=freeze, ffn_dim=ffn_dim)
         act = whole = activation_bytes(*shape, **options)
         logit_bytes = BF16 if amp else width
-        adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes)]
+        entries, call_grads = formed_weight(model)
+        formed = (BF16 if amp else width) * entries  # in the compute dtype
+        # beside the activations as backward starts: the loss's backward, the first layer's gradient (the head's),
+        # or an SLTrain call's formed weight and the gradients it returns, with the head's where they are kept
+        head = 0 if per_layer and not kept else row["start_gb"] * GB
+        adds = [row["start_gb"] * GB, loss_backward_bytes(batch_size, max_length, config.vocab_size, logit_bytes),
+                formed and formed + width * call_grads + head]
+        row["formed_gb"] = formed / GB
         copies = autocast_copies(model) if amp else 0
         if activation_checkpointing:
             act = activation_bytes(*shape, activation_checkpointing=True, **options)
@@ -370,10 +391,11 @@ def estimate(size, method, rank=None, delta=None, index_dtype="int64", optimizer
             adds.append(autocast_copies(model.layers) if amp else 0)  # the forward's end (the head's copy is saved)
         row["act_gb"], row["start_gb"] = act / GB, max(adds) / GB
         # train.py --eval_only: the parameters and a forward without gradients, which holds one block's activations at
-        # a time (of those saved for backward, less the logits the loss saves and autocast's copies, held all along),
-        # then the logits and the loss's float32 chunk (the two that loss_backward_bytes counts)
+        # a time (of those saved for backward, less the logits the loss saves and autocast's copies, held all along)
+        # and, in an SLTrain call, the weight it forms; then the logits and the loss's float32 chunk (the two that
+        # loss_backward_bytes counts)
         logits = batch_size * max_length * config.vocab_size * logit_bytes
-        row["eval_gb"] = (held + copies + (whole - logits - copies) / config.n_layers + adds[1]) / GB
+        row["eval_gb"] = (held + copies + (whole - logits - copies) / config.n_layers + max(adds[1], formed)) / GB
     row["total_gb"] = row["param_gb"] + row["optim_gb"]  # the paper's total
     row["train_gb"] = row["held_gb"] + row["optim_gb"] + at_most(row["grad_gb"], row["act_gb"], row["start_gb"],
                                                                  adds_up(row))
@@ -481,6 +503,7 @@ def print_breakdown(r):
     train = held + at_most(round(r["grad_gb"], 2), round(r["act_gb"], 2), round(r["start_gb"], 2), adds_up(r))
     start = "the largest layer's gradient, the loss's backward" + (", a recomputed block"
                                                                    if r["activation_checkpointing"] else "") \
+        + (", an SLTrain call's formed weight" if r.get("formed_gb") else "") \
         + (", the forward's autocast copies" if r["activation_checkpointing"] and r["amp"] else "")
     base = "held + optim" if r["held_gb"] != r["param_gb"] else "total"
     line("train", train, "G", f"{base} + " + ("grads + activations + backward's start (the gradients kept: the "
@@ -700,8 +723,9 @@ def print_measured(results, device, args):
               f"{own:10.3f}")
     print("counted: bytes of parameters and buffers, optimizer state, the most gradient bytes alive at once and the\n"
           "saved activations of one forward; train = param + optim + at_most(grads, acts, backward's start: the\n"
-          "largest layer's gradient, the loss's backward or a recomputed block); the peak is what was alive at the\n"
-          "step's worst moment, base what the process held before the model (on CUDA the BLAS workspaces)")
+          "largest layer's gradient, the loss's backward, a recomputed block or an SLTrain call's formed weight); the\n"
+          "peak is what was alive at the step's worst moment, base what the process held before the model (on CUDA\n"
+          "the BLAS workspaces)")
 
 
 # ----------------------------------------------------------------------------- command line
