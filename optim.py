@@ -402,10 +402,11 @@ class Adam8bit(torch.optim.Optimizer):
     On a CUDA GPU with Triton (fused=None, the default), the 8-bit update is one kernel (adam8bit_kernel.py): one
     launch and one pass over memory, where the eager update is ~35 kernels and ~65 operations the host issues, which
     bound a GPU step whose many tensors each launch their own; consecutive tensors of up to KERNEL_RUN entries in
-    all (a layer's, under per-layer updates) share a launch. fused=True asks for it (refused where it cannot run),
-    fused=False never uses it. Where it is not used, runs of consecutive small 8-bit tensors are updated as one too,
-    to the bit the same: one launch per operation for all of them (_update_8bit_together), and compile=True runs the
-    update through torch.compile, a few fused kernels. Both the kernel's and the compiled results agree with the
+    all (a layer's, under per-layer updates) share a launch. fused=True asks for it (refused where it cannot run:
+    when given, and at each step, for a parameter moved since), fused=False never uses it. Where it is not used,
+    runs of consecutive small 8-bit tensors are updated as one too, to the bit the same: one launch per operation
+    for all of them (_update_8bit_together), and compile=True runs the update through torch.compile, a few fused
+    kernels. Both the kernel's and the compiled results agree with the
     eager step to float32 rounding, not bit for bit; the state format is the same."""
 
     device_scalars = None  # a cudagraph.DeviceScalars while its updates are captured in a CUDA graph (_hyper)
@@ -433,6 +434,7 @@ class Adam8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
+        _check_fused_step(self)
         for group in self.param_groups:
             eight_bit = {True: [], False: []}  # by whether the one kernel updates them
             for p in group["params"]:
@@ -515,8 +517,9 @@ class Adam8bit(torch.optim.Optimizer):
 
 
 def _fused(fused, p, block_size):
-    """Whether p's 8-bit update runs as adam8bit_kernel's one kernel: never with fused=False; else where it can."""
-    return fused is not False and adam8bit_kernel.usable(p, block_size)
+    """Whether p's 8-bit update runs as adam8bit_kernel's one kernel: never with fused=False; always with fused=True,
+    which the step has held p to (_check_fused_step); with None, where it can."""
+    return fused is True or fused is None and adam8bit_kernel.usable(p, block_size)
 
 
 def _check_fused(fused, optimizer):
@@ -528,15 +531,28 @@ def _check_fused(fused, optimizer):
     return fused
 
 
-def _check_fused_group(group):
+def _check_fused_group(group, state=None):
     """_check_fused for one group, its settings filled in: the constructor's, and each one added later (a group
-    added after the constructor, unchecked, took the eager step under fused=True without a word)."""
+    added after the constructor, unchecked, took the eager step under fused=True without a word). At a step
+    (state: the optimizer's, _check_fused_step), each tensor with a gradient that the step updates in 8 bits."""
     for p in group["params"]:
-        reason = p.numel() >= group["min_8bit_size"] and adam8bit_kernel.why_not(p.device, p.dtype,
-                                                                                    group["block_size"])
+        if state is not None and p.grad is None:
+            continue
+        eight_bit = p.numel() >= group["min_8bit_size"] or state is not None and "exp_avg_codes" in state.get(p, ())
+        reason = eight_bit and adam8bit_kernel.why_not(p.device, p.dtype, group["block_size"])
         if reason:
-            raise ValueError(f"fused=True: the one-kernel 8-bit step cannot run here: {reason}; pass fused=None "
-                             "to use it only where it can run")
+            dtype = str(p.dtype).removeprefix("torch.")
+            moved = "" if state is None else f" for a {tuple(p.shape)} {dtype} parameter on {p.device}, as it is now"
+            raise ValueError(f"fused=True: the one-kernel 8-bit step cannot run here{moved}: {reason}; pass "
+                             "fused=None to use it only where it can run")
+
+
+def _check_fused_step(optimizer):
+    """fused=True held at each step too, before any tensor is updated: a parameter moved to another device or dtype
+    since it was given (model.to(...), .half()), or a state loaded with another block size, took the eager step
+    without a word. The same one look per 8-bit tensor that choosing the kernel for it took."""
+    for group in optimizer.param_groups if optimizer.fused else []:
+        _check_fused_group(group, optimizer.state)
 
 
 def _update_8bit_together(params, states, block_size, hyper, compile=False, fused=False):

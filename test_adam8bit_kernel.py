@@ -430,3 +430,40 @@ def test_the_kernel_is_taken_on_the_gpus_it_is_built_for(monkeypatch):
     assert "not on cpu" in adam8bit_kernel.why_not("cpu", torch.float32, 256)
     monkeypatch.setattr(adam8bit_kernel, "available", lambda: False)
     assert "Triton is not installed" in adam8bit_kernel.why_not("cuda:0", torch.float32, 256)
+
+
+@pytest.mark.parametrize("change", ["dtype", "block_size"])
+def test_fused_true_is_held_at_the_step_too(monkeypatch, change):
+    """fused=True is checked when the parameters are given; a parameter moved since (model.double(), .to(...)), or a
+    state loaded with a block size the kernel does not take, took the eager step without a word. Refused at the
+    step, before any tensor moves, in the same line. Here the kernel 'runs' on CPU for float32 (the eager
+    arithmetic, counted)."""
+    calls = []
+    monkeypatch.setattr(adam8bit_kernel, "why_not", lambda device, dtype, block_size: None if dtype == torch.float32
+                        and block_size == 256 else f"not {dtype} in blocks of {block_size}")
+    monkeypatch.setattr(adam8bit_kernel, "adam8bit_", lambda *a: calls.append(a[0].numel()) or optim._adam8bit_(*a))
+    for make in (lambda ps: optim.Adam8bit(ps, lr=1e-2, fused=True),
+                 lambda ps: GaLore([dict(params=ps, rank=None)], lr=1e-2, inner="adam8bit", fused=True)):
+        model, before = nn.Sequential(nn.LayerNorm(96), nn.Linear(96, 64)), len(calls)
+        opt = make(model.parameters())
+        model(torch.randn(4, 96)).sum().backward()
+        opt.step()
+        assert calls[before:] == [64 * 96], calls[before:]
+        if change == "dtype":
+            model.double()
+            expected = r"for a \(64, 96\) float64 parameter on cpu, as it is now: not torch.float64 in blocks of 256"
+        else:
+            saved = opt.state_dict()
+            for group in saved["param_groups"]:
+                group["block_size"] = 128
+            saved["state"] = {}  # a fresh state of block size 128: the eight-bit tensor will be taken at the step
+            opt.load_state_dict(saved)
+            expected = r"for a \(64, 96\) float32 parameter on cpu, as it is now: not torch.float32 in blocks of 128"
+        model.zero_grad()
+        model(torch.randn(4, 96, dtype=next(model.parameters()).dtype)).sum().backward()
+        kept, steps = [p.detach().clone() for p in model.parameters()], [s["step"] for s in opt.state.values()]
+        with pytest.raises(ValueError, match=rf"^fused=True: the one-kernel 8-bit step cannot run here {expected}; "
+                                             "pass fused=None to use it only where it can run$"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), kept)), "a refused step moved a parameter"
+        assert [s["step"] for s in opt.state.values()] == steps, "a refused step counted"
