@@ -440,6 +440,8 @@ class Adam8bit(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if p.grad.is_sparse:  # at every step: a state resumed from dense gradients is there before the first
+                    raise RuntimeError("Adam8bit does not take sparse gradients; use torch.optim.SparseAdam")
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state, group)
@@ -477,8 +479,6 @@ class Adam8bit(torch.optim.Optimizer):
 
     @staticmethod
     def _init_state(p, state, group):
-        if p.grad.is_sparse:
-            raise RuntimeError("Adam8bit does not take sparse gradients")
         if p.numel() < group["min_8bit_size"]:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)

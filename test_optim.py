@@ -969,3 +969,28 @@ def test_adamw_refuses_an_adam8bit_state():
     with pytest.raises(ValueError, match=r"this state is an Adam8bit's \(8-bit moments for parameter 0\), not an "
                                          "AdamW's; continue with the optimizer that saved it, or start AdamW afresh"):
         AdamW([p]).load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: AdamW(ps, lr=1e-2), lambda ps: Adam8bit(ps, lr=1e-2), lambda ps: Adam8bit(ps, lr=1e-2, min_8bit_size=1),
+    lambda ps: GaLore([{"params": ps, "rank": None}], lr=1e-2, inner="adam8bit"),
+    lambda ps: GaLore([{"params": ps, "rank": 2}], lr=1e-2),
+], ids=["AdamW", "Adam8bit", "Adam8bit 8-bit", "GaLore plain", "GaLore projected"])
+def test_sparse_gradients_are_refused_at_every_step(make):
+    """A sparse gradient (nn.Embedding(sparse=True)) is refused in one line, at the first step and at a later one,
+    as after a resume from a run with dense gradients: Adam8bit refused it only when it made the state, and later
+    stopped in torch's aten::lerp_ or reshape (having counted the step) instead."""
+    emb = torch.nn.Embedding(64, 8, sparse=True)
+    opt = make(emb.parameters())
+    for dense in (False, True, False):
+        emb.weight.grad = None
+        emb(torch.tensor([1, 5])).sum().backward()
+        if dense:  # a state as a dense run (or its checkpoint) leaves it
+            emb.weight.grad = emb.weight.grad.to_dense()
+            opt.step()
+            continue
+        counted = lambda: [s.get("step") for s in opt.state.values() if s]  # noqa: E731
+        before, steps = emb.weight.detach().clone(), counted()
+        with pytest.raises(RuntimeError, match="does not take sparse gradients"):
+            opt.step()
+        assert torch.equal(emb.weight, before) and counted() == steps, f"a refused step counted: {counted()}"
