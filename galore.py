@@ -22,7 +22,7 @@ import math
 import torch
 
 from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_block_size, _check_fused,
-                   _check_fused_step, _check_hyperparameters, _checked_settings, _evaluate, _finite, _fused,
+                   _check_fused_step, _check_state_fits, _check_hyperparameters, _checked_settings, _evaluate, _finite, _fused,
                    _keep_state_dtypes, _step_scalars)
 
 
@@ -156,12 +156,30 @@ class GaLore(torch.optim.Optimizer):
         p.add_(back.to(p.dtype), alpha=group["lr"] * group["scale"])
 
     def load_state_dict(self, state_dict):
+        """Refused before anything loads where the state is not a GaLore's of this inner optimizer for these
+        parameters (optim._check_state_fits): an AdamW's or Adam8bit's stopped the first step with KeyError 'rank',
+        and one of these parameters in another order stepped the first with another's moments, or failed mid-step."""
         if self.inner == "adam8bit":
             _check_8bit_format(state_dict)
+        kind = f"GaLore(inner={self.inner!r})"
+        if not all("rank" in group and "update_gap" in group for group in state_dict["param_groups"]):
+            raise ValueError(f"this state is not a GaLore's: its param groups have no rank (an AdamW's or an "
+                             f"Adam8bit's?); continue with the optimizer that saved it, or start {kind} afresh")
+        _check_state_fits(self, state_dict, kind, self.inner == "adam8bit", _shapes)
         super().load_state_dict(state_dict)
         # torch's cast to the parameter's dtype is right for the projector and AdamW's moments, which are kept in it
         if self.inner == "adam8bit":
             _keep_state_dtypes(self, state_dict, but="projector")
+
+
+def _shapes(p, group):
+    """The shapes of p's moments and projector in a GaLore group: its projected gradient's, (m, r) or (r, n), and
+    P's, (r, n) or (m, r), under a rank (galore_projector); p's and none without one, or for what is not a matrix."""
+    rank = group["rank"]
+    if rank is None or p.dim() != 2:
+        return p.shape, None
+    m, n = p.shape
+    return (torch.Size((m, rank)), torch.Size((rank, n))) if m >= n else (torch.Size((rank, n)), torch.Size((m, rank)))
 
 
 def galore_param_groups(named_parameters, rank, projected=lambda name, p: p.dim() == 2):

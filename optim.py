@@ -12,6 +12,7 @@ Measure them:    python bench.py --only step heavy host   (step time, 8-bit on h
 """
 
 import functools
+import math
 from collections import defaultdict
 
 import torch
@@ -340,37 +341,47 @@ def _check_8bit_format(state_dict):
                          "state or resume with the optim.py that saved it")
 
 
-def _check_state_fits(optimizer, state_dict):
+def _check_state_fits(optimizer, state_dict, kind=None, eight_bit=None, shapes=lambda p, group: (p.shape, None)):
     """Refuses, before anything loads, a state that is not this optimizer's kind's for these parameters. torch maps
     saved states to parameters by position only: a flat 8-bit state larger than its parameter would be stepped with,
     its first blocks taken for the parameter's, and a float32 one of another shape fails only at the step, after
     the parameters before it have moved. Into Adam8bit an AdamW's state would keep float32 moments for every tensor
-    (AdamW's memory), its groups without our settings; into AdamW an Adam8bit's codes would fail at the step."""
-    eight_bit = isinstance(optimizer, Adam8bit)
-    kind = type(optimizer).__name__
+    (AdamW's memory), its groups without our settings; into AdamW an Adam8bit's codes would fail at the step.
+    GaLore passes its kind, whether its moments are 8-bit, and shapes(p, group): the shape of p's moments (its
+    projected gradient's) and of its projector (None where it has none)."""
+    eight_bit = isinstance(optimizer, Adam8bit) if eight_bit is None else eight_bit
+    kind = kind or type(optimizer).__name__
+    a = "an" if kind[0] in "AEIOU" else "a"
     fix = f"continue with the optimizer that saved it, or start {kind} afresh"
     if eight_bit and not all("block_size" in g and "min_8bit_size" in g for g in state_dict["param_groups"]):
-        raise ValueError(f"this state is not an Adam8bit's: its param groups have no block_size (an AdamW's?); {fix}")
+        raise ValueError(f"this state is not {a} {kind}'s: its param groups have no block_size (an AdamW's?); {fix}")
     saved = [(i, group) for group in state_dict["param_groups"] for i in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, ((i, group), p) in enumerate(zip(saved, params)):
         state = state_dict["state"].get(i, {})
+        shape, projector = shapes(p, group)
+        numel = math.prod(shape)
         if "exp_avg_codes" in state:
             if not eight_bit:
-                raise ValueError(f"this state is an Adam8bit's (8-bit moments for parameter {index}), not an "
+                raise ValueError(f"this state is an Adam8bit's (8-bit moments for parameter {index}), not {a} "
                                  f"{kind}'s; {fix}")
-            blocks = -(-p.numel() // group["block_size"])
+            blocks = -(-numel // group["block_size"])
             size, fits = state["exp_avg_codes"].numel(), state["exp_avg_absmax"].numel() == blocks
         elif "exp_avg" in state:
-            size, fits = state["exp_avg"].numel(), state["exp_avg"].shape == p.shape
-            if eight_bit and fits and p.numel() >= group["min_8bit_size"]:  # an AdamW's state in our groups
-                raise ValueError(f"this state is not an Adam8bit's: it holds float32 moments for parameter {index}, "
-                                 f"{tuple(p.shape)}, which Adam8bit keeps in 8 bits (an AdamW's?); {fix}")
+            size, fits = state["exp_avg"].numel(), state["exp_avg"].shape == shape
+            if eight_bit and fits and numel >= group["min_8bit_size"]:  # an AdamW's state in our groups
+                raise ValueError(f"this state is not {a} {kind}'s: it holds float32 moments for parameter {index}, "
+                                 f"{tuple(p.shape)}, which {kind} keeps in 8 bits (an AdamW's?); {fix}")
         else:
             continue
+        of = "" if shape == p.shape else f" (moments of {numel}, its projected gradient's)"
+        theirs = f"moments for {size}"
+        if fits and "projector" in state and state["projector"].shape != projector:
+            fits, of = False, f" and a {tuple(projector)} projector"
+            theirs = f"a {tuple(state['projector'].shape)} one"
         if not fits:
-            raise ValueError(f"parameter {index} of this optimizer, {tuple(p.shape)}, has {p.numel()} entries; the "
-                             f"state's has moments for {size}: the state is of another model's parameters, or of "
+            raise ValueError(f"parameter {index} of this optimizer, {tuple(p.shape)}, has {p.numel()} entries{of}; "
+                             f"the state's has {theirs}: the state is of another model's parameters, or of "
                              "these in another order; load it into an optimizer of the parameters it was saved "
                              "with, in their order")
 

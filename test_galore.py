@@ -13,6 +13,7 @@ import torch
 import train
 from model import LLaMA, config_for
 from galore import GaLore, galore_param_groups
+from optim import AdamW, Adam8bit
 from per_layer import attach_per_layer
 from test_optim import step_beside_a_twin_without_non_finite
 from test_train import base_args, corpus, final_state, metrics  # noqa: F401  (corpus is a fixture)
@@ -294,3 +295,37 @@ def test_a_param_groups_own_optimizer_settings_are_checked_too(group, message):
     if "scale" in group:  # the constructor's own argument too
         with pytest.raises(ValueError, match=message):
             GaLore([W], scale=group["scale"])
+
+
+@pytest.mark.parametrize("inner", ["adamw", "adam8bit"])
+@pytest.mark.parametrize("rank", [None, 4], ids=["plain", "projected"])
+def test_a_state_that_is_not_for_these_parameters_is_refused_at_load(inner, rank):
+    """torch maps a saved state to the parameters by position only, and GaLore checked nothing: these parameters in
+    another order stepped with another's moments (8-bit: its first blocks), or failed mid-step, and an AdamW's or
+    Adam8bit's state stopped the first step with KeyError 'rank'. Each is refused at the load, in one line, leaving
+    the optimizer as it was; the state loads into its own parameters."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((64, 128), (32, 128))]
+    make = lambda ps, inner=inner: GaLore([{"params": ps, "rank": rank}], inner=inner, min_8bit_size=256)  # noqa
+    opt = make(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    fresh = make(params[::-1])
+    theirs = r"a \(64, 4\) one" if rank else "moments for 8192"
+    with pytest.raises(ValueError, match=rf"^parameter 0 of this optimizer, \(32, 128\), has 4096 entries.*; the "
+                                         rf"state's has {theirs}: .* in their order$"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state, "a refused state must leave the optimizer as it was"
+    other = "adam8bit" if inner == "adamw" else "adamw"
+    with pytest.raises(ValueError, match="8-bit moments for parameter 0" if inner == "adam8bit" else
+                       "holds float32 moments for parameter 0"):
+        make(params, other).load_state_dict(saved)
+    for plain in (AdamW(params), Adam8bit(params)):
+        plain.step()
+        with pytest.raises(ValueError, match=r"^this state is not a GaLore's: its param groups have no rank"):
+            make(params).load_state_dict(plain.state_dict())
+    resumed = make(params)
+    resumed.load_state_dict(saved)
+    resumed.step()
