@@ -22,8 +22,8 @@ import math
 import torch
 
 from optim import (Adam8bit, _adamw_, _build_tables, _check_8bit_format, _check_block_size, _check_fused,
-                   _check_fused_step, _check_state_fits, _check_hyperparameters, _checked_settings, _evaluate, _finite, _fused,
-                   _keep_state_dtypes, _step_scalars)
+                   _check_fused_step, _check_hyperparameters, _check_state_fits, _checked_settings, _evaluate, _finite,
+                   _fused, _keep_state_dtypes, _step_scalars)
 
 
 def _adam_step_(kind, target, state, group, lr, weight_decay, compile=False, fused=None):
