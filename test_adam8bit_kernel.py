@@ -57,6 +57,12 @@ CASES = [(dtype, *case) for dtype in (torch.float32, torch.bfloat16)
          for case in ((3000, 256, 0.9, 0.1), (1000, 64, 0.3, 0.0), (256, 256, 0.9, 0.0))]
 
 
+def said(case, step):
+    """assert_close's message: the case and step, then torch's own (how many entries differ, the greatest
+    difference and where), which a message given as a string replaces."""
+    return lambda torchs: f"{case}: step {step}\n{torchs}"
+
+
 def same_updates_as_eager(kernel, device="cpu", cases=CASES, exact=None):
     """Five steps of each, state carried: a bf16 parameter to the bit (the kernel writes out torch's rounding of
     it, after the decay and after the step); a float32 one to float32 rounding (the eager CPU kernels fuse some
@@ -76,7 +82,7 @@ def same_updates_as_eager(kernel, device="cpu", cases=CASES, exact=None):
     tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
     for dtype, n, block_size, beta1, weight_decay in cases:
         case = f"{dtype}, n {n}, block {block_size}, beta1 {beta1}, decay {weight_decay}"
-        eager_p = torch.randn(n).to(device, dtype)
+        eager_p = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device, dtype)  # whatever ran before
         kernel_p, eager, fused = eager_p.clone(), state(n, block_size, device), state(n, block_size, device)
         for step, g in enumerate(gradients(n, dtype, 5, slice(block_size, 2 * block_size)), start=1):
             g = g.to(device)
@@ -91,13 +97,13 @@ def same_updates_as_eager(kernel, device="cpu", cases=CASES, exact=None):
                 assert torch.equal(kernel_p, eager_p), f"{case}: step {step}"
             elif dtype == torch.bfloat16:
                 assert (kernel_p != eager_p).sum() <= edges(n), f"{case}: step {step}"
-                torch.testing.assert_close(kernel_p, eager_p, rtol=2 ** -7, atol=0, msg=f"{case}: step {step}")
+                torch.testing.assert_close(kernel_p, eager_p, rtol=2 ** -7, atol=0, msg=said(case, step))
             else:
-                torch.testing.assert_close(kernel_p, eager_p, rtol=3e-7, atol=1e-7, msg=f"{case}: step {step}")
+                torch.testing.assert_close(kernel_p, eager_p, rtol=3e-7, atol=1e-7, msg=said(case, step))
             for (codes, absmax), (eager_codes, eager_absmax) in zip(fused, eager):
                 assert (codes != eager_codes).sum() <= edges(n), f"{case}: step {step}"
                 assert ((codes.int() - eager_codes.int()).abs() <= 1).all(), f"{case}: step {step}"
-                torch.testing.assert_close(absmax, eager_absmax, rtol=1e-6, atol=0, msg=f"{case}: step {step}")
+                torch.testing.assert_close(absmax, eager_absmax, rtol=1e-6, atol=0, msg=said(case, step))
         if n > block_size:  # the block of zero gradients: its m and √v stay exactly 0
             for (codes, absmax), signed in zip(fused, (True, False)):
                 values = optim.dequantize_blockwise(codes, absmax, signed, n)
@@ -114,7 +120,7 @@ def carried_updates_stay_close(kernel, device, cases, steps=5, lr=1e-2):
     tables = optim._lookup_tables(True, device), optim._lookup_tables(False, device)
     for dtype, n, block_size, beta1, weight_decay in cases:
         case = f"{dtype}, n {n}, block {block_size}, beta1 {beta1}, decay {weight_decay}"
-        eager_p = torch.randn(n).to(device, dtype)
+        eager_p = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device, dtype)  # whatever ran before
         kernel_p, eager, fused = eager_p.clone(), state(n, block_size, device), state(n, block_size, device)
         for step, g in enumerate(gradients(n, dtype, steps, slice(block_size, 2 * block_size)), start=1):
             hyper = optim._step_scalars(lr, beta1, 0.999, 1e-8, weight_decay, step)
