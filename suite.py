@@ -722,6 +722,11 @@ def losses_apart(rows, other):
     return dict(max_loss_diff=max(d for _, d in diffs), loss_diffs=[[step, float(f"{d:.3g}")] for step, d in diffs])
 
 
+# the out_dir of each train.py run of suite_program, under the suite's
+PROGRAM_RUNS = ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun", "graph_off",
+                "graph_on", "per_layer_graph_off", "per_layer_graph_on", "deterministic", "deterministic_split")
+
+
 def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None, device=None):
     """The real program, train.py with 8-bit Adam per-layer: a run whose loss falls, the same run stopped by SIGTERM
     (two micro-batches per update, so the signal may come within one) and resumed (how close its end is to the
@@ -737,9 +742,7 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
     # given to every run: left to train.py's auto, the runs of a suite told --device cpu (or cuda:1) trained on the
     # GPU (on cuda:0)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # the suite's scratch folders, anew
-    for run in ("straight", "signalled", "compiled", "eager_sync", "kernel_auto", "kernel_off", "torchrun", "graph_off",
-                "graph_on", "per_layer_graph_off", "per_layer_graph_on", "deterministic", "deterministic_split"):
+    for run in PROGRAM_RUNS:  # the suite's scratch folders, anew
         shutil.rmtree(os.path.join(out_dir, run), ignore_errors=True)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # whatever the working folder
     base = [sys.executable, script, "--size", p["size"], "--optimizer", "adam8bit", "--per_layer", "--data_dir",
