@@ -151,12 +151,32 @@ def batch_bytes(config, batch_size, context, dtype):
     return batch_size * (per_row + config.vocab_size * 4)
 
 
+def settings_refusal(num_samples, max_new_tokens, batch_size, temperature, top_k, top_p, seed, flag=""):
+    """What is wrong with these sampling settings, in one line naming the setting (as flag + its name: "--" at the
+    command line), or None. top_k and top_p may be None (no cut)."""
+    for name, n in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if not 0 < n < 2 ** 63:  # a tensor's size is an int64
+            return f"{flag}{name} must be positive and at most 2^63 - 1, got {n}"
+    if not 0 <= temperature < math.inf:  # `not <=`: NaN is refused too, not left to fail in the draw
+        return f"{flag}temperature must be a finite number >= 0, got {temperature}"
+    if top_k is not None and top_k < 0:
+        return f"{flag}top_k must be >= 0, got {top_k}"
+    if top_p is not None and not 0 < top_p <= 1:  # NaN is refused too
+        return f"{flag}top_p must be in (0, 1], got {top_p}"
+    if not -2**63 <= seed < 2**64:  # what torch.Generator.manual_seed takes
+        return f"{flag}seed must fit in 64 bits, got {seed}"
+    return None
+
+
 def samples(ckpt_path, prompt="", num_samples=1, max_new_tokens=100, temperature=0.8, top_k=200, seed=1337,
             device="cpu", tokenizer=None, top_p=None, merge=True, batch_size=BATCH):
     """The generated texts (prompt included), each yielded once its batch (of batch_size samples) is done. The draws
     come from a CPU generator, so a seed repeats on any device, at the same batch_size. merge=False generates from
     the weights as trained: less memory, slower. A batch_size whose cache and logits cannot fit is refused (a
-    ValueError naming one that fits) before the merge."""
+    ValueError naming one that fits) before the merge. Settings the command line refuses are refused here too,
+    before the load (settings_refusal)."""
+    if refusal := settings_refusal(num_samples, max_new_tokens, batch_size, temperature, top_k, top_p, seed):
+        raise ValueError(refusal)
     try:  # a shell passes the bytes it was given, and Python keeps those that are not UTF-8 as it cannot encode them
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -251,22 +271,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if refusal := empty_path_refusal(args, ("ckpt", "--tokenizer")):
         p.error(refusal)
-    for name in ("num_samples", "max_new_tokens", "batch_size"):
-        if not 0 < getattr(args, name) < 2 ** 63:  # a tensor's size is an int64
-            p.error(f"--{name} must be positive and at most 2^63 - 1, got {getattr(args, name)}")
-    if not 0 <= args.temperature < math.inf:  # `not <=`: NaN is refused too, not left to fail in the draw
-        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if refusal := settings_refusal(args.num_samples, args.max_new_tokens, args.batch_size, args.temperature,
+                                   args.top_k, args.top_p, args.seed, flag="--"):
+        p.error(refusal)
     cuts = [f"--{name}" for name in ("top_k", "top_p") if getattr(args, name) is not None]
     if args.temperature == 0 and cuts:  # the likeliest token is in any cut
         p.error(f"--temperature 0 takes the likeliest token, which {' and '.join(cuts)} keep{'s' * (len(cuts) == 1)} "
                 f"anyway: drop {'them' if len(cuts) > 1 else 'it'}, or pass a --temperature above 0 to draw")
     args.top_k, args.top_p = TOP_K if args.top_k is None else args.top_k, 1.0 if args.top_p is None else args.top_p
-    if args.top_k < 0:
-        p.error(f"--top_k must be >= 0, got {args.top_k}")
-    if not 0 < args.top_p <= 1:  # NaN is refused too
-        p.error(f"--top_p must be in (0, 1], got {args.top_p}")
-    if not -2**63 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
-        p.error(f"--seed must fit in 64 bits, got {args.seed}")
     device_from_flag(p.error, args.device)
     try:
         for text in samples(args.ckpt, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,

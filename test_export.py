@@ -310,6 +310,25 @@ def test_sample_refuses_unusable_checkpoints(sl_ckpt, tmp_path):
         sample.main([str(tmp_path / "cut.pt")])
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(num_samples=0), "num_samples must be positive and at most 2\\^63 - 1, got 0"),
+    (dict(max_new_tokens=-1), "max_new_tokens must be positive and at most 2\\^63 - 1, got -1"),
+    (dict(batch_size=0), "batch_size must be positive and at most 2\\^63 - 1, got 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(top_k=-3), "top_k must be >= 0, got -3"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(seed=2 ** 64), "seed must fit in 64 bits, got 18446744073709551616"),
+])
+def test_sample_from_python_refuses_what_the_command_line_does(monkeypatch, setting, message):
+    """sample.sample and sample.samples, called from Python, refuse the settings the command line refuses, in the
+    same words less the flag's dashes, before the checkpoint loads: num_samples=0 was range()'s 'arg 3 must not be
+    zero' after the load and merge, temperature NaN multinomial's traceback."""
+    monkeypatch.setattr(sample, "load_model", lambda *a, **k: pytest.fail("loaded before the settings were checked"))
+    monkeypatch.setattr(sample, "check_tokenizer", lambda *a: None)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        sample.sample("any.pt", **setting)
+
+
 def test_greedy_generation_checks_its_logits_without_a_sync_a_token():
     """Greedy generation without EOS (bench.py --only generate times it) issued no host sync; the check of its logits
     for NaN or inf reads one flag, once, at the end: the same syncs for 2 tokens as for 6. A NaN it saw is refused
