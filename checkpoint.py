@@ -89,6 +89,8 @@ class _Writes:
         self.f.flush()
 
 
+# what fsync of a folder says on a filesystem that has no such sync (CIFS, some FUSE and network ones)
+NO_FOLDER_SYNC = (errno.EINVAL, errno.EOPNOTSUPP)
 TEMPORARY = re.compile(r".+\.\d+\.[0-9a-f]{8}\.tmp")  # the name of atomic_file's temporary: path.PID.RANDOM.tmp
 
 
@@ -138,6 +140,9 @@ def atomic_files(paths):
         dir_fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the renames themselves
+        except OSError as e:  # the files are synced and renamed: saved, on a filesystem that cannot sync a folder too
+            if e.errno not in NO_FOLDER_SYNC:
+                raise
         finally:
             os.close(dir_fd)
 

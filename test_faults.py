@@ -904,6 +904,23 @@ def test_atomic_file_leaves_the_old_file_whole_on_any_error(tmp_path):
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f"]
 
 
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EOPNOTSUPP], ids=["EINVAL", "EOPNOTSUPP"])
+def test_a_filesystem_that_cannot_sync_a_folder_still_saves(tmp_path, monkeypatch, refusal):
+    """Some filesystems (CIFS, some FUSE and network ones) refuse fsync on a folder. The folder's fsync comes after
+    the rename, so the new checkpoint was in place, yet save() reported a failed write with "the previous checkpoint
+    there is kept" (and train.py stopped, naming the step before). The file and the rename are what count: saved."""
+    path, real = tmp_path / "ckpt.pt", os.fsync
+    checkpoint.save(path, {"step": 1, "w": torch.zeros(3)})
+
+    def no_folder_sync(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(refusal, os.strerror(refusal))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", no_folder_sync)
+    checkpoint.save(path, {"step": 2, "w": torch.ones(3)})
+    assert checkpoint.load(path)["step"] == 2 and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
 def test_two_writers_of_one_file_never_write_into_the_same_temporary(tmp_path):
     """Two runs saving into one folder at once (a requeued job beside the old one still ending) once shared
     path.tmp: the second truncated the first's file mid-write and moved it away, so a save reported as done was
