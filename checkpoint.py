@@ -356,9 +356,9 @@ def load_model(path, device="cpu"):
     if not {"model", "model_config"} <= set(ckpt):
         raise ValueError(f"{path} has no 'model' and 'model_config' entries: not written by train.py or "
                          "export.py --merged; pass one that was")
-    fields = set(LLaMAConfig.__dataclass_fields__)
     # packed_support is how the supports are stored, not the model: a checkpoint from before it stores them flat
-    unknown, missing = set(ckpt["model_config"]) - fields, fields - set(ckpt["model_config"]) - {"packed_support"}
+    missing = set(LLaMAConfig.__dataclass_fields__) - set(ckpt["model_config"]) - {"packed_support"}
+    unknown = unknown_fields(ckpt["model_config"])
     if unknown or missing:  # a missing one would take its default: alpha or n_heads change no shape, only the model
         what = ", ".join(f"{k} model_config fields {sorted(v)}" for k, v in (("unknown", unknown),
                                                                              ("missing", missing)) if v)
@@ -374,6 +374,12 @@ def load_model(path, device="cpu"):
                          "the file was edited") from None
     dtype = next(iter(ckpt["model"].values())).dtype
     return model.to(device=device, dtype=dtype).eval(), ckpt
+
+
+def unknown_fields(model_config):
+    """The fields of a checkpoint's model_config that this model.py's LLaMAConfig lacks, sorted: a newer version
+    wrote it, whose model they change (taken as this one's, they would be dropped without a word)."""
+    return sorted(set(model_config) - set(LLaMAConfig.__dataclass_fields__))
 
 
 def checkpoint_file(path):

@@ -2423,3 +2423,24 @@ def test_a_checkpoint_that_stored_an_unused_flag_still_resumes(corpus, tmp_path)
     with pytest.raises(SystemExit, match="rank 16 \\(now 8\\)"):  # what the method reads is still compared
         train.main(base_args(corpus, tmp_path / "other", 6, "--method", "lowrank", "--rank", "8", "--resume",
                              str(tmp_path)))
+
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("qk_norm", True, r"unknown model_config fields \['qk_norm'\]"),
+    ("rope_theta", 500000.0, r"rope_theta 500000.0 \(this one's 10000.0\)")], ids=["unknown", "unflagged"])
+def test_a_checkpoint_of_a_model_this_model_py_does_not_build_is_refused_by_resume_and_evaluation(corpus, tmp_path,
+                                                                                                  field, value, said):
+    """A checkpoint whose model_config has a field this model.py lacks, or one no flag sets at another value (another
+    version's model) was resumed and evaluated as this version's model without a word, and the resume's checkpoints
+    dropped the field; checkpoint.load_model (sample.py, export.py) refused the unknown one. Now both refuse it."""
+    train.main(base_args(corpus, tmp_path, 4, "--stop_after", "2"))
+    state = checkpoint.load(str(tmp_path / "ckpt.pt"))
+    state["model_config"][field] = value
+    checkpoint.save(str(tmp_path / "ckpt.pt"), state)
+    for command, argv in (("--resume", base_args(corpus, tmp_path, 4, "--resume")),
+                          ("--eval_only", eval_args(corpus, tmp_path))):
+        with pytest.raises(SystemExit, match=rf"^{command}: {tmp_path}/ckpt.pt: {said}; it was written by another "
+                                             r"version of model.py, whose model this one does not build"):
+            train.main(argv)
+    assert checkpoint.load(str(tmp_path / "ckpt.pt"))["model_config"][field] == value, "the checkpoint is as it was"
