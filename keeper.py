@@ -159,8 +159,17 @@ def go_on_from(last_good, out_dir):
         return START_AGAIN
     path, step = last_good
     if not resumable(last_good):
-        return f"the last checkpoint, {path} (step {step}), is gone: {START_AGAIN}"
+        return start_again(last_good)
     return f"rerun with {rerun_resume(path, out_dir)} (step {step})"
+
+
+def start_again(last_good, fixes=None, which="last"):
+    """The words for a run whose `which` checkpoint, last_good (path, step), is gone since (its folder removed under
+    the run, or the checkpoint a resume began from deleted once read): a rerun naming it would be refused as having
+    none, so it starts again, with the fixes where there are some."""
+    path, step = last_good
+    return f"the {which} checkpoint, {path} (step {step}), is gone: start again with " + \
+        (f"{fixes} and {OVERWRITE_ROWS}" if fixes else OVERWRITE_ROWS)
 
 
 def diverged(why, last_good, out_dir):
@@ -173,8 +182,8 @@ def diverged(why, last_good, out_dir):
                           f"--grad_clipping) and {OVERWRITE_ROWS}")
     path, step = last_good
     if not resumable(last_good):
-        return SystemExit(f"{why}; stopping. The last good checkpoint, {path} (step {step}), is gone: start again "
-                          f"with a lower --lr (or --grad_clipping) and {OVERWRITE_ROWS}")
+        said = start_again(last_good, "a lower --lr (or --grad_clipping)", "last good")
+        return SystemExit(f"{why}; stopping. {said[0].upper()}{said[1:]}")
     return SystemExit(f"{why}; stopping. The last good checkpoint is {path}, step {step} (no diverged model is ever "
                       f"saved): rerun with {rerun_resume(path, out_dir)} and a lower --lr (or --grad_clipping)")
 

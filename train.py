@@ -66,7 +66,7 @@ from download import T5_PIECES, download, shard_names
 from flags import resume_path, same_file
 from hostsync import HostSyncs
 from keeper import (OVERWRITE_ROWS, START_AGAIN, Keeper, any_rank, diverged, exploded, go_on_from, lock_out_dir,
-                    refuse_overwrite, rerun_resume, resumable)
+                    refuse_overwrite, rerun_resume, resumable, start_again)
 from model import LLaMA, LLaMAConfig, config_for, describe, is_projection, relora_merge, slow_width
 from galore import GaLore, galore_param_groups
 from optim import AdamW, Adam8bit, clip_grad_norm32, prune_state_
@@ -481,8 +481,8 @@ def out_of_memory(args, run, where, last_good):
         then = f"the last checkpoint is {last_good[0]}, step {last_good[1]}: rerun with " \
             f"{rerun_resume(last_good[0], args.out_dir)} and {fix}"
     else:  # none yet, or gone since (its folder removed under the run, a resume's source deleted once read)
-        then = (f"the last checkpoint, {last_good[0]} (step {last_good[1]}), is gone" if last_good else
-                "no checkpoint was saved yet") + f": start again with {fix} and {OVERWRITE_ROWS}"
+        then = start_again(last_good, fix) if last_good else \
+            f"no checkpoint was saved yet: start again with {fix} and {OVERWRITE_ROWS}"
     if run.world == 1:
         return RankFault(f"out of memory in {where}{peak}; {then}")
     # said now, not at exit: the process group's teardown before it may wait on the other ranks (NCCL)
