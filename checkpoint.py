@@ -61,12 +61,18 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota: the fix is fre
 class SaveFailed(Exception):
     """save() could not write its file: `cause` is the OSError that stopped it (a full disk or quota: `disk_full`; a
     read-only, failing or full-sized filesystem, lost permissions, ...), `kept` whether an earlier file at the path is
-    still there, whole. The partial file is removed. The caller adds what to do, which depends on the program."""
+    still there, whole. The partial file is removed. The caller adds what to do, which depends on the program.
+    `written`: the file was written, fsynced and renamed into place, and only its folder's sync failed (an I/O error:
+    a failing disk); the new file is then the one at the path, whole, though a crash of the machine may lose it."""
 
-    def __init__(self, path, cause, kept):
-        self.path, self.cause, self.kept = path, cause, kept
+    def __init__(self, path, cause, kept, written=False):
+        self.path, self.cause, self.kept, self.written = path, cause, kept, written
         self.disk_full = cause.errno in DISK_FULL
         what = "disk full: " if self.disk_full else ""
+        if written:
+            super().__init__(f"wrote {path}, but could not sync its folder ({cause.strerror or cause}): the new "
+                             "checkpoint is in place, and a crash of the machine may lose it")
+            return
         super().__init__(f"{what}could not write {path} ({cause.strerror or cause}); "
                          + ("the previous checkpoint there is kept" if kept else "none was saved there yet"))
 
@@ -142,6 +148,7 @@ def atomic_files(paths):
             os.fsync(dir_fd)  # the renames themselves
         except OSError as e:  # the files are synced and renamed: saved, on a filesystem that cannot sync a folder too
             if e.errno not in NO_FOLDER_SYNC:
+                e.renamed = True  # any other error: the new files are in place, their names perhaps not on the disk
                 raise
         finally:
             os.close(dir_fd)
@@ -260,7 +267,7 @@ def save(path, state):
     except (OSError, RuntimeError) as e:
         cause = out.error if out and out.error else e
         if isinstance(cause, OSError):
-            raise SaveFailed(path, cause, os.path.exists(path)) from None
+            raise SaveFailed(path, cause, os.path.exists(path), getattr(cause, "renamed", False)) from None
         raise  # torch's own error, not the filesystem's
 
 

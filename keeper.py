@@ -371,7 +371,9 @@ class Keeper:
             raise self._metrics_failed(state["step"], e) from None
         try:
             checkpoint.save(self.path, state)
-        except checkpoint.SaveFailed as e:  # last_good is still the one before
+        except checkpoint.SaveFailed as e:  # last_good is still the one before, unless this one is in place
+            if e.written:
+                self.last_good[:] = self.path, state["step"]
             said = after_failed_write(e.cause, self.last_good, self.args.out_dir)
             raise SystemExit(f"{e}. {said[0].upper()}{said[1:]}") from None
         # written whole: on the master at once, before the ranks agree on it in master_writes, so that should that

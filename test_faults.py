@@ -921,6 +921,29 @@ def test_a_filesystem_that_cannot_sync_a_folder_still_saves(tmp_path, monkeypatc
     assert checkpoint.load(path)["step"] == 2 and os.listdir(tmp_path) == ["ckpt.pt"]
 
 
+def test_a_folder_sync_that_fails_after_the_rename_says_the_new_checkpoint_is_in_place(corpus, tmp_path,
+                                                                                     monkeypatch):
+    """A failing disk's I/O error at the folder's fsync comes after the new checkpoint was written, fsynced and
+    renamed into place: the run said the write had failed, "the previous checkpoint there is kept", and named the
+    step before as the one to rerun from, when the file there was the new one. It says what is so, and the rerun
+    goes on from the new step."""
+    real, folder_syncs = os.fsync, []
+
+    def failing_folder_sync(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            folder_syncs.append(fd)
+            if len(folder_syncs) == 2:  # the second checkpoint's
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", failing_folder_sync)
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, 4, "--save_every", "1"))
+    assert str(e.value).startswith(f"wrote {tmp_path}/ckpt.pt, but could not sync its folder (Input/output error): "
+                                   "the new checkpoint is in place, and a crash of the machine may lose it. "), e.value
+    assert str(e.value).endswith("(step 2)"), e.value
+    assert final_state(tmp_path)["step"] == 2 and not list(tmp_path.glob("*.tmp"))
+
+
 def test_two_writers_of_one_file_never_write_into_the_same_temporary(tmp_path):
     """Two runs saving into one folder at once (a requeued job beside the old one still ending) once shared
     path.tmp: the second truncated the first's file mid-write and moved it away, so a save reported as done was
