@@ -24,6 +24,16 @@ class _Alive:
     """A token held by the end-of-backward callback of the backward that began a per-layer update."""
 
 
+def _hook_while_trainable(p, hook):
+    # torch hooks only a tensor that requires grad; the hook stays on while requires_grad is off, and runs once it is
+    # turned back on
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(hook)
+    finally:
+        p.requires_grad_(False)
+
+
 def _at_end_of_backward(fn):
     # the autograd engine's hook for "once this backward is done", which DDP itself and torch's
     # optimizer-in-backward use; callbacks run in the order they were queued
@@ -69,6 +79,8 @@ class PerLayer:
         self.steps = 0  # updates done so far; the lr of update k is initial_lr · lr_lambda(k)
         self._accumulating = self._removed = self._in_update = False
         self._arrived, self._norms, self._last_norm = {}, {}, None  # this update's: gradients per layer, norms
+        self._strays = set()  # this update's parameters that were frozen at attach and have a gradient now
+        self._module = weakref.ref(module)  # what is updated is checked against it once an update looks changed
         # The hooks reach this PerLayer through a weak reference, and the model holds it. A parameter's hooks are
         # held in C++, out of sight of Python's garbage collector: a cycle through them (parameter -> hook ->
         # PerLayer -> parameter) would never be freed, and every model given per-layer updates in one process
@@ -80,10 +92,16 @@ class PerLayer:
         def on_grad(p):
             if me() is not None:  # (a PerLayer that is gone)
                 me()._on_grad(p)
+
+        def on_stray(p):
+            if me() is not None:
+                me()._on_stray(p)
+        # the parameters frozen now have a hook too, which runs only if one is trained later: that update is refused
+        frozen = [p for p in module.parameters() if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
+        self._handles = [_hook_while_trainable(p, on_stray) for p in frozen]
         if self.ddp is None:
-            self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.names]
+            self._handles += [p.register_post_accumulate_grad_hook(on_grad) for p in self.names]
         else:
-            self._handles = []
             # DDP checks the hook's parameter names; the module holds this PerLayer as long as DDP holds the module
             self.ddp.register_comm_hook(None, lambda state, bucket: me()._on_bucket(state, bucket))
 
@@ -92,6 +110,11 @@ class PerLayer:
             self._refuse_after_a_backward_that_raised()  # ...but not into what a failed one left, to be refused later
             return
         self._arrive(p)
+
+    def _on_stray(self, p):
+        if not self._accumulating:
+            self._begin()
+            self._strays.add(p)
 
     def _on_bucket(self, _, bucket):
         # DDP communication hook: average the bucket over the ranks, then update its parameters with the average.
@@ -119,21 +142,26 @@ class PerLayer:
     def _arrive(self, p):
         """p's gradient is complete: once its layer's last one is, update the layer."""
         self._refuse_after_a_backward_that_raised()
-        if not self._in_update:  # the first gradient of this update: fix its lr, finish it once backward ends
-            self._in_update, self._backward, self._updated = True, torch._C._current_graph_task_id(), 0
-            self._factor = self.lr_factor()
-            self._norms = {}
-            alive = _Alive()  # referenced only by the callback: dies with the graph task of this backward
-            self._alive = weakref.ref(alive)
-            if self.ddp is None:
-                _at_end_of_backward(lambda: (alive, self._finish()))
-            else:  # queued twice, to run after DDP's own end-of-backward callback writes the buckets into .grad
-                _at_end_of_backward(lambda: (alive, _at_end_of_backward(self._finish)))
+        self._begin()
         opt = self.optimizer_of[p]
         arrived = self._arrived.setdefault(opt, [])
         arrived.append(p)
         if len(arrived) == self._size[opt]:
             self._update(opt, self._arrived.pop(opt))
+
+    def _begin(self):
+        if self._in_update:
+            return
+        # the first gradient of this update: fix its lr, finish it once backward ends
+        self._in_update, self._backward, self._updated = True, torch._C._current_graph_task_id(), 0
+        self._factor = self.lr_factor()
+        self._norms = {}
+        alive = _Alive()  # referenced only by the callback: dies with the graph task of this backward
+        self._alive = weakref.ref(alive)
+        if self.ddp is None:
+            _at_end_of_backward(lambda: (alive, self._finish()))
+        else:  # queued twice, to run after DDP's own end-of-backward callback writes the buckets into .grad
+            _at_end_of_backward(lambda: (alive, _at_end_of_backward(self._finish)))
 
     @torch.no_grad()
     def _update(self, opt, params):
@@ -151,6 +179,7 @@ class PerLayer:
                 p.grad = None  # the memory saving: these gradients die before most others exist
 
     def _finish(self):
+        short = self._updated < len(self.optimizers)  # a layer not whole in this backward: unused, or changed?
         if self.ddp is None:  # gradients of earlier micro-batches whose parameter got none in the last: update them too
             pending = {p for params in self._arrived.values() for p in params}
             for p, opt in self.optimizer_of.items():
@@ -166,8 +195,36 @@ class PerLayer:
         # summed in the parameters' order, not the order they arrived in (under DDP, a rebuilt model's first buckets
         # come in another): the same gradients give the same norm, to the bit
         norms = [self._norms[p] for p in self.names if p in self._norms]
-        self._last_norm = torch.linalg.vector_norm(torch.stack(norms))
+        if norms:
+            self._last_norm = torch.linalg.vector_norm(torch.stack(norms))
         self._in_update = False
+        strays, self._strays = self._strays, set()
+        if (strays or short) and (changed := self._changed_since_attach()):
+            raise RuntimeError(f"per-layer updates are made for the parameters that required grad when "
+                               f"attach_per_layer ran; since then {changed}. Set requires_grad (and replace modules) "
+                               "before attach_per_layer, or call it again after the change (its optimizers start "
+                               "afresh); this update went on for the parameters it knows")
+
+    def _changed_since_attach(self):
+        """What the model changed since the attach, in words ("" for nothing): parameters trained that have no
+        optimizer here (their gradients, never used, are dropped), frozen, or gone from it (a module replaced)."""
+        module = self._module()
+        now = dict(module.named_parameters()) if module is not None else {}
+        held = set(now.values())
+
+        def listed(names):
+            return ", ".join(names[:3]) + (f" ({len(names)} in all)" if len(names) > 3 else "")
+        new = [name for name, p in now.items() if p.requires_grad and p not in self.names]
+        gone = [name for p, name in self.names.items() if p not in held]
+        replaced = [name for name in gone if name in new]
+        parts = [(replaced, "was replaced by a new parameter, which is not updated"),
+                 ([n for n in new if n not in replaced], "requires grad, so far not updated"),
+                 ([n for n in gone if n not in replaced], "left the model"),
+                 ([name for p, name in self.names.items() if p in held and not p.requires_grad],
+                  "no longer requires grad, so its layer's gradients were held to the end of backward")]
+        for name in new:
+            now[name].grad = None  # no optimizer here would use it: it would only pile up
+        return "; ".join(f"{listed(names)} {what}" for names, what in parts if names)
 
     def reset(self):
         """After a backward that raised (out of memory, an interrupt): drop every gradient and the update it left
@@ -175,7 +232,7 @@ class PerLayer:
         the count of updates (the lr schedule's position) does not advance."""
         for p in self.names:
             p.grad = None
-        self._arrived, self._norms, self._in_update = {}, {}, False
+        self._arrived, self._norms, self._strays, self._in_update = {}, {}, set(), False
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -286,6 +343,10 @@ def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None,
 
     A backward that raises (out of memory, an interrupt) leaves its update half made: the next backward is refused
     until per_layer.reset() drops what it left.
+
+    The parameters it updates are those that require grad now. One trained, frozen or replaced (a module swapped for
+    a new one) after it returns is refused at the end of the next backward, once the rest are updated, naming it: set
+    requires_grad before attaching, or attach again after the change.
 
     Reentrant activation checkpointing (use_reentrant=True) runs each checkpoint's backward as a graph task of its
     own, nested in the outer one: an update that begins inside it would end with it, and the rest of the backward

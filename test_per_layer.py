@@ -436,6 +436,55 @@ def test_per_layer_refuses_another_optimizers_state_with_no_layer_loaded():
     assert same_state(other.state_dict(), own) and other.steps == 1, "a layer kept the refused state"
 
 
+def test_per_layer_refuses_a_parameter_trained_after_attach():
+    """A parameter frozen at attach_per_layer and unfrozen after had no hook: its gradient piled up, never used, and
+    nothing said so. Now the backward that meets it updates the rest, then refuses, naming it."""
+    x, y = bigram_batches(3, batch=2, T=8)
+    model = tiny_llama()
+    model.norm.weight.requires_grad_(False)
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    model.norm.weight.requires_grad_(True)
+    for i in range(2):  # and again: refused at every update, not once
+        with pytest.raises(RuntimeError, match=r"since then norm\.weight requires grad, so far not updated\. Set "
+                                               r"requires_grad .* before attach_per_layer, or call it again"):
+            model(x[i], y[i])[1].backward()
+        assert model.norm.weight.grad is None and per_layer.steps == i + 1, "its gradient piles up"
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"])  # the fix the refusal names
+    before = model.norm.weight.detach().clone()
+    model(x[2], y[2])[1].backward()
+    assert not torch.equal(model.norm.weight, before) and per_layer.steps == 1
+    model.norm.weight.requires_grad_(False)
+    per_layer.remove()  # the hooks of the parameters frozen at attach go too
+    model.norm.weight.requires_grad_(True)
+    model(x[2], y[2])[1].backward()
+
+
+def test_per_layer_refuses_a_parameter_frozen_after_attach():
+    """A parameter frozen after attach_per_layer held its layer's other gradients to the end of backward, silently
+    losing the memory saving: the backward now updates the layer, then refuses, naming the parameter."""
+    x, y = bigram_batches(1, batch=2, T=8)
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    o = model.layers[0].attn.o_proj
+    o.A.requires_grad_(False)
+    before = o.B.detach().clone()
+    with pytest.raises(RuntimeError, match=r"since then layers\.0\.attn\.o_proj\.A no longer requires grad"):
+        model(x[0], y[0])[1].backward()
+    assert not torch.equal(o.B, before) and o.B.grad is None and per_layer.steps == 1
+
+
+def test_per_layer_refuses_a_module_replaced_after_attach():
+    """A module replaced after attach_per_layer: its new parameters had no hook and were never updated, silently."""
+    x, y = bigram_batches(1, batch=2, T=8)
+    model = tiny_llama()
+    attach_per_layer(model, OPTIMIZERS["AdamW"])
+    model.layers[0].attn.o_proj = new = copy.deepcopy(model.layers[0].attn.o_proj)
+    with pytest.raises(RuntimeError, match=r"since then layers\.0\.attn\.o_proj\.A, layers\.0\.attn\.o_proj\.B, "
+                                           r"layers\.0\.attn\.o_proj\.values was replaced by a new parameter"):
+        model(x[0], y[0])[1].backward()
+    assert all(p.grad is None for p in new.parameters())
+
+
 def test_per_layer_remove_detaches():
     x, y = bigram_batches(1, batch=2, T=8)
     model = tiny_llama()
