@@ -312,11 +312,15 @@ class PerLayer:
         return None  # copy.deepcopy of the model: the copy's parameters have no hooks, so no per-layer updates
 
     def remove(self):
-        """Detach the hooks: later backward passes leave .grad for an ordinary optimizer. DDP cannot unregister a
-        communication hook, so under DDP it stays and only averages, as DDP's default does."""
+        """Detach the hooks: later backward passes leave .grad for an ordinary optimizer, and the model lets go of
+        this PerLayer (with its optimizers' state). DDP cannot unregister a communication hook, so under DDP it stays
+        and only averages, as DDP's default does, and the model holds this PerLayer for it."""
         for handle in self._handles:
             handle.remove()
         self._handles, self._removed = [], True
+        module = self._module()
+        if self.ddp is None and module is not None and getattr(module, "_per_layer", None) is self:
+            module._per_layer = None
 
 
 def attach_per_layer(model, make_optimizer, lr_lambda=None, clip_grad_norm=None, max_grad_norm_per_param=None):

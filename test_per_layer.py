@@ -496,6 +496,22 @@ def test_per_layer_remove_detaches():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+def test_per_layer_removed_and_dropped_frees_its_optimizers():
+    """After remove() the model held the PerLayer still, and with it every layer's optimizer state: a run that went on
+    with an ordinary optimizer kept two sets of moments."""
+    x, y = bigram_batches(1, batch=2, T=8)
+    model = tiny_llama()
+    per_layer = attach_per_layer(model, OPTIMIZERS["AdamW"])
+    model(x[0], y[0])[1].backward()
+    moment = weakref.ref(next(iter(per_layer.optimizers["lm_head"].state.values()))["exp_avg"])
+    weak = weakref.ref(per_layer)
+    per_layer.remove()
+    del per_layer
+    gc.collect()
+    assert weak() is None and moment() is None, "the removed PerLayer's optimizer state outlived every reference to it"
+    assert model._per_layer is None
+
+
 def test_per_layer_attached_again_replaces_the_first_while_it_is_held():
     """A second attach_per_layer on the same model replaces the first: its hooks went only once it was collected, so
     while the caller held it both updated (or the second found the gradients freed and crashed)."""
