@@ -31,8 +31,8 @@ import sys
 import torch
 import torch.nn as nn
 
-from checkpoint import (atomic_file, atomic_files, check_tokenizer, checkpoint_file, load_model, make_folder, peek,
-                        remove_empty)
+from checkpoint import (OTHER_VERSION, atomic_file, atomic_files, check_tokenizer, checkpoint_file, load_model,
+                        make_folder, other_model, peek, remove_empty)
 from data import Unbroken, empty_path_refusal, find_shards, load_tokenizer, validation_batches
 from estimate_memory import estimate, memory_there
 from model import SIZES, LLaMA, LLaMAConfig, RMSNorm, freeze_all_but_values
@@ -345,6 +345,8 @@ def init_refusal(path, ckpt, config, tokenizer_sha256=None):
     source = ckpt["model_config"]
     if source.get("method") != "full":
         return f"--init_from {path}: a {source.get('method')} checkpoint; pass {full}"
+    if other := other_model(source):  # weights trained at another rope_theta, say, are another model's
+        return f"--init_from {path}: {other}; {OTHER_VERSION}"
     for field in ("vocab_size", "dim", "ffn_dim", "n_heads", "n_layers"):
         if source.get(field) != getattr(config, field):
             fix = {"vocab_size": "pass the --tokenizer it was trained with",

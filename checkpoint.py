@@ -389,6 +389,21 @@ def unknown_fields(model_config):
     return sorted(set(model_config) - set(LLaMAConfig.__dataclass_fields__))
 
 
+# the model's fields that no flag sets: every model that train.py builds has them as they are
+UNFLAGGED = {k: LLaMAConfig.__dataclass_fields__[k].default for k in ("norm_eps", "rope_theta")}
+OTHER_VERSION = "it was written by another version of model.py, whose model this one does not build: use that one"
+
+
+def other_model(model_config):
+    """What in a checkpoint's model_config says it is of a model that train.py does not build from its flags, in
+    words ("" for nothing): fields this model.py lacks, or one no flag sets (UNFLAGGED) at another value. A resume,
+    an evaluation or an --init_from taking it as this version's model would drop them without a word."""
+    other = [f"unknown model_config fields {unknown}"] if (unknown := unknown_fields(model_config)) else []
+    other += [f"{k} {model_config[k]!r} (this one's {v!r})" for k, v in UNFLAGGED.items()
+              if model_config.get(k, v) != v]
+    return ", ".join(other)
+
+
 def checkpoint_file(path):
     """path, or the ckpt.pt in it when it is a folder (a train.py --out_dir)."""
     return os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path

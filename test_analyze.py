@@ -412,6 +412,21 @@ def test_spectrum_of_relora_is_of_the_merged_weight(relora_ckpt, tmp_path, capsy
     assert "full-rank checkpoint" in message and "export.py --merged" in message
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("qk_norm", True, r"unknown model_config fields \['qk_norm'\]"),
+    ("rope_theta", 500000.0, r"rope_theta 500000.0 \(this one's 10000.0\)")], ids=["unknown", "unflagged"])
+def test_init_from_refuses_a_checkpoint_of_a_model_this_model_py_does_not_build(dense_ckpt, field, value, said):
+    """A full-rank checkpoint of another version's model (a field this model.py lacks, or a rope_theta no flag sets)
+    started this one's without a word, as --resume and --eval_only did (they refuse it now): refused the same way."""
+    from model import config_for
+    state = checkpoint.load(dense_ckpt)
+    state["model_config"][field] = value
+    config = config_for("tiny", method="sltrain", vocab_size=state["model_config"]["vocab_size"])
+    assert analyze.init_refusal("x.pt", checkpoint.load(dense_ckpt), config) is None
+    assert re.fullmatch(rf"--init_from x.pt: {said}; it was written by another version of model.py, whose model this "
+                        r"one does not build: use that one", analyze.init_refusal("x.pt", state, config))
+
+
 def test_init_from_refuses_a_relora_model(dense_ckpt):
     from model import LLaMA, config_for
     with pytest.raises(ValueError, match="sltrain or sltrain_ft model, not relora"):

@@ -167,21 +167,14 @@ RESUME_KEPT = ("lr", "min_lr_ratio", "beta1", "beta2", "weight_decay", "grad_cli
                "eval_every", "eval_tokens", "save_every", "log_every")
 
 
-# the model's fields that no flag sets: every run of this model.py has them as they are
-UNFLAGGED = {k: LLaMAConfig.__dataclass_fields__[k].default for k in ("norm_eps", "rope_theta")}
-
-
 def same_run(args, ckpt, path, vocab_size, dtype_given):
     """The run's args (ckpt["args"], with the defaults of flags added since), once this command line is checked
     against them: another model, tokenizer or data is refused, a weights-only checkpoint too. Takes the run's start
     (--init_from) and dtype where not given. Called on checkpoint.peek's quick look, then on the loaded checkpoint."""
     # the model is built from the flags, compared below: a field no flag sets is checked here, or would be dropped
-    stored = ckpt["model_config"]
-    other = [f"unknown model_config fields {unknown}"] if (unknown := checkpoint.unknown_fields(stored)) else []
-    other += [f"{k} {stored[k]!r} (this one's {v!r})" for k, v in UNFLAGGED.items() if stored.get(k, v) != v]
-    if other:
-        raise SystemExit(f"{'--eval_only' if args.eval_only else '--resume'}: {path}: {', '.join(other)}; it was "
-                         "written by another version of model.py, whose model this one does not build: use that one")
+    if other := checkpoint.other_model(ckpt["model_config"]):
+        raise SystemExit(f"{'--eval_only' if args.eval_only else '--resume'}: {path}: {other}; "
+                         f"{checkpoint.OTHER_VERSION}")
     old = ckpt["args"]
     if "block_size" not in old:  # a run from before --block_size: 8-bit Adam's blocks were of 256
         old["block_size"] = flags.BLOCK_SIZE if old.get("optimizer", "").endswith("adam8bit") else None
