@@ -506,6 +506,13 @@ def get_args(argv=None):
     if args.command == "curves":
         if args.labels is not None and len(args.labels) != len(args.metrics):
             p.error(f"{len(args.labels)} --labels for {len(args.metrics)} files; give one per file")
+        # one run named twice (its folder and its file, or through a link) would be two curves that coincide: in
+        # Figure 4, two supports that agree exactly
+        files = [os.path.realpath(os.path.join(m, "metrics.jsonl") if os.path.isdir(m) else m) for m in args.metrics]
+        for i, path in enumerate(files):
+            if path in files[:i]:
+                p.error(f"{args.metrics[i]} is the run of {args.metrics[files.index(path)]} again: its curve would be "
+                        "drawn twice, as if two runs agreed; give each run once")
         if os.path.isdir(args.out):
             p.error(f"--out {args.out} is a folder; pass a file in it, such as {os.path.join(args.out, 'curves.svg')}")
         if not args.out.lower().endswith(".svg"):  # an earlier figure is replaced; a run's metrics.jsonl or ckpt.pt not
@@ -564,7 +571,7 @@ def run_labels(paths):
     tail = lambda folder, n: os.path.join(*folder.split(os.sep)[-n:])  # noqa: E731  (its last n names)
     labels = []
     for folder in folders:
-        others, n = [f for f in folders if f != folder], 1  # (a run given twice is one run: one label)
+        others, n = [f for f in folders if f != folder], 1  # (two files of one folder share its name)
         while n < len(folder.split(os.sep)) and any(tail(f, n) == tail(folder, n) for f in others):
             n += 1
         labels.append(tail(folder, n))

@@ -563,6 +563,19 @@ def test_curves_bad_inputs_are_one_line_naming_the_fix(tmp_path, capsys):
     assert "cannot make or write into" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
 
 
+def test_curves_refuses_a_run_given_twice(tmp_path, capsys):
+    """The same metrics.jsonl twice (as a folder and as its file, or through a link) drew one run as two identical
+    curves, which in Figure 4 reads as two supports that agree exactly; it is refused before any file is read."""
+    path = write_metrics(tmp_path / "s1" / "metrics.jsonl", [{"step": 10, "val_ppl": 50.0}])
+    other = write_metrics(tmp_path / "s2" / "metrics.jsonl", [{"step": 10, "val_ppl": 51.0}])
+    os.symlink(tmp_path / "s1", tmp_path / "link")
+    out = tmp_path / "c.svg"
+    for twice in (str(tmp_path / "s1"), f"{tmp_path / 'link'}/", path):
+        message = refusal(capsys, ["curves", path, other, twice, "--out", str(out)])
+        assert f"{twice} is the run of {path} again" in message and "give each run once" in message, message
+    assert not out.exists()
+
+
 def test_curves_creates_its_folder_and_leaves_out_non_finite_points(tmp_path, capsys):
     rows = [{"step": 10, "val_ppl": 50.0}, {"step": 20, "val_ppl": float("inf")}, {"step": 30, "val_ppl": 30.0}]
     path = write_metrics(tmp_path / "run" / "metrics.jsonl", rows)
