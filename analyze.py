@@ -417,9 +417,11 @@ def prepare_for_training(model, args, resuming):
 
 # ----------------------------------------------------------------------------- Figure 4: eval curves
 
-def read_curve(path, key):
+def read_curve(path, key, sets=None):
     """(steps, values) of the eval rows of a metrics.jsonl; a resumed run's repeated steps keep the last row.
-    A file that is not one train.py wrote raises ValueError naming the file, and the line where there is one."""
+    A file that is not one train.py wrote raises ValueError naming the file, and the line where there is one.
+    sets, a dict, gets each step's val_tokens, the size of the validation set it was scored on (None in a row from
+    before train.py recorded it)."""
     path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path  # a run's folder: its metrics
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file at {path}; pass the metrics.jsonl in a train.py --out_dir, or "
@@ -442,6 +444,8 @@ def read_curve(path, key):
                     if type(step) is not int or type(value) not in (int, float):  # `type`: bools are ints too
                         raise ValueError(f"{path}:{n}: a {key} row needs an integer step and a number; {fix}")
                     points[step] = value
+                    if sets is not None:
+                        sets[step] = row.get("val_tokens")
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not text, so not a metrics.jsonl; pass the one in a train.py --out_dir") from None
     if not points:
@@ -578,13 +582,35 @@ def run_labels(paths):
     return labels
 
 
+def set_parts(label, path, points, sets):
+    """A run's curve as one series per validation set, [(label, steps, values)]: a resume with another --eval_tokens
+    scores its later rows on another set (train.py's val_tokens), and one line through both would draw the change of
+    set as the model's (said, and drawn as a part for each set). A row that does not say (from before train.py
+    recorded it) counts as of the set beside it."""
+    parts = []  # [size, steps, values]
+    for step, value in points:
+        size = sets.get(step)
+        if not parts or size not in (None, parts[-1][0]) and parts[-1][0] is not None:
+            parts.append([size, [], []])
+        parts[-1][0] = parts[-1][0] or size
+        parts[-1][1].append(step)
+        parts[-1][2].append(value)
+    if len(parts) == 1:
+        return [(label, parts[0][1], parts[0][2])]
+    changes = ", ".join(f"at step {b[1][0]} ({a[0]} -> {b[0]} tokens)" for a, b in zip(parts, parts[1:]))
+    print(f"analyze.py curves: {path}: the validation set changes {changes}, another --eval_tokens on a resume; "
+          "drawn as a part for each set", file=sys.stderr)
+    return [(f"{label} ({size} val tokens)", steps, values) for size, steps, values in parts]
+
+
 def curves(args):
     """Figure 4 from the command line: read every file, then write one SVG."""
     labels = args.labels or run_labels(args.metrics)
     series = []
     for label, path in zip(labels, args.metrics):
         try:
-            steps, values = read_curve(path, args.key)
+            sets = {}
+            steps, values = read_curve(path, args.key, sets)
         except (OSError, ValueError) as e:
             raise SystemExit(f"analyze.py curves: {e}") from None
         # a diverged run logs NaN or inf: said and left out, as a plot cannot place them
@@ -596,7 +622,7 @@ def curves(args):
             print(f"analyze.py curves: {path}: {args.key} is non-finite at step(s) {', '.join(map(str, bad))}; "
                   "left out of the plot", file=sys.stderr)
         finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
-        series.append((label, [s for s, _ in finite], [v for _, v in finite]))
+        series += set_parts(label, path, finite, sets)
     try:
         svg_lines(args.out, series, title=f"validation {args.key.split('_')[1]} during training",
                   xlabel="update", ylabel=args.key)

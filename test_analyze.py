@@ -563,6 +563,29 @@ def test_curves_bad_inputs_are_one_line_naming_the_fix(tmp_path, capsys):
     assert "cannot make or write into" in refusal(capsys, ["curves", good, "--out", str(tmp_path / "file" / "c.svg")])
 
 
+def test_curves_draws_a_run_evaluated_on_two_sets_as_two_parts(tmp_path, capsys, corpus):  # noqa: F811
+    """A resume with another --eval_tokens scores its later rows on another validation set; one line through both
+    drew the change of set as the model's. train.py's rows record the set's size (val_tokens), and curves draws a part
+    for each set, saying where it changes; a run on one set is one curve, as are rows from before val_tokens."""
+    train.main(base_args(corpus, tmp_path / "run", 4, "--eval_every", "2", "--stop_after", "2", "--eval_tokens",
+                         "200"))
+    train.main(base_args(corpus, tmp_path / "run", 4, "--eval_every", "2", "--resume", "--eval_tokens", "400"))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    sizes = [(r["step"], r["val_tokens"]) for r in rows if "val_loss" in r]
+    assert len(sizes) == 2 and sizes[0][1] < sizes[1][1], sizes
+    out = tmp_path / "c.svg"
+    analyze.main(["curves", str(tmp_path / "run"), "--out", str(out)])
+    said = capsys.readouterr().err
+    assert f"the validation set changes at step 4 ({sizes[0][1]} -> {sizes[1][1]} tokens), another --eval_tokens on " \
+        "a resume; drawn as a part for each set" in said, said
+    text = out.read_text()
+    assert f"run ({sizes[0][1]} val tokens)" in text and f"run ({sizes[1][1]} val tokens)" in text
+    old = write_metrics(tmp_path / "old" / "metrics.jsonl", [{"step": 10, "val_ppl": 50.0},
+                                                            {"step": 20, "val_ppl": 40.0, "val_tokens": 300}])
+    analyze.main(["curves", old, "--out", str(out)])
+    assert capsys.readouterr().err == "" and "val tokens" not in out.read_text()
+
+
 def test_curves_refuses_a_run_given_twice(tmp_path, capsys):
     """The same metrics.jsonl twice (as a folder and as its file, or through a link) drew one run as two identical
     curves, which in Figure 4 reads as two supports that agree exactly; it is refused before any file is read."""

@@ -1089,7 +1089,9 @@ class Loop:
         if result:
             if self.master:
                 print(f"step {done}/{self.total} | val loss {result[0]:.4f} | val ppl {result[1]:.2f}")
-            self.last_eval.update(step=done, val_loss=result[0], val_ppl=result[1])
+            # val_tokens: the set's size, which a resume with another --eval_tokens changes (analyze.py curves splits
+            # a curve there)
+            self.last_eval.update(step=done, val_loss=result[0], val_ppl=result[1], val_tokens=result[2])
             self.keeper.record(dict(self.last_eval))
         self.meter.pause(time.perf_counter() - t_eval)
         return result is not None
