@@ -130,7 +130,8 @@ def torchrun_ranks():
 
 
 def make_parser(description=None):
-    p = Parser(description=description, formatter_class=HelpFormatter)
+    # a flag by its whole name only: argparse's prefixes took --packed as --packed_support, --lora as --lora_alpha
+    p = Parser(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
     a = p.add_argument
     a("--size", choices=list(SIZES), help="model size (the paper's LLaMA configs; default 60m)")
     a("--method", "--peft_model", choices=list(METHODS), default="sltrain",

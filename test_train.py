@@ -1040,6 +1040,19 @@ def test_authors_flag_names_are_accepted(corpus, tmp_path):
     assert args.warmup_steps is None, "a resumed run keeps the warmup in its checkpoint"
 
 
+
+@pytest.mark.parametrize("typed,meant", [(["--packed"], "--pack"), (["--lora", "8"], "--rank"),
+                                         (["--warmup", "10"], "--warmup_steps"), (["--out", "runs"], "--out_dir")])
+def test_a_flag_is_taken_by_its_whole_name_only(capsys, typed, meant):
+    """argparse took a unique prefix as the flag it begins: --packed (meant for --pack) was --packed_support, and
+    --lora 8 (meant as a LoRA rank) was --lora_alpha 8, neither said. Only a whole name is taken; another is refused,
+    with the usage line that lists the names."""
+    with pytest.raises(SystemExit):
+        flags.get_args(["--size", "tiny", "--device", "cpu", *typed])
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {' '.join(typed)}" in err, (meant, err)
+
+
 # the authors' configs/llama_7b.json (as in their repository and GaLore's), every key of it
 AUTHORS_7B = {"architectures": ["LLaMAForCausalLM"], "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu",
               "hidden_size": 4096, "intermediate_size": 11008, "initializer_range": 0.02, "max_sequence_length": 2048,
