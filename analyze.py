@@ -457,9 +457,10 @@ def read_curve(path, key, sets=None):
 def get_args(argv=None):
     """The command line, every number checked before any checkpoint or data is read: a bad one is one line naming
     the fix, and a value given is never replaced by a default."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("spectrum", help="singular values of every projection")
+    s = sub.add_parser("spectrum", allow_abbrev=False, help="singular values of every projection")
     s.add_argument("ckpt", help="a checkpoint written by train.py")
     s.add_argument("--rank", type=int, help="r of the residual analysis of full-rank weights (full, relora and "
                    "sltrain_ft checkpoints; default: the checkpoint's rank)")
@@ -467,7 +468,8 @@ def get_args(argv=None):
                    "sltrain_ft checkpoints; default 0.04)")
     s.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the tables")
     s.add_argument("--figures", help="write one SVG per layer kind into this folder")
-    q = sub.add_parser("prune", help="Table 1: perplexity of a full-rank model pruned to L0 (+ δ of the residual)")
+    q = sub.add_parser("prune", help="Table 1: perplexity of a full-rank model pruned to L0 (+ δ of the residual)",
+                       allow_abbrev=False)
     q.add_argument("ckpt", help="a full-rank checkpoint written by train.py (or export.py --merged)")
     q.add_argument("--rank", type=int, help="r of L0 (default: the checkpoint's rank)")
     q.add_argument("--delta", type=float, default=0.03, help="fraction of residual entries kept, in [0, 1)")
@@ -477,7 +479,7 @@ def get_args(argv=None):
     q.add_argument("--eval_tokens", type=int, help="validation tokens (default: the checkpoint's)")
     q.add_argument("--batch_size", type=int, default=8, help="sequences per evaluation batch")
     q.add_argument("--json", action="store_true", help="print the results as JSON")
-    c = sub.add_parser("curves", help="Figure 4: eval curves of several runs in one SVG")
+    c = sub.add_parser("curves", allow_abbrev=False, help="Figure 4: eval curves of several runs in one SVG")
     c.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train.py, or the runs' folders")
     c.add_argument("--labels", nargs="+", help="one legend label per file (default: the runs' folder names, "
                    "with the parent folders that tell apart two of one name)")

@@ -722,7 +722,7 @@ def finish(result, out, as_json):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="the tiny model for the model, optimizer and inference sections")

@@ -412,7 +412,8 @@ def checkpoint_file(path):
 def main(argv=None):
     """Verify each checkpoint (a ckpt.pt, or the --out_dir that holds one): its step, or one line on what is wrong;
     every one is checked, and the exit is non-zero if any is not whole."""
-    p = argparse.ArgumentParser(description="verify checkpoints: the step of each, or what is wrong with it")
+    p = argparse.ArgumentParser(description="verify checkpoints: the step of each, or what is wrong with it",
+                                allow_abbrev=False)
     p.add_argument("ckpt", nargs="+", help="a ckpt.pt that train.py wrote, or the --out_dir holding one")
     paths, bad = p.parse_args(argv).ckpt, 0
     for path in map(checkpoint_file, paths):

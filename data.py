@@ -842,9 +842,11 @@ def bench(data_dir, tokenizer_path, batch_size=64, max_length=256, pack=False, n
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="C4 shards and tokenizer for train.py (see the docstring of data.py)")
+    p = argparse.ArgumentParser(description="C4 shards and tokenizer for train.py (see the docstring of data.py)",
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", metavar="{download,train-tokenizer,stats,bench}")
-    d = sub.add_parser("download", help="fetch C4 shards and T5's spiece.model from Hugging Face (resumable)")
+    d = sub.add_parser("download", help="fetch C4 shards and T5's spiece.model from Hugging Face (resumable)",
+                       allow_abbrev=False)
     d.add_argument("--out", default=DEFAULT_DATA_DIR, help="folder for the shards")
     d.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="where to put spiece.model ('' to skip it)")
     d.add_argument("--train_shards", type=int, default=None, help="fetch the first N train shards (of 1024; default 1)")
@@ -852,7 +854,8 @@ def main(argv=None):
                    help="fetch the first N validation shards (of 8; default 1)")
     d.add_argument("--shards", nargs="+", help="exact shard names instead, e.g. c4-train.00007-of-01024.json.gz")
     d.add_argument("--base_url", default=None, help=f"mirror to fetch from (default $HF_ENDPOINT or {HF_ENDPOINT})")
-    t = sub.add_parser("train-tokenizer", help="train a sentencepiece model on the training shards (offline)")
+    t = sub.add_parser("train-tokenizer", help="train a sentencepiece model on the training shards (offline)",
+                       allow_abbrev=False)
     t.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder of shards")
     t.add_argument("--out", default="data/spm", help="output prefix: writes PREFIX.model and PREFIX.vocab")
     t.add_argument("--vocab_size", type=int, default=32000, help="number of pieces (T5: 32000)")
@@ -860,7 +863,7 @@ def main(argv=None):
     t.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model and PREFIX.vocab")
     for name, what in (("stats", "docs and tokens per document of every shard (reads every line)"),
                        ("bench", "loader throughput; last line 'tokens/s N'")):
-        c = sub.add_parser(name, help=what)
+        c = sub.add_parser(name, allow_abbrev=False, help=what)
         c.add_argument("--data_dir", default=DEFAULT_DATA_DIR, help="folder of shards")
         c.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="sentencepiece model file")
         c.add_argument("--max_length", type=int, default=256, help="sequence length (paper: 256)")

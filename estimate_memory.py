@@ -834,7 +834,7 @@ def check_model_flags(parser, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--size", default="all", choices=["all", *SIZES],
                         help="model size; all = the paper's 60m..7b (--measure defaults to tiny)")

@@ -224,7 +224,8 @@ def export_merged(model, ckpt, path, dtype=None, merged_from=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("ckpt", help="a checkpoint written by train.py")
     p.add_argument("--out", help="write a Hugging Face LLaMA folder here")
     p.add_argument("--merged", help="write a full-rank checkpoint in our format to this file")

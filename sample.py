@@ -250,7 +250,8 @@ def check_batch(model, batch_size, context, device, merge=True):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("ckpt", help="a checkpoint written by train.py or export.py --merged")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--num_samples", type=int, default=3, help="how many continuations")

@@ -1117,7 +1117,7 @@ def check_args(parser, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("suite", choices=list(SUITES),
                         help="gpu: every GPU figure of the paper (one H100); tiny: the same at toy sizes (a CPU check "

@@ -10,6 +10,7 @@ import atexit
 import errno
 import gc
 import gzip
+import inspect
 import json
 import os
 import random
@@ -1051,6 +1052,23 @@ def test_a_flag_is_taken_by_its_whole_name_only(capsys, typed, meant):
         flags.get_args(["--size", "tiny", "--device", "cpu", *typed])
     err = capsys.readouterr().err
     assert f"unrecognized arguments: {' '.join(typed)}" in err, (meant, err)
+
+
+@pytest.mark.parametrize("program, argv", [
+    ("sample", ["x.pt", "--temp", "0.5"]), ("export", ["x.pt", "--merg", "y.pt"]),
+    ("analyze", ["spectrum", "x.pt", "--thresh", "0.1"]), ("analyze", ["curves", "m.jsonl", "--lab", "a"]),
+    ("data", ["stats", "--data", "shards"]), ("data", ["download", "--shard", "1"]),
+    ("estimate_memory", ["--siz", "tiny"]), ("bench", ["--onl", "step"]), ("suite", ["tiny", "--onl", "layer"])])
+def test_every_program_takes_a_flag_by_its_whole_name_only(monkeypatch, capsys, program, argv):
+    """As train.py's: each program's parser took a unique prefix as the flag it begins (sample.py --temp 0.5 as
+    --temperature, data.py download --shard 1 as --shards, suite.py --onl as --only), which STYLE.md's "no fuzzy
+    name matching" rules out. Each refuses it, before any work."""
+    module = __import__(program)
+    monkeypatch.setattr(sys, "argv", [f"{program}.py", *argv])  # the programs that read their flags from it
+    takes_argv = "argv" in inspect.signature(module.main).parameters
+    with pytest.raises(SystemExit) as e:
+        module.main(argv) if takes_argv else module.main()
+    assert e.value.code == 2 and f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err
 
 
 # the authors' configs/llama_7b.json (as in their repository and GaLore's), every key of it
