@@ -714,8 +714,9 @@ def clip_grad_norm32(parameters, max_norm):
 # ReLoRA's optimizer reset: prune the moments of the restarted factors by magnitude (Lialin et al. 2023)
 
 def _prune_(x, fraction):
-    """Zero the `fraction` of x's entries smallest in magnitude, in place."""
-    k = int(fraction * x.numel())
+    """Zero the `fraction` of x's entries smallest in magnitude, in place. The count is fraction·n rounded down, as
+    computed exactly: in floating point 0.7·90 is 62.99999999999999, which int() took for 62."""
+    k = int(round(fraction * x.numel(), 6))
     if k > 0:
         threshold = x.abs().view(-1).kthvalue(k).values
         x.mul_(x.abs() > threshold)

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import optim
 import train
 from model import LLaMA, ReLoRALinear, config_for, relora_merge
 from galore import GaLore, galore_param_groups
@@ -82,6 +83,15 @@ def test_merge_prunes_99_percent_of_the_factors_moments(make):
             assert 0 < kept <= p.numel() - int(0.99 * p.numel()), f"{name}: {kept} of {p.numel()} kept"
     for p, saved in others.items():  # everything else is untouched
         assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("n, fraction, kept", [(100, 0.99, 1), (90, 0.7, 27), (650, 0.7, 195), (7, 0.5, 4)])
+def test_prune_zeroes_the_fraction_of_entries_it_is_given(n, fraction, kept):
+    """fraction·n entries zeroed, rounded down: 0.7·90 is 62.99999999999999 in floating point, and 28 of 90 moments
+    were kept where 27 is the 70% prune's."""
+    x = torch.randperm(n).float() + 1  # distinct magnitudes: no ties at the threshold
+    optim._prune_(x, fraction)
+    assert int((x != 0).sum()) == kept
 
 
 def test_prune_of_galore_8bit_counts_the_projected_moments():
