@@ -1208,6 +1208,20 @@ def test_download_fetches_the_shards_the_run_reads(monkeypatch, tmp_path, capsys
            f"the T5 tokenizer to {data.DEFAULT_TOKENIZER}" in capsys.readouterr().out
 
 
+def test_the_download_plan_says_a_tokenizer_already_there_is_kept(corpus, monkeypatch, tmp_path, capsys):
+    """download() fetches no tokenizer over one at --tokenizer; the plan said "the T5 tokenizer to PATH" all the same,
+    of a user's own tokenizer that stays as it is."""
+    own = tmp_path / "own.model"
+    shutil.copy(corpus[1], own)
+    ours = own.read_bytes()
+    monkeypatch.setattr(train, "download", lambda data_dir, tokenizer, shards: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train.main(["--size", "60m", "--download", "--data_dir", str(tmp_path / "c4"), "--out_dir", str(tmp_path),
+                    "--tokenizer", str(own)])
+    assert f"{tmp_path / 'c4'}; the tokenizer at {own} is there and kept" in capsys.readouterr().out
+    assert own.read_bytes() == ours
+
+
 def test_a_resumed_download_fetches_the_checkpoints_own_shards(monkeypatch, tmp_path, capsys):
     """On a resume --download fetches the shards the checkpoint's data position names (3 of a short run, here), not
     as many as the size's default --num_training_steps would read (17 at 60m): those would be fetched for minutes and

@@ -650,8 +650,11 @@ def setup(args, given=(), dtype_given=True):
         elif args.init_from:
             refuse_start_before_download(args, vocab_size)
         whose = " (the resumed run's)" if args.resume and train_shards else ""
+        # where each goes, the tokenizer apart; one already there is kept (download fetches none over it)
+        tokenizer = f"; the tokenizer at {args.tokenizer} is there and kept" if os.path.exists(args.tokenizer) else \
+            f" and the T5 tokenizer to {args.tokenizer}"
         print(f"--download: {len(train_shards)} C4 train shard(s){whose}, {n_val} validation shard(s) into "
-              f"{args.data_dir} and the T5 tokenizer to {args.tokenizer}")  # where each goes: the tokenizer apart
+              f"{args.data_dir}{tokenizer}")
         try:
             download(args.data_dir, args.tokenizer, shards=train_shards + shard_names(train=0, validation=n_val))
         except (OSError, ValueError) as e:  # offline, a failing server, a file that fails its checksum
