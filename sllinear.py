@@ -404,12 +404,15 @@ class SLLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a support saved in the other format (packed or flat positions) is converted to this layer's: the format
-        # is storage, not model, so a run may resume with or without train.py --packed_support
+        # is storage, not model, so a run may resume with or without train.py --packed_support. One of another
+        # layer's size is left as it is, for torch's size mismatch to name: converted, it was unpacked as if of this
+        # layer's blocks (an error naming no tensor) or packed as positions past this layer's weight
         key = prefix + "indices"
         saved = state_dict.get(key)
         if saved is not None and self.indices is not None and (saved.dtype == torch.uint8) != self.packed:
-            n = self.in_features * self.out_features
-            state_dict[key] = pack_support(saved, n) if self.packed else support_positions(saved, n)
+            n, nnz = self.in_features * self.out_features, self.values.numel()
+            if saved.numel() == (nnz + -(-n // PACK_BLOCK) if saved.dtype == torch.uint8 else nnz):
+                state_dict[key] = pack_support(saved, n) if self.packed else support_positions(saved, n)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _factors(self, like):

@@ -602,6 +602,17 @@ def test_a_support_loads_into_a_layer_of_either_format():
     assert torch.equal(again(x), flat(x)) and torch.equal(packed(x), flat(x))
 
 
+@pytest.mark.parametrize("saved_packed", [True, False], ids=["packed-into-flat", "flat-into-packed"])
+def test_a_support_of_another_layers_size_is_refused_as_a_size_mismatch(saved_packed):
+    """A support saved in the other format from a layer of another shape is not converted (its count of positions
+    is not this layer's): load_state_dict names the mismatched sizes, as for a support in this layer's format."""
+    torch.manual_seed(0)
+    saved = SLLinear(40, 50, rank=4, delta=0.1, alpha=8, packed=saved_packed).state_dict()
+    layer = SLLinear(40, 30, rank=4, delta=0.1, alpha=8, packed=not saved_packed)
+    with pytest.raises(RuntimeError, match="size mismatch for indices"):
+        layer.load_state_dict(saved)
+
+
 def test_a_packed_support_is_unpacked_without_a_host_sync():
     """On a GPU a layer unpacks its support in each forward and backward: nothing there may wait for the device
     (hostsync.HostSyncs counts, on the CPU, what would). The model runs eagerly, as train.py's does."""
