@@ -269,9 +269,9 @@ def causal(T, S, device):
 class KVCache:
     """The keys and values of the positions a model has seen, for generation: each new token's attention reads them
     instead of recomputing the whole prefix. model(idx, cache=c) takes idx as the tokens after c.pos ones already
-    seen, stores their keys and values and moves c.pos on. Holds at most `length` positions; allocated on first use
-    in the dtype and device of the keys. Generation runs eager: compiled blocks would recompile for each layer's
-    store and each new length."""
+    seen, stores their keys and values and moves c.pos on. Holds at most `length` positions of one batch; allocated
+    on first use in the dtype and device of the keys, and refuses keys of another batch, dtype or device.
+    Generation runs eager: compiled blocks would recompile for each layer's store and each new length."""
 
     def __init__(self, n_layers, length):
         self.n_layers, self.length, self.pos = n_layers, length, 0
@@ -281,6 +281,12 @@ class KVCache:
         """k, v (B, nh, T, hs) of the next T positions into layer's slots -> the keys and values of all positions so
         far, (B, nh, pos + T, hs) each."""
         end = self.pos + k.size(2)
+        if self.k is not None and (k.size(0), k.dtype, k.device) != (self.k.size(1), self.k.dtype, self.k.device):
+            # else another batch's keys were broadcast into its rows (or rounded into its dtype) and the attention
+            # failed on shapes or dtypes, naming neither the cache nor the fix
+            raise ValueError(f"this cache holds keys of a batch of {self.k.size(1)} in {self.k.dtype} on "
+                             f"{self.k.device}, got a batch of {k.size(0)} in {k.dtype} on {k.device}; start a new "
+                             "KVCache for each batch, and after casting or moving the model")
         if end > self.length:
             raise ValueError(f"the cache holds {self.length} positions; {end} were asked for")
         if self.k is None:

@@ -1169,3 +1169,25 @@ def test_cached_forward_gives_the_logits_of_the_whole_sequence(method, dtype):
         pieces = [model(idx[:, :7], cache=cache)[0].float()]
         pieces += [model(idx[:, t:t + 1], cache=cache)[0].float() for t in range(7, 20)]
     assert max_diff(torch.cat(pieces, dim=1), whole) < tol
+
+
+@pytest.mark.parametrize("change", ["batch", "dtype"])
+def test_a_cache_given_keys_of_another_batch_or_dtype_is_refused_in_one_line(change):
+    """A KVCache holds one batch's keys in one dtype: given another (a new batch of prompts, the model cast after),
+    it says so and names the fix, where the keys were broadcast into its rows, or rounded into its dtype, and the
+    attention failed on shapes or dtypes; the cache is left as it was."""
+    torch.manual_seed(0)
+    model = LLaMA(config_for("tiny", vocab_size=64)).eval()
+    idx = torch.randint(0, 64, (2, 8))
+    cache = KVCache(model.config.n_layers, 16)
+    with torch.no_grad():
+        model(idx, cache=cache)
+        before = cache.k.clone()
+        if change == "dtype":
+            model.to(torch.bfloat16)
+        new = idx[:1, :1] if change == "batch" else idx[:, :1]
+        message = "holds keys of a batch of 2 in torch.float32 on cpu, got a batch of " + \
+            ("1 in torch.float32" if change == "batch" else "2 in torch.bfloat16") + " on cpu; start a new KVCache"
+        with pytest.raises(ValueError, match=message):
+            model(new, cache=cache)
+    assert cache.pos == 8 and torch.equal(cache.k, before)
