@@ -5,8 +5,11 @@ from the layer's gradients to train.py --method sltrain_ft --init_from, resume, 
     python -m pytest -q test_finetune.py
 """
 
+import json
+import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,3 +274,25 @@ def test_the_readmes_fine_tuning_baselines_are_the_papers_rank(row, tmp_path):
     args = train.get_args(argv + ["--device", "cpu", "--out_dir", str(tmp_path / "out")])
     rank = args.galore_rank if args.optimizer.startswith("galore") else args.rank
     assert rank == FINETUNE[0], f"{row}: rank {rank}, the paper's fine-tuning rank is {FINETUNE[0]}"
+
+
+def test_the_readmes_fine_tuning_memory_figures_are_what_its_command_prints(monkeypatch, capsys):
+    """The README's SLTrain-FT figure (7b, 8-bit Adam per-layer, batch 1) and full-rank AdamW's beside it are the
+    train rows of the command it names, and of that command for full-rank AdamW: an estimate that moves moves them."""
+    readme = (Path(__file__).resolve().parent / "README.md").read_text(encoding="utf-8")
+    section = " ".join(readme.split("## Fine-tuning: SLTrain-FT", 1)[1].split("\n## ", 1)[0].split())
+    found = re.search(r"([\d.]+) G against full-rank AdamW's ([\d.]+) G \(`python (estimate_memory\.py [^`]*)`\)",
+                      section)
+    assert found, "the README's fine-tuning section no longer gives its memory figures as this test reads them"
+    ft, full, command = float(found[1]), float(found[2]), shlex.split(found[3])
+    rows = {}
+    full_rank = [a for a in command if a != "--per_layer"] + ["--method", "full", "--optimizer", "adamw"]  # last wins
+    for method, argv in (("sltrain_ft", command), ("full", full_rank)):
+        monkeypatch.setattr(sys, "argv", [*argv, "--json"])
+        em.main()
+        (rows[method],) = json.loads(capsys.readouterr().out)
+        assert rows[method]["method"] == method
+    said = {"sltrain_ft": ft, "full": full}
+    for method, row in rows.items():
+        assert round(row["train_gb"], 2) == said[method], f"{method}: README {said[method]} G, the command prints " \
+            f"{row['train_gb']:.2f} G"
