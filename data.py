@@ -882,6 +882,8 @@ def main(argv=None):
             download(args.out, args.tokenizer or None, args.shards, args.base_url, recheck=bool(args.recheck))
         except (ConnectionError, ValueError) as e:
             raise SystemExit(str(e)) from None
+        except KeyboardInterrupt as e:  # the files fetched whole stay; a cut one's .part is resumed (fetch's message)
+            raise SystemExit(f"download: interrupted; {str(e) or 'run the same command again to go on'}") from None
     elif args.command == "train-tokenizer":
         try:
             print(f"trained {train_tokenizer(args.data_dir, args.out, args.vocab_size, args.max_docs)}")

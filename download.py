@@ -59,12 +59,22 @@ def fetch(url, dest, sha256=None, retries=5, backoff=2.0):
         return dest
     try:
         _fetch(url, dest, part, sha256, retries, backoff, lock)
+    except KeyboardInterrupt:  # Ctrl-C: what came stays in the .part, which the same command resumes from
+        if dest.exists() and not part.exists():  # (between the rename and the folder's sync)
+            raise Interrupted(f"{dest} came whole: run the same command again for the rest") from None
+        held = os.fstat(lock).st_size
+        raise Interrupted(f"{part} keeps the {held:,} bytes that came: run the same command again to resume" if held
+                          else f"nothing of {dest} came yet: run the same command again") from None
     finally:
         with suppress(OSError):  # the .part made by _claim, where nothing came (an address refused): no trace left
             if os.stat(part).st_ino == os.fstat(lock).st_ino and not os.fstat(lock).st_size:
                 os.remove(part)
         os.close(lock)  # releases the lock: a process waiting in _claim goes on
     return dest
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a fetch, still a KeyboardInterrupt, its message saying what the .part keeps for the resume."""
 
 
 def _claim(part, dest):

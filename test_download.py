@@ -348,3 +348,58 @@ def test_a_fetched_file_is_on_disk_before_it_takes_its_name(serve, tmp_path, mon
     dest = download.fetch(server.url + "/a.json.gz", tmp_path / "a.json.gz", sha256=sha(body))
     monkeypatch.undo()
     assert synced == [dest.stat().st_ino, ("rename", "a.json.gz"), tmp_path.stat().st_ino], synced
+
+
+def test_ctrl_c_mid_download_is_one_line_and_the_same_command_resumes(serve, tmp_path, monkeypatch):
+    """Ctrl-C in `python data.py download` ended with a traceback through urllib, not saying that the bytes that
+    came are kept. It is one line saying how to go on, and the command run again resumes from the .part."""
+    name = download.shard_names(2, 0)[1]  # shard 00000 has a known sha256 that the fixtures cannot match
+    body = gzip.compress(random.Random(0).randbytes(3 << 20), compresslevel=0)  # past the 1 MB that a read takes
+    server = serve({f"/datasets/allenai/c4/resolve/main/en/{name}": body})
+    urlopen = download.urllib.request.urlopen
+
+    class Interrupted:  # the answer, with Ctrl-C pressed as its second MB is read
+        def __init__(self, *args, **kwargs):
+            self.answer, self.reads = urlopen(*args, **kwargs), 0
+
+        def __enter__(self):
+            self.answer.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.answer.__exit__(*exc)
+
+        def read(self, n):
+            self.reads += 1
+            if self.reads == 2:
+                raise KeyboardInterrupt
+            return self.answer.read(n)
+
+        def __getattr__(self, attr):
+            return getattr(self.answer, attr)
+    monkeypatch.setattr(download.urllib.request, "urlopen", Interrupted)
+    argv = ["download", "--out", str(tmp_path), "--tokenizer", "", "--shards", name, "--base_url", server.url]
+    with pytest.raises(SystemExit) as e:
+        data.main(argv)
+    part = tmp_path / f"{name}.part"
+    held = part.stat().st_size
+    assert held and str(e.value) == f"download: interrupted; {part} keeps the {held:,} bytes that came: run the " \
+        "same command again to resume", e.value
+    monkeypatch.undo()
+    data.main(argv)
+    assert (tmp_path / name).read_bytes() == body and not part.exists()
+    assert server.requests[-1] == (f"/datasets/allenai/c4/resolve/main/en/{name}", f"bytes={held}-")
+    # Ctrl-C before any byte came: no .part is left, and the line says so
+    monkeypatch.setattr(download.urllib.request, "urlopen", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    (tmp_path / name).unlink()
+    with pytest.raises(SystemExit, match=rf"^download: interrupted; nothing of {re.escape(str(tmp_path / name))} came "
+                                         r"yet: run the same command again$"):
+        data.main(argv)
+    assert not list(tmp_path.iterdir())
+    # Ctrl-C once the file has its name (the folder's sync after the rename): it is whole, and the line says so
+    monkeypatch.undo()
+    replace = download.os.replace
+    monkeypatch.setattr(download.os, "replace", lambda *a: replace(*a) or (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit, match=rf"^download: interrupted; {re.escape(str(tmp_path / name))} came whole"):
+        data.main(argv)
+    assert (tmp_path / name).read_bytes() == body
