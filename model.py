@@ -288,7 +288,9 @@ class KVCache:
                              f"{self.k.device}, got a batch of {k.size(0)} in {k.dtype} on {k.device}; start a new "
                              "KVCache for each batch, and after casting or moving the model")
         if end > self.length:
-            raise ValueError(f"the cache holds {self.length} positions; {end} were asked for")
+            raise ValueError(f"the cache holds {self.length} positions; {end} were asked for: make a KVCache of "
+                             f"{end} or more, or crop the window to the cache (as sample.generate does past its "
+                             "context)")
         if self.k is None:
             self.k = k.new_empty(self.n_layers, *k.shape[:2], self.length, k.size(3))
             self.v = torch.empty_like(self.k)
