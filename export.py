@@ -1,13 +1,13 @@
 """
-Export a trained model (full, lowrank, sltrain or relora) as dense weights: a Hugging Face LLaMA folder, or our own
-format.
+Export a trained model (full, lowrank, sltrain, relora or a fine-tuned sltrain_ft) as dense weights: a Hugging Face
+LLaMA folder, or our own format.
 
     python export.py out/ckpt.pt --out hf_model          # config.json, model.safetensors, tokenizer files
     python export.py out/ckpt.pt --merged out/dense.pt   # a full-rank checkpoint that analyze.py and sample.py read
 
-Every SLTrain, low-rank and ReLoRA weight is merged into its dense (out, in) matrix (W = s·BA + S, or W0 + s·BA), in
-float32 and rounded once to the weights' dtype, one layer at a time in place, so that the merge never holds both
-models (`densify`). The folder loads with
+Every SLTrain, low-rank and ReLoRA weight is merged into its dense (out, in) matrix (W = s·BA + S, W0 + s·BA, or
+fine-tuning's W0 + s·BA + S), in float32 and rounded once to the weights' dtype, one layer at a time in place, so
+that the merge never holds both models (`densify`). The folder loads with
 transformers.LlamaForCausalLM.from_pretrained(folder) and gives our logits: model.py already follows HF's LLaMA
 (rotary embeddings in the half-split layout with rotate_half, RMSNorm in float32 with eps inside the root, SwiGLU
 MLP, no biases, untied head), so only the names change, and no weight is permuted. test_export.py checks the logits.
