@@ -321,16 +321,19 @@ def bench_heavy(steps=200, lr=1e-3):
     return dict(steps=steps, lr=lr, cases=rows, bitsandbytes=None if bnb is None else bnb.__version__)
 
 
-def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
+def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5, spread=None):
     """Host time of per-layer updates: a training step of a model with the layers and trained tensors of `size`
-    (a 350m SLTrain model: 24 blocks, 555 tensors) at the tiny size's width, with per-layer updates, minus the same
-    step without them, for AdamW, Adam8bit and Adam8bit(compile=True), and on a CUDA GPU the one-kernel step
-    Adam8bit(fused=True) (every tensor a projection has takes the 8-bit path, as at full width). At that width the
-    arithmetic is negligible and what remains is what the host issues for every tensor of every update: Python,
-    dispatch and, on a GPU, kernel launches, whatever the tensors' sizes. On CPU the 8-bit step takes the path it
-    takes on a GPU without the kernel (whole tensors, small ones together), not the chunked one.
-    Returns {name: (ms per update, operations per update)} (operations: the aten calls, views included; None for
-    compiled code, whose kernels run below the dispatcher)."""
+    (a 350m SLTrain model: 24 blocks, 555 tensors) at the tiny size's width, with per-layer updates, less the same
+    step without them in the same round, for AdamW, Adam8bit and Adam8bit(compile=True), and on a CUDA GPU the
+    one-kernel step Adam8bit(fused=True) (every tensor a projection has takes the 8-bit path, as at full width). At
+    that width the arithmetic is negligible and what remains is what the host issues for every tensor of every
+    update: Python, dispatch and, on a GPU, kernel launches, whatever the tensors' sizes. On CPU the 8-bit step takes
+    the path it takes on a GPU without the kernel (whole tensors, small ones together), not the chunked one.
+    Every variant's model is built and warmed up first; then each round times one step of each, their order
+    alternating (as interleave's), so that a machine that slows midway slows them all alike.
+    Returns {name: (ms per update, operations per update)}: the median over rounds of the per-round difference, and
+    the aten calls, views included (None for compiled code, whose kernels run below the dispatcher); spread (a dict)
+    gets {name: (lowest, highest) round's ms}."""
     device = torch.device(device)
     small = 65  # the norms (64 wide here) keep float32 moments, as they do at full width; the rest is 8-bit
     makers = {"none": None, "AdamW": lambda ps: optim.AdamW(ps, lr=1e-3),
@@ -341,16 +344,34 @@ def per_layer_host_time(device="cpu", size="350m", method="sltrain", rounds=5):
         makers["Adam8bit(fused=True)"] = lambda ps: optim.Adam8bit(ps, lr=1e-3, min_8bit_size=small, fused=True)
     config = config_for("tiny", method=method, n_layers=config_for(size).n_layers, vocab_size=256)
     idx = torch.randint(256, (1, 17), device=device)
-    times, chunked = {}, set(optim.CHUNKED_DEVICES)
+    sync, chunked = synchronizer(device), set(optim.CHUNKED_DEVICES)
     optim.CHUNKED_DEVICES.discard(device.type)
     try:
+        steps = {}
         for name, make in makers.items():
             torch.manual_seed(0)
-            times[name] = _host_step_time(LLaMA(config, device=device), make, idx, rounds, ops="compile" not in name)
+            steps[name] = _host_step(LLaMA(config, device=device), make, idx)
+            for _ in range(3):  # the state appears, and compiled code compiles, here
+                steps[name]()
+        times = {name: [] for name in steps}
+        for i in range(rounds):
+            for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+                sync()
+                t0 = time.perf_counter()
+                steps[name]()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+        ops = {name: None if "compile" in name else count_ops(step) for name, step in steps.items()}
     finally:
         optim.CHUNKED_DEVICES.update(chunked)
-    (none, none_ops) = times.pop("none")
-    return {name: ((t - none) * 1e3, None if n is None else n - none_ops) for name, (t, n) in times.items()}
+    none, none_ops = times.pop("none"), ops.pop("none")
+    result = {}
+    for name, seconds in times.items():
+        ms = sorted(1e3 * (t - plain) for t, plain in zip(seconds, none))
+        result[name] = (statistics.median(ms), None if ops[name] is None else ops[name] - none_ops)
+        if spread is not None:
+            spread[name] = (ms[0], ms[-1])
+    return result
 
 
 def ops_by_name(fn):
@@ -375,37 +396,27 @@ def count_ops(fn):
     return sum(ops_by_name(fn).values())
 
 
-def _host_step_time(model, make, idx, rounds, ops):
-    """(best seconds, aten operations if ops else None) of a training step of model with per-layer updates by make
-    (none if make is None)."""
-    sync = synchronizer(idx.device)
+def _host_step(model, make, idx):
+    """A training step of model with per-layer updates by make (none if make is None)."""
     per_layer = attach_per_layer(model, make) if make else None
 
     def step():
         model(idx[:, :-1], idx[:, 1:])[1].backward()
         if per_layer is None:
             model.zero_grad(set_to_none=True)
-
-    for _ in range(3):  # the state appears, and compiled code compiles, here
-        step()
-    times = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times), count_ops(step) if ops else None
+    return step
 
 
 def bench_host(device, sizes, rounds=5):
-    """per_layer_host_time at each size for full and sltrain, with each model's count of trained tensors."""
+    """per_layer_host_time at each size for full and sltrain, with each model's count of trained tensors and the
+    lowest and highest round of each variant ("range")."""
     rows = []
     for size in sizes:
         for method in ("full", "sltrain"):
-            model = LLaMA(config_for(size, method=method), device="meta")
+            model, spread = LLaMA(config_for(size, method=method), device="meta"), {}
+            host = per_layer_host_time(device, size, method, rounds, spread)
             rows.append(dict(size=size, method=method, tensors=sum(p.requires_grad for p in model.parameters()),
-                             host=per_layer_host_time(device, size, method, rounds)))
+                             host=host, range=spread))
     return dict(device=str(device), rounds=rounds, rows=rows)
 
 
@@ -546,12 +557,13 @@ def report_heavy(r):
 
 def report_host(r):
     H = r["host"]
-    print(f"per-layer updates on {H['device']}: the host's time per update (a step with them minus one without, best "
-          f"of {H['rounds']}) of models with the layers and trained tensors of each size at tiny width, and the aten "
-          "operations")
+    print(f"per-layer updates on {H['device']}: the host's time per update (a step with them less one without in the "
+          f"same round: the median of {H['rounds']} rounds [lowest-highest]) of models with the layers and trained "
+          "tensors of each size at tiny width, and the aten operations")
     for row in H["rows"]:
         print(f"  {row['size']} {row['method']} ({row['tensors']} tensors): " + " | ".join(
-            f"{name} {ms:.1f} ms{'' if n is None else f', {n} ops'}" for name, (ms, n) in row["host"].items()))
+            f"{name} {ms:.1f} ms [{row['range'][name][0]:.1f}-{row['range'][name][1]:.1f}]"
+            f"{'' if n is None else f', {n} ops'}" for name, (ms, n) in row["host"].items()))
     if H["device"] == "cpu":
         print("  (compiled, on CPU: mostly the time of inductor's CPU kernels, slower than eager, not the host's)")
 

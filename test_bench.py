@@ -325,3 +325,26 @@ def test_the_model_section_times_sltrain_with_separate_projections_and_counts_ea
     assert list(v) == ["full", "lowrank", "relora", "sltrain", "sltrain/separate", "galore"]
     assert all(row["tok_s"] > 0 and row["ops"] > 0 for row in v.values())
     assert v["sltrain/separate"]["ops"] > v["sltrain"]["ops"] > v["full"]["ops"], v
+
+
+def test_the_host_section_interleaves_its_variants_and_reports_their_spread(monkeypatch, capsys):
+    """--only host: each round times one step of every variant (none, AdamW, Adam8bit, compiled), their order
+    alternating, and a variant's host time is the median over rounds of its step less the same round's step without
+    per-layer updates, with the lowest and highest round beside it. It timed all the rounds of one variant, then all
+    of the next, and took each one's best less the plain step's best, which a machine slowing midway shifts."""
+    forwards = []
+    original = model.LLaMA.forward
+    monkeypatch.setattr(model.LLaMA, "forward", lambda self, *a, **k: forwards.append(id(self)) or original(
+        self, *a, **k))
+    spread = {}
+    host = bench.per_layer_host_time("cpu", "tiny", "sltrain", rounds=3, spread=spread)
+    switches = sum(a != b for a, b in zip(forwards, forwards[1:]))
+    # each round passes through the four models (three switches), timed one after another: 3 until now, in all
+    assert switches >= 3 * 3, f"{switches} switches between models: the rounds do not interleave"
+    assert set(spread) == set(host) == {"AdamW", "Adam8bit", "Adam8bit(compile=True)"}
+    assert all(lo <= host[name][0] <= hi for name, (lo, hi) in spread.items()), (host, spread)
+    monkeypatch.setattr(bench, "per_layer_host_time", lambda device, size, method, rounds, spread: spread.update(
+        AdamW=(0.5, 1.5)) or {"AdamW": (1.0, 7)})
+    bench.report_host(dict(host=bench.bench_host(torch.device("cpu"), ["tiny"], rounds=3)))
+    out = capsys.readouterr().out
+    assert "the median of 3 rounds [lowest-highest]" in out and "AdamW 1.0 ms [0.5-1.5], 7 ops" in out, out
