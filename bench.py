@@ -516,12 +516,17 @@ def ratio_text(v):
     return f"x{v['ratio']:.3f} [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
 
 
+def rounds_text(variants):
+    """How many rounds a table's figures are of (its variants all ran in each)."""
+    return f"{max((len(v['rounds_ms']) for v in variants.values()), default=0)} rounds"
+
+
 def report_inference(r):
     for I in r.get("inference", []):
         v = I["variants"]
         peak = lambda m: "" if v[m]["peak_gb"] is None else f", peak {v[m]['peak_gb']:.2f} GB"  # noqa: E731
         print(f"inference {I['size']}, batch {I['batch_size']} x {I['max_length']}, {I['dtype']}, forward only, "
-              "throughput vs full")
+              f"throughput vs full, {rounds_text(v)}")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}, weights "
                                 f"{v[m]['weights_gb']:.3f} GB{peak(m)}" for m in v))
 
@@ -572,7 +577,7 @@ def report_generate(r):
     for G in r.get("generate", []):
         v = G["variants"]
         print(f"generate {G['size']} sltrain, {G['samples']} samples, prompt {G['prompt']} + {G['new_tokens']} new "
-              f"tokens, greedy, {G['dtype']}, tokens/s vs the model as trained without cache")
+              f"tokens, greedy, {G['dtype']}, tokens/s vs the model as trained without cache, {rounds_text(v)}")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.1f} tok/s {ratio_text(v[m])}" for m in v))
 
 
@@ -580,18 +585,17 @@ def report(r):
     if "layer" in r:
         L, v = r["layer"], r["layer"]["variants"]
         print(f"layer {L['shape']} r={L['rank']} delta={L['delta']}, {L['tokens']} tokens, {L['dtype']}, fwd+bwd "
-              f"(floor x{L['floor']:.3f})")
+              f"(floor x{L['floor']:.3f}), {rounds_text(v)}")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
     for M in r.get("model", []):
         v = M["variants"]
         print(f"model {M['size']}, batch {M['batch_size']} x {M['max_length']}, {M['dtype']}, optim.AdamW "
-              "(galore: galore.GaLore), "
-              "throughput vs full")
+              f"(galore: galore.GaLore), throughput vs full, {rounds_text(v)}")
         print("  " + " | ".join(f"{m} {v[m]['tok_s']:,.0f} tok/s {ratio_text(v[m])}, {v[m]['ops']} ops" for m in v))
     for O in r.get("optimizer", []):
         v = O["variants"]
         print(f"optimizer step, {O['size']} sltrain tensors ({O['params_m']:.2f}M, {O['dtype']}), vs torch.optim.AdamW "
-              "(for-loop on CPU, foreach on CUDA)")
+              f"(for-loop on CPU, foreach on CUDA), {rounds_text(v)}")
         print("  " + " | ".join(f"{k} {v[k]['ms']:.1f} ms {ratio_text(v[k])}" for k in v))
     report_inference(r)
     report_generate(r)

@@ -348,3 +348,22 @@ def test_the_host_section_interleaves_its_variants_and_reports_their_spread(monk
     bench.report_host(dict(host=bench.bench_host(torch.device("cpu"), ["tiny"], rounds=3)))
     out = capsys.readouterr().out
     assert "the median of 3 rounds [lowest-highest]" in out and "AdamW 1.0 ms [0.5-1.5], 7 ops" in out, out
+
+
+def test_every_timed_table_says_how_many_rounds_its_ratios_are_of(capsys):
+    """The rule of every figure here: ratios side by side, with the number of rounds and their spread. The layer,
+    model, optimizer, inference and generate tables printed the spread but not the rounds (7 by default, 3 for
+    generate, or --rounds), which only the JSON's rounds_ms held."""
+    def variants(*names):
+        return {name: dict(ms=2.0, ratio=1.0, range=(0.9, 1.1), rounds_ms=[2.0] * 5, tok_s=1.0, ops=9, weights_gb=0.1,
+                           peak_gb=None) for name in names}
+    r = dict(layer=dict(shape="8x8", rank=2, delta=0.1, tokens=16, dtype="float32", floor=1.1,
+                        variants=variants("dense", "sltrain")),
+             model=[dict(size="tiny", batch_size=1, max_length=8, dtype="float32", variants=variants("full"))],
+             optimizer=[dict(size="tiny", params_m=1.0, dtype="float32", variants=variants("optim.AdamW"))],
+             inference=[dict(size="tiny", batch_size=1, max_length=8, dtype="float32", variants=variants("full"))],
+             generate=[dict(size="tiny", samples=1, prompt=16, new_tokens=8, dtype="float32",
+                            variants=variants("trained"))])
+    bench.report(r)
+    headings = [line for line in capsys.readouterr().out.splitlines() if line.split(" ")[0] in r]
+    assert len(headings) == 5 and all("5 rounds" in line for line in headings), "\n".join(headings)
