@@ -718,10 +718,11 @@ def check_out(error, out):
 
 
 def start(device):
-    """The result's header (command, date, machine), printed in one line."""
+    """The result's header (command, date, machine: the GPU's name on one), printed in one line."""
     result = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=str(device), machine=machine(device))
-    print(f"{result['command']} | {result['date']} | {device} | {torch.get_num_threads()} threads | "
+    gpu = f" ({result['machine']['gpu']})" if "gpu" in result["machine"] else ""
+    print(f"{result['command']} | {result['date']} | {device}{gpu} | {torch.get_num_threads()} threads | "
           f"torch {torch.__version__}")
     return result
 

@@ -367,3 +367,14 @@ def test_every_timed_table_says_how_many_rounds_its_ratios_are_of(capsys):
     bench.report(r)
     headings = [line for line in capsys.readouterr().out.splitlines() if line.split(" ")[0] in r]
     assert len(headings) == 5 and all("5 rounds" in line for line in headings), "\n".join(headings)
+
+
+def test_the_header_names_the_gpu_it_timed_on(monkeypatch, capsys):
+    """The printed header is what a log keeps of the machine: on CUDA it said `cuda` only, so that an H100's figures
+    and an H200's read alike; it names the GPU now, as the JSON's machine does."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    result = bench.start(torch.device("cuda"))
+    header = capsys.readouterr().out
+    assert result["machine"]["gpu"] in header and f"torch {torch.__version__}" in header, header
+    bench.start(torch.device("cpu"))
+    assert "H100" not in capsys.readouterr().out
