@@ -899,8 +899,8 @@ def main():
             est = estimate_for(args, args.size, method, index_dtype)
             results[method] = (est, counted)
         if args.json:
-            print(json.dumps([dict(est, measured=counted, device=str(device)) for est, counted in results.values()],
-                             indent=1))
+            print(json.dumps([dict(est, measured=counted, device=str(device), steps=args.steps)
+                              for est, counted in results.values()], indent=1))
         else:
             print_measured(results, device, args)
         return

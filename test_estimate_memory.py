@@ -291,6 +291,14 @@ def test_measure_builds_packed_supports_when_asked(monkeypatch, capsys):
     assert packed["measured"]["param"] < flat["measured"]["param"]
 
 
+def test_measure_json_says_how_it_measured_as_its_table_does(monkeypatch, capsys):
+    """--measure --json: each row holds what the table's heading says of the run, the steps too (the peak of per-layer
+    updates depends on them: one step never holds the whole optimizer state), which it left out."""
+    (row,) = json.loads(run_main(monkeypatch, capsys, "--json", "--measure", "--size", "tiny", "--method", "full",
+                                 "--batch_size", "1", "--max_length", "16", "--steps", "2", "--device", "cpu"))
+    assert (row["steps"], row["device"], row["batch_size"], row["max_length"]) == (2, "cpu", 1, 16), row
+
+
 def test_json_output(monkeypatch, capsys):
     rows = json.loads(run_main(monkeypatch, capsys, "--json", "--size", "350m"))
     assert [r["method"] for r in rows] == list(em.ALL_METHODS)
