@@ -31,9 +31,10 @@ Sections (--only picks some):
     host       the host time per update of per-layer updates (AdamW, Adam8bit, compiled) for models with the layers
                and trained tensors of each --size (default 60m 350m 7b) at toy width, and the aten operations
 
-A section that raises is recorded under "errors", --out keeps what is done (rewritten after each section), the next
-one runs, and the command exits non-zero if any failed. One that cannot fit in memory (its models' weights and
-optimizer states, by estimate_memory.py) is refused before any section runs.
+A section that raises is recorded under "errors" (in a section of sizes, the size that raised: "model 1b"), --out
+keeps what is done (rewritten after each section and size), the next one runs, and the command exits non-zero if any
+failed. One that cannot fit in memory (its models' weights and optimizer states, by estimate_memory.py) is refused
+before any section runs.
 
 How we time: every variant runs in its own timed block (CUDA events on a GPU) after warm-up, a call shorter than
 10 ms repeated back to back within it (time per call = the block's ÷ the calls), and the rounds interleave the
@@ -776,25 +777,30 @@ def main():
                               args.max_length)
     check_out(parser.error, args.out)  # last: the folder it makes would stay behind a command refused after it
     result = start(device)
+    # the sections that time each --size: a size that fails costs only itself, and each is kept as it ends
+    sized = {
+        "model": lambda s: bench_model(s, batch_size, args.max_length, device, dtype, args.rounds),
+        "optimizer": lambda s: bench_optimizer(s, device, dtype, args.rounds),
+        "inference": lambda s: bench_inference(s, inference_batch(s), args.max_length, device, dtype, args.rounds),
+        "generate": lambda s: bench_generate(s, samples, GENERATE_NEW_TOKENS, device, dtype, rounds_given or 3)}
     run = {
         "layer": lambda: bench_layer(device, 65536 if cuda else 4096, dtype, args.rounds),
-        "model": lambda: [bench_model(s, batch_size, args.max_length, device, dtype, args.rounds) for s in sizes],
-        "optimizer": lambda: [bench_optimizer(s, device, dtype, args.rounds) for s in sizes],
-        "inference": lambda: [bench_inference(s, inference_batch(s), args.max_length, device, dtype, args.rounds)
-                              for s in sizes],
-        "generate": lambda: [bench_generate(s, samples, GENERATE_NEW_TOKENS, device, dtype, rounds_given or 3)
-                             for s in sizes],
+        **sized,
         "step": lambda: bench_step(rounds=rounds_given or 3),
         "heavy": lambda: bench_heavy(),
         "host": lambda: bench_host(device, args.size or ("60m", "350m", "7b"), rounds_given or 5)}
     for section in [k for k in run if k in sections]:
-        try:  # a failed section is recorded, the others still run, and --out holds what is done
-            result[section] = run[section]()
-        except Exception as e:
-            record_error(result, section, e)
-        gc.collect()
-        if args.out:
-            write_json(args.out, result)
+        for size in sizes if section in sized else [None]:
+            try:  # a failed section (or size) is recorded, the others still run, and --out holds what is done
+                if size is None:
+                    result[section] = run[section]()
+                else:
+                    result.setdefault(section, []).append(run[section](size))
+            except Exception as e:
+                record_error(result, section if size is None else f"{section} {size}", e)
+            gc.collect()
+            if args.out:
+                write_json(args.out, result)
     report(result)
     finish(result, args.out, args.json)
 

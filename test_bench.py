@@ -186,7 +186,7 @@ def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys,
     with pytest.raises(SystemExit, match="failed: inference"):
         bench.main()
     r = json.loads(out.read_text())
-    assert "step" in r and r["errors"]["inference"]["error"] == "RuntimeError: out of memory", r.get("errors")
+    assert "step" in r and r["errors"]["inference tiny"]["error"] == "RuntimeError: out of memory", r.get("errors")
     assert sizes == ["tiny", "60m"] and [O["size"] for O in r["optimizer"]] == ["tiny", "60m"]
     assert "one optimizer step on a 64x64 tensor" in capsys.readouterr().out
 
@@ -378,3 +378,21 @@ def test_the_header_names_the_gpu_it_timed_on(monkeypatch, capsys):
     assert result["machine"]["gpu"] in header and f"torch {torch.__version__}" in header, header
     bench.start(torch.device("cpu"))
     assert "H100" not in capsys.readouterr().out
+
+
+def test_a_size_that_fails_costs_its_section_only_that_size(monkeypatch, capsys, tmp_path):
+    """--size 350m 1b (CUDA's default) with 1b out of memory: the section's 350m figures, minutes of timing, were
+    dropped with it. Each size is recorded as it ends, on --out too, and the failure is the size's."""
+    def inference(size, *args):
+        if size == "60m":
+            raise RuntimeError("out of memory")
+        return dict(size=size, batch_size=1, max_length=8, dtype="float32", variants={})
+    monkeypatch.setattr(bench, "bench_inference", inference)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "inference", "--size", "tiny", "60m", "--rounds", "1",
+                                     "--device", "cpu", "--out", str(out)])
+    with pytest.raises(SystemExit, match="failed: inference 60m"):
+        bench.main()
+    r = json.loads(out.read_text())
+    assert [I["size"] for I in r["inference"]] == ["tiny"] and list(r["errors"]) == ["inference 60m"], r
+    assert "inference tiny, batch 1 x 8" in capsys.readouterr().out
