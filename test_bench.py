@@ -172,6 +172,15 @@ def test_the_generate_sections_memory_guard_counts_what_it_holds(monkeypatch, ca
         "--batch_size, or drop the section (--only)" in err, err
 
 
+def failing_run(monkeypatch, tmp_path, argv, failed):
+    """bench.py's command line with argv, which must exit naming what failed: what --out then holds."""
+    out = tmp_path / "r.json"
+    monkeypatch.setattr("sys.argv", ["bench.py", *argv, "--out", str(out)])
+    with pytest.raises(SystemExit, match=f"failed: {failed}"):
+        bench.main()
+    return json.loads(out.read_text())
+
+
 def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys, tmp_path):
     """A section that raises (an OOM) is recorded, the others run, and --out holds what was done; every --size is run
     by the sections that take sizes (the optimizer's too)."""
@@ -180,12 +189,8 @@ def test_single_sections_record_a_failure_and_keep_the_rest(monkeypatch, capsys,
     monkeypatch.setattr(bench, "bench_optimizer", lambda size, *a: sizes.append(size) or dict(
         size=size, params_m=1.0, dtype="float32", variants={}))
     monkeypatch.setattr(bench, "bench_inference", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
-    out = tmp_path / "r.json"
-    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "step", "optimizer", "inference", "--size", "tiny", "60m",
-                                     "--rounds", "1", "--out", str(out)])
-    with pytest.raises(SystemExit, match="failed: inference"):
-        bench.main()
-    r = json.loads(out.read_text())
+    r = failing_run(monkeypatch, tmp_path, ["--only", "step", "optimizer", "inference", "--size", "tiny", "60m",
+                                            "--rounds", "1"], "inference")
     assert "step" in r and r["errors"]["inference tiny"]["error"] == "RuntimeError: out of memory", r.get("errors")
     assert sizes == ["tiny", "60m"] and [O["size"] for O in r["optimizer"]] == ["tiny", "60m"]
     assert "one optimizer step on a 64x64 tensor" in capsys.readouterr().out
@@ -388,11 +393,7 @@ def test_a_size_that_fails_costs_its_section_only_that_size(monkeypatch, capsys,
             raise RuntimeError("out of memory")
         return dict(size=size, batch_size=1, max_length=8, dtype="float32", variants={})
     monkeypatch.setattr(bench, "bench_inference", inference)
-    out = tmp_path / "r.json"
-    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "inference", "--size", "tiny", "60m", "--rounds", "1",
-                                     "--device", "cpu", "--out", str(out)])
-    with pytest.raises(SystemExit, match="failed: inference 60m"):
-        bench.main()
-    r = json.loads(out.read_text())
+    r = failing_run(monkeypatch, tmp_path, ["--only", "inference", "--size", "tiny", "60m", "--rounds", "1", "--device",
+                                            "cpu"], "inference 60m")
     assert [I["size"] for I in r["inference"]] == ["tiny"] and list(r["errors"]) == ["inference 60m"], r
     assert "inference tiny, batch 1 x 8" in capsys.readouterr().out
