@@ -1161,7 +1161,8 @@ def test_cached_forward_gives_the_logits_of_the_whole_sequence(method, dtype):
     assert cache.pos == 20 and cache.k.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 0.02  # bf16: the pieces' products round differently (0.004 seen)
     assert max_diff(torch.cat(pieces, dim=1), whole) < tol
-    with pytest.raises(ValueError, match="^the cache holds 20 positions; 21 were asked for: make a KVCache of 21 or more, or crop"):
+    with pytest.raises(ValueError, match="^the cache holds 20 positions; 21 were asked for: make a KVCache of 21 or "
+                                         "more, or crop"):
         model(idx[:, :1], cache=cache)
     model.train().activation_checkpointing = True  # a training model given a cache uses it too
     cache = KVCache(model.config.n_layers, 20)
