@@ -82,8 +82,23 @@ def value_dependent(func, kwargs):
     return func in VALUE_DEPENDENT
 
 
-def masked(func, args):
-    return func in INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
+def masked(func, args, kwargs, number=None):
+    """Whether an indexing op reads a boolean mask's count of True (number: a value torch made from a Python one)."""
+    if func not in INDEXING or not any(i is not None and i.dtype == torch.bool for i in args[1]):
+        return False
+    return not fills(func, args, kwargs, number)
+
+
+def fills(func, args, kwargs, number):
+    """Whether torch makes the op a masked_fill_, which reads no count: t[mask] = 0.0, one mask on t's device and
+    one value on the host (where, from a Python number, a GPU's t puts it), nothing accumulated (ATen's
+    index_put_). On a CPU standing in for a GPU, every value is on the host: there only one from a number."""
+    if func is aten.index.Tensor or (args[3] if len(args) > 3 else kwargs.get("accumulate", False)):
+        return False
+    self, value, masks = args[0], args[2], [i for i in args[1] if i is not None]
+    on_host = _is_host(value.device) and (not _is_host(self.device) or value is number)
+    return len(masks) == 1 and masks[0].dtype == torch.bool and masks[0].device == self.device and \
+        value.numel() == 1 and on_host
 
 
 def host_copy(func, args):
@@ -116,19 +131,21 @@ class HostSyncs(TorchDispatchMode):
     def __init__(self, device=None):
         super().__init__()
         self.on_host_is_free = device is not None and torch.device(device).type != "cpu"
-        self.counts, self.blocks = Counter(), 0
+        self.counts, self.blocks, self.number = Counter(), 0, None
         self.shown = set()  # other warnings raised while watching: said once per place, as by default
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reads = value_dependent(func, kwargs) or masked(func, args)  # a value, or a mask's count of True
+        reads = value_dependent(func, kwargs) or masked(func, args, kwargs, self.number)  # a value, or a count
         if reads and self.on_host_is_free and all(_is_host(a.device) for a in args if isinstance(a, torch.Tensor)):
             pass  # a value the host holds already (a mask of host tensors too: its count of True is on the host)
         elif reads or to_host(func, args, kwargs):
             self.counts[func.name()] += 1
         elif from_pageable(func, args, kwargs):
             self.counts[func.name() + " from pageable memory"] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.number = out if func is aten.lift_fresh.default else self.number  # torch.tensor(x) or t[mask] = x's x
+        return out
 
     @contextmanager
     def watch(self, ops=True):

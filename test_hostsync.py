@@ -199,3 +199,22 @@ def test_a_cpu_run_standing_in_counts_the_copies_to_the_host_that_dispatch_no_op
         t.tolist()
         t.cpu()
     assert syncs.summary() == "none"
+
+
+def test_a_boolean_mask_filled_with_a_number_is_not_a_sync():
+    """t[mask] = 0.0 is a masked_fill_ to torch (one mask on t's device, one value on the host, nothing accumulated):
+    no count of True, no sync on a GPU, where it was counted. A value that is a tensor of the loop's, or an update
+    that accumulates, still reads the mask's count of True. meta stands in for the device with its device given."""
+    t = torch.arange(4.0)
+    syncs = HostSyncs()
+    with syncs.watch():
+        t[t > 1] = 0.0
+        t[t > 0] = torch.ones(())  # a tensor of the loop's, made on its device
+        t.index_put_((t > 0,), torch.tensor(2.0), accumulate=True)
+    assert syncs.counts == {"aten::index_put_": 2}, syncs.counts
+    device = torch.ones(4, device="meta")
+    syncs = HostSyncs(device="meta")
+    with syncs.watch():
+        device.index_put_((device > 0,), torch.tensor(0.0))  # as t[mask] = 0.0 makes it on a GPU
+        device.index_put_((device > 0,), torch.ones((), device="meta"))
+    assert syncs.counts == {"aten::index_put_": 1}, syncs.counts
