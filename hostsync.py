@@ -44,8 +44,10 @@ VALUE_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.
 # that "does not yet detect all synchronizing operations", which is passed on like any other warning
 CUDA_SYNC = "called a synchronizing CUDA operation"
 
-# indexing ops, which need the host when an index is a boolean mask (the output size is its count of True)
+# indexing ops, which need the host when an index is a boolean mask (the output size is its count of True); torch
+# still takes a uint8 index as one too (deprecated)
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+MASKS = (torch.bool, torch.uint8)
 
 
 def _is_host(device):
@@ -84,7 +86,7 @@ def value_dependent(func, kwargs):
 
 def masked(func, args, kwargs, number=None):
     """Whether an indexing op reads a boolean mask's count of True (number: a value torch made from a Python one)."""
-    if func not in INDEXING or not any(i is not None and i.dtype == torch.bool for i in args[1]):
+    if func not in INDEXING or not any(i is not None and i.dtype in MASKS for i in args[1]):
         return False
     return not fills(func, args, kwargs, number)
 
@@ -97,7 +99,7 @@ def fills(func, args, kwargs, number):
         return False
     self, value, masks = args[0], args[2], [i for i in args[1] if i is not None]
     on_host = _is_host(value.device) and (not _is_host(self.device) or value is number)
-    return len(masks) == 1 and masks[0].dtype == torch.bool and masks[0].device == self.device and \
+    return len(masks) == 1 and masks[0].dtype in MASKS and masks[0].device == self.device and \
         value.numel() == 1 and on_host
 
 

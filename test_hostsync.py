@@ -218,3 +218,16 @@ def test_a_boolean_mask_filled_with_a_number_is_not_a_sync():
         device.index_put_((device > 0,), torch.tensor(0.0))  # as t[mask] = 0.0 makes it on a GPU
         device.index_put_((device > 0,), torch.ones((), device="meta"))
     assert syncs.counts == {"aten::index_put_": 1}, syncs.counts
+
+
+def test_a_uint8_mask_is_counted_as_a_boolean_one():
+    """torch still takes a uint8 tensor as an indexing mask (deprecated, with a warning): its count of True is read
+    as a bool mask's is, and on a GPU waited for. It was not counted."""
+    t, mask = torch.arange(4.0), torch.tensor([0, 1, 1, 0], dtype=torch.uint8)
+    syncs = HostSyncs()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="indexing with dtype torch.uint8 is now deprecated")
+        with syncs.watch():
+            t[mask]
+            t.index_put_((mask,), torch.ones(2))
+    assert syncs.counts == {"aten::index.Tensor": 1, "aten::index_put_": 1}, syncs.counts
