@@ -15,10 +15,10 @@ those ops, by name, while a block runs:
     print(syncs.summary())      # "none" or "aten::_local_scalar_dense x3, ..."
 
 It sees every op dispatched from Python, backward and optimizer hooks included, on any device (so the CPU tests can
-check a loop that is meant for the GPU), and there a host tensor's .tolist() and .cpu(), which copy a GPU tensor to
-the host but dispatch no op on a CPU. On CUDA it also turns on torch's own sync-debug mode, which warns from
-inside the CUDA calls, and counts those warnings. A torch.compile'd model hides its ops from the first check, not
-from the second; so does printing or formatting a tensor (torch formats with dispatch modes off). Given the
+check a loop that is meant for the GPU), and there a host tensor's .tolist(), .cpu() and printing, which copy a GPU
+tensor to the host but dispatch no op on a CPU. On CUDA it also turns on torch's own sync-debug mode, which warns
+from inside the CUDA calls, and counts those warnings. A torch.compile'd model hides its ops from the first check,
+not from the second; so does printing or formatting a GPU tensor (torch formats with dispatch modes off). Given the
 loop's device (HostSyncs(device)), value reads of tensors already on the host (torch.optim's step counters) are
 left out off the CPU: nothing waits for the GPU there.
 """
@@ -105,9 +105,14 @@ def fills(func, args, kwargs, number):
 
 def host_copy(func, args):
     """Whether a method call on a host tensor would, on a GPU tensor, copy it to the host and wait: .tolist() and
-    .cpu(), which on a CPU dispatch no op (the tensor is there already), so the op check cannot see them. Not .to(),
-    whose device a loop takes from its tensors (the CPU, on a CPU), nor .numpy(), which takes host tensors alone."""
-    return func in (torch.Tensor.tolist, torch.Tensor.cpu) and _is_host(args[0].device)
+    .cpu(), which on a CPU dispatch no op (the tensor is there already), and printing or formatting it, which torch
+    does with dispatch modes off, so the op check cannot see them (a 0-dim tensor's format is its .item(), seen).
+    Not .to(), whose device a loop takes from its tensors (the CPU, on a CPU), nor .numpy(), which takes host
+    tensors alone."""
+    if func is torch.Tensor.__format__ and args[0].dim() == 0:
+        return False
+    return func in (torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__repr__, torch.Tensor.__format__) and \
+        _is_host(args[0].device)
 
 
 class HostCopies(TorchFunctionMode):

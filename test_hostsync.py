@@ -231,3 +231,21 @@ def test_a_uint8_mask_is_counted_as_a_boolean_one():
             t[mask]
             t.index_put_((mask,), torch.ones(2))
     assert syncs.counts == {"aten::index.Tensor": 1, "aten::index_put_": 1}, syncs.counts
+
+
+def test_a_cpu_run_standing_in_counts_printing_a_tensor():
+    """Printing or formatting a GPU tensor copies it to the host and waits; torch formats with dispatch modes off,
+    so a CPU run standing in for a GPU one missed it. A 0-dim tensor's format is its .item(), counted as that."""
+    t = torch.arange(4.0)
+    syncs = HostSyncs()
+    with syncs.watch():
+        str(t)
+        repr(t)
+        f"{t}"
+        f"{t.sum():.2f}"
+    assert syncs.counts == {"Tensor.__repr__": 2, "Tensor.__format__": 1, "aten::_local_scalar_dense": 1}, \
+        syncs.counts
+    syncs = HostSyncs(device="meta")
+    with syncs.watch():
+        str(t)
+    assert syncs.summary() == "none"
