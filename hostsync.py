@@ -4,10 +4,10 @@ Find where a training loop makes the host wait for the device (train.py --sync_d
 A GPU runs ahead of Python only while nothing asks for a value it has not computed yet. Reading a tensor's value
 (.item(), float(t), `if t:`), copying it to the host (but with non_blocking=True into pinned memory, which is
 queued), or an op whose output size depends on values (nonzero, boolean-mask indexing, unique) stalls the queue until
-every kernel before it has finished. So may a copy to the
-device from pageable (not pinned) host memory: CUDA may wait for the stream before it stages such a copy (the CUDA
-documentation, "API synchronization behavior"), and torch's own sync check does not see that. HostSyncs counts
-those ops, by name, while a block runs:
+every kernel before it has finished. So does a copy to the device without non_blocking=True (torch waits for
+it), and so may one from pageable (not pinned) host memory: CUDA may wait for the stream before it stages such a
+copy (the CUDA documentation, "API synchronization behavior"), and torch's own sync check does not see that.
+HostSyncs counts those ops, by name, while a block runs:
 
     syncs = HostSyncs()
     with syncs.watch():
@@ -74,6 +74,19 @@ def from_pageable(func, args, kwargs):
         return device is not None and not _is_host(device) and _is_host(args[0].device) and not args[0].is_pinned()
     if func is aten.copy_.default:
         return not _is_host(args[0].device) and _is_host(args[1].device) and not args[1].is_pinned()
+    return False
+
+
+def to_device_blocking(func, args, kwargs):
+    """Whether the op copies host memory to a device without non_blocking=True: torch then waits for the stream
+    to drain and the copy to land, from pinned memory too."""
+    if func is aten._to_copy.default:
+        device = kwargs.get("device")
+        to_device = device is not None and not _is_host(device) and _is_host(args[0].device)
+        return to_device and not kwargs.get("non_blocking", False)
+    if func is aten.copy_.default:
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return not _is_host(args[0].device) and _is_host(args[1].device) and blocking
     return False
 
 
@@ -150,6 +163,8 @@ class HostSyncs(TorchDispatchMode):
             self.counts[func.name()] += 1
         elif from_pageable(func, args, kwargs):
             self.counts[func.name() + " from pageable memory"] += 1
+        elif to_device_blocking(func, args, kwargs):
+            self.counts[func.name() + " to the device, blocking"] += 1
         out = func(*args, **kwargs)
         self.number = out if func is aten.lift_fresh.default else self.number  # torch.tensor(x) or t[mask] = x's x
         return out

@@ -249,3 +249,19 @@ def test_a_cpu_run_standing_in_counts_printing_a_tensor():
     with syncs.watch():
         str(t)
     assert syncs.summary() == "none"
+
+
+def test_a_blocking_copy_from_pinned_memory_to_a_device_is_counted(monkeypatch):
+    """Without non_blocking=True, torch waits for the stream after queueing a copy to the device, whatever the host
+    memory (a cudaStreamSynchronize): pinned memory alone queues nothing. It was not counted; non-blocking it is
+    not a sync. meta stands in for the device."""
+    mark_pinning(monkeypatch)
+    pinned, device = torch.ones(4).pin_memory(), torch.device("meta")
+    syncs = HostSyncs()
+    with syncs.watch():
+        pinned.to(device)
+        torch.empty(4, device=device).copy_(pinned)
+        pinned.to(device, non_blocking=True)
+        torch.empty(4, device=device).copy_(pinned, non_blocking=True)
+    assert syncs.counts == {"aten::_to_copy to the device, blocking": 1, "aten::copy_ to the device, blocking": 1}, \
+        syncs.counts
