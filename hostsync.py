@@ -90,10 +90,15 @@ def to_device_blocking(func, args, kwargs):
     return False
 
 
-def value_dependent(func, kwargs):
-    """Whether the op's result needs a value: repeat_interleave's size is the sum of its counts unless given."""
+def value_dependent(func, args, kwargs):
+    """Whether the op's result needs a value: repeat_interleave's size is the sum of its counts unless given;
+    histc's range, where min = max (its default), is the tensor's own min and max."""
     if func is aten.repeat_interleave.Tensor:
         return kwargs.get("output_size") is None
+    if func is aten.histc.default:
+        low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        return low == high and args[0].numel() > 0
     return func in VALUE_DEPENDENT
 
 
@@ -156,7 +161,7 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reads = value_dependent(func, kwargs) or masked(func, args, kwargs, self.number)  # a value, or a count
+        reads = value_dependent(func, args, kwargs) or masked(func, args, kwargs, self.number)  # a value, or a count
         if reads and self.on_host_is_free and all(_is_host(a.device) for a in args if isinstance(a, torch.Tensor)):
             pass  # a value the host holds already (a mask of host tensors too: its count of True is on the host)
         elif reads or to_host(func, args, kwargs):

@@ -265,3 +265,15 @@ def test_a_blocking_copy_from_pinned_memory_to_a_device_is_counted(monkeypatch):
         torch.empty(4, device=device).copy_(pinned, non_blocking=True)
     assert syncs.counts == {"aten::_to_copy to the device, blocking": 1, "aten::copy_ to the device, blocking": 1}, \
         syncs.counts
+
+
+def test_histc_is_counted_when_it_takes_its_range_from_the_values():
+    """torch.histc's default range, min = max (0 and 0), is the tensor's own min and max, which a GPU reads on the
+    host first; it was not counted. With a range given, nothing is read."""
+    t = torch.randn(16)
+    syncs = HostSyncs()
+    with syncs.watch():
+        torch.histc(t, bins=4)
+        torch.histc(t, 4, 1.0, 1.0)
+        torch.histc(t, bins=4, min=-1.0, max=1.0)
+    assert syncs.counts == {"aten::histc": 2}, syncs.counts
