@@ -8,6 +8,7 @@ its options and its measurement run.
 import contextlib
 import functools
 import gc
+import io
 import json
 import os
 import re
@@ -847,3 +848,72 @@ def test_the_readme_quotes_no_passage_commented_out_of_the_paper_as_the_papers()
     for claim in ("the appendix's δ = 0.03", "the reset frequency the SLTrain authors followed",
                   "as\n  in both papers' comparisons"):
         assert claim not in readme, f"the README gives a commented-out passage as the paper's: {claim!r}"
+
+
+SL7B = ("--size", "7b", "--method", "sltrain")
+SL7B_8BIT = (*SL7B, "--optimizer", "adam8bit", "--per_layer")
+# the README's memory figures, each passage with a group per figure, and the estimate_memory.py flags and printed row
+# of each group in turn: (flags, row), or (flags, "index"), the supports' bytes (its param less the values')
+README_FIGURES = {
+    "amp": (r"`estimate_memory\.py --amp` counts it \(7b SLTrain, 8-bit per-layer, batch 1: ([\d.]+) G against "
+            r"([\d.]+) G\)", [((*SL7B_8BIT, "--batch_size", "1", "--amp"), "train"),
+                              ((*SL7B_8BIT, "--batch_size", "1"), "train")]),
+    "amp activations": (r"which keeps the 7b run's activations at ([\d.]+) G",
+                        [((*SL7B_8BIT, "--batch_size", "1", "--amp"), "activations")]),
+    "activation checkpointing": (
+        r"batch 8: ([\d.]+) G saved and [\d.]+ G for the recomputed block, where ([\d.]+) G are saved without; "
+        r"`train` ([\d.]+) G against ([\d.]+) G\)",
+        [((*SL7B_8BIT, "--batch_size", "8", "--activation_checkpointing"), "activations"),
+         ((*SL7B_8BIT, "--batch_size", "8"), "activations"),
+         ((*SL7B_8BIT, "--batch_size", "8", "--activation_checkpointing"), "train"),
+         ((*SL7B_8BIT, "--batch_size", "8"), "train")]),
+    "dtype": (r"batch 1: `train` ([\d.]+) G in pure bf16, ([\d.]+) G under `--amp`\)",
+              [((*SL7B_8BIT, "--batch_size", "1"), "train"), ((*SL7B_8BIT, "--batch_size", "1", "--amp"), "train")]),
+    "freeze": (r"7b SLTrain, AdamW, batch 1: `train` ([\d.]+) G against ([\d.]+) G\)",
+               [((*SL7B, "--batch_size", "1", "--freeze", "lowrank"), "train"),
+                ((*SL7B, "--batch_size", "1"), "train")]),
+    "accumulation": (r"batch 1, `train` ([\d.]+) G, and ([\d.]+) G accumulating 4 micro-batches",
+                     [((*SL7B_8BIT, "--batch_size", "1"), "train"),
+                      ((*SL7B_8BIT, "--batch_size", "1", "--gradient_accumulation", "4"), "train")]),
+    "packed": (r"packed supports take ([\d.]+) G at δ = 0\.03 \(.*?\) and ([\d.]+) G at 0\.05, where int32 takes "
+               r"([\d.]+) G and ([\d.]+) G: `train` ([\d.]+) G against ([\d.]+) G at δ = 0\.03, a [\d.]+% reduction "
+               r"against full AdamW's ([\d.]+) G .*?, and ([\d.]+) G against ([\d.]+) G at 0\.05",
+               [((*SL7B_8BIT, "--batch_size", "1", "--delta", "0.03", "--index_dtype", "packed"), "index"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--index_dtype", "packed"), "index"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--delta", "0.03", "--index_dtype", "int32"), "index"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--index_dtype", "int32"), "index"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--delta", "0.03", "--index_dtype", "packed"), "train"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--delta", "0.03", "--index_dtype", "int32"), "train"),
+                (("--size", "7b", "--method", "full", "--batch_size", "1"), "train"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--index_dtype", "packed"), "train"),
+                ((*SL7B_8BIT, "--batch_size", "1", "--index_dtype", "int32"), "train")]),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def printed_by(flags):
+    """What `python estimate_memory.py FLAGS` prints, by row name ("train", "activations", ...), and its --json row."""
+    out = {}
+    for extra in ((), ("--json",)):
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as text:
+            mp.setattr(sys, "argv", ["estimate_memory.py", *flags, *extra])
+            em.main()
+        out[extra] = text.getvalue()
+    rows = dict(re.findall(r"^  (\w+) +([\d.]+)G ", out[()], re.M))
+    (row,) = json.loads(out[("--json",)])
+    return {name: float(value) for name, value in rows.items()}, row
+
+
+@pytest.mark.parametrize("passage", README_FIGURES)
+def test_the_readmes_memory_figures_are_what_their_commands_print(passage):
+    """Every G figure of the README's memory passages is the row estimate_memory.py prints for the flags it names
+    (the printed train adds the printed parts, as the paper's total does); an estimate that moves moves them."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    pattern, sources = README_FIGURES[passage]
+    found = re.search(pattern, readme)
+    assert found, f"{passage}: the README no longer words its figures as this test reads them: {pattern}"
+    for said, (flags, name) in zip(found.groups(), sources):
+        rows, row = printed_by(flags)
+        value = round(row["param_gb"] - row["stored_m"] * 2e-3, 2) if name == "index" else rows[name]
+        assert float(said) == value, f"{passage}: README {said} G, estimate_memory.py {' '.join(flags)} {name} {value}"
