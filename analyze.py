@@ -592,9 +592,10 @@ def set_parts(label, path, points, sets):
     parts = []  # [size, steps, values]
     for step, value in points:
         size = sets.get(step)
-        if not parts or size not in (None, parts[-1][0]) and parts[-1][0] is not None:
+        known = parts[-1][0] if parts else None
+        if not parts or None not in (size, known) and size != known:  # another set than the part's
             parts.append([size, [], []])
-        parts[-1][0] = parts[-1][0] or size
+        parts[-1][0] = parts[-1][0] or size  # rows before that did not say: of this set
         parts[-1][1].append(step)
         parts[-1][2].append(value)
     if len(parts) == 1:

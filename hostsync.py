@@ -67,27 +67,17 @@ def to_host(func, args, kwargs):
     return False
 
 
-def from_pageable(func, args, kwargs):
-    """Whether the op copies pageable host memory to a device (pin it first: tensor.pin_memory())."""
+def to_device(func, args, kwargs):
+    """(the host tensor copied, whether non_blocking) where the op copies host memory to a device, else None. From
+    pageable (not pinned) memory CUDA may wait for the stream before it stages the copy (pin it first:
+    tensor.pin_memory()); without non_blocking=True torch waits for the copy to land, from pinned memory too."""
     if func is aten._to_copy.default:
         device = kwargs.get("device")
-        return device is not None and not _is_host(device) and _is_host(args[0].device) and not args[0].is_pinned()
-    if func is aten.copy_.default:
-        return not _is_host(args[0].device) and _is_host(args[1].device) and not args[1].is_pinned()
-    return False
-
-
-def to_device_blocking(func, args, kwargs):
-    """Whether the op copies host memory to a device without non_blocking=True: torch then waits for the stream
-    to drain and the copy to land, from pinned memory too."""
-    if func is aten._to_copy.default:
-        device = kwargs.get("device")
-        to_device = device is not None and not _is_host(device) and _is_host(args[0].device)
-        return to_device and not kwargs.get("non_blocking", False)
-    if func is aten.copy_.default:
-        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        return not _is_host(args[0].device) and _is_host(args[1].device) and blocking
-    return False
+        if device is not None and not _is_host(device) and _is_host(args[0].device):
+            return args[0], kwargs.get("non_blocking", False)
+    elif func is aten.copy_.default and not _is_host(args[0].device) and _is_host(args[1].device):
+        return args[1], args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return None
 
 
 def value_dependent(func, args, kwargs):
@@ -166,10 +156,12 @@ class HostSyncs(TorchDispatchMode):
             pass  # a value the host holds already (a mask of host tensors too: its count of True is on the host)
         elif reads or to_host(func, args, kwargs):
             self.counts[func.name()] += 1
-        elif from_pageable(func, args, kwargs):
-            self.counts[func.name() + " from pageable memory"] += 1
-        elif to_device_blocking(func, args, kwargs):
-            self.counts[func.name() + " to the device, blocking"] += 1
+        elif copy := to_device(func, args, kwargs):
+            source, non_blocking = copy
+            if not source.is_pinned():
+                self.counts[func.name() + " from pageable memory"] += 1
+            elif not non_blocking:
+                self.counts[func.name() + " to the device, blocking"] += 1
         out = func(*args, **kwargs)
         self.number = out if func is aten.lift_fresh.default else self.number  # torch.tensor(x) or t[mask] = x's x
         return out

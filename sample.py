@@ -105,7 +105,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         # check reads ended); greedy without EOS issues no sync, and reads it once, at the end
         finite = finite & torch.isfinite(last.max(-1).values).all()
         if temperature > 0 or eos_id is not None:
-            refuse_logits(model, finite, logits.dtype)
+            refuse_logits(model, finite)
         next_id = draw(last, temperature, top_k, top_p, generator)  # (B, 1)
         if eos_id is not None:
             # an ended row stays in the batch (its draws unused) and keeps EOS: nothing after its end is shown
@@ -114,18 +114,18 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, context=25
         idx = torch.cat([idx, next_id], dim=1)
         if eos_id is not None and ended.all():
             break
-    refuse_logits(model, finite, logits.dtype if max_new_tokens > 0 else None)
+    refuse_logits(model, finite)
     return idx
 
 
-def refuse_logits(model, finite, dtype):
+def refuse_logits(model, finite):
     """Refuses logits that held NaN or inf (finite, a bool on the device, says they did not): from a weight that
-    holds one (refuse_non_finite names it), else from activations past the dtype's range."""
+    holds one (refuse_non_finite names it), else from activations past the range of the model's dtype."""
     if not finite:
         refuse_non_finite(model, "the model")
-        raise ValueError(f"the model's logits hold NaN or inf though its weights are finite: its {dtype} "
-                         "activations overflow; sample a float32 copy of it (export.py CKPT --merged dense.pt "
-                         "--dtype float32)")
+        raise ValueError(f"the model's logits hold NaN or inf though its weights are finite: its "
+                         f"{next(model.parameters()).dtype} activations overflow; sample a float32 copy of it "
+                         "(export.py CKPT --merged dense.pt --dtype float32)")
 
 
 def refuse_non_finite(model, where):

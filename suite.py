@@ -48,6 +48,7 @@ import gc
 import glob
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -811,9 +812,9 @@ def suite_program(s, data_dir, tokenizer, out_dir, progress=lambda partial: None
 
     def torchrun():
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-        said = train("torchrun", "--num_training_steps", short, launcher=launcher).splitlines()
-        on = next((line.split(" | ")[0] for line in said if " (DDP: " in line.split(" | ")[0]), None)  # the header
-        return dict(ok=on is not None, backend=on and on.split(" (DDP: ")[1].rstrip(")"), tail=said[-1])
+        said = train("torchrun", "--num_training_steps", short, launcher=launcher)
+        on = re.search(r"^\d+ x \w+ \(DDP: (.+?)\) \| ", said, re.M)  # the header names the backend
+        return dict(ok=on is not None, backend=on and on.group(1), tail=said.splitlines()[-1])
 
     def cuda_graph(common, off, on):  # the same short run of two micro-batches an update, without and with
         if device.type != "cuda":  # said in its row, not left out
